@@ -1,0 +1,91 @@
+"""Medusa draft heads: K small residual MLPs on the target's last hidden state.
+
+Head k (1-based) predicts the token k positions after the target's own next token, i.e. from the hidden state at
+position t it guesses token t + 1 + k. Each head is N residual blocks `x + SiLU(Linear(x))`, zero-initialised so an
+untrained head reproduces the target's next-token distribution, followed by a vocabulary projection that is either
+the target's frozen `lm_head` (shared, the default) or the head's own copy of it.
+"""
+
+from dataclasses import asdict, dataclass
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+@dataclass(frozen=True)
+class HeadsConfig:
+    hidden_size: int
+    vocab_size: int
+    num_heads: int = 4
+    num_layers: int = 1  # residual blocks per head
+    shared_lm_head: bool = True  # reuse the target's frozen lm_head instead of one projection per head
+
+    def __post_init__(self):
+        for name in ("hidden_size", "vocab_size", "num_heads", "num_layers"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"HeadsConfig.{name} must be a positive integer, got {value!r}")
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+class ResBlock(nn.Module):
+    """x + SiLU(W x + b), with W and b zero-initialised so the block starts as the identity."""
+
+    def __init__(self, hidden_size: int):
+        super().__init__()
+        self.linear = nn.Linear(hidden_size, hidden_size)
+        nn.init.zeros_(self.linear.weight)
+        nn.init.zeros_(self.linear.bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + F.silu(self.linear(x))
+
+
+class MedusaHeads(nn.Module):
+    """K draft heads. `forward(hidden, lm_head)` returns logits [K, ..., V] for hidden [..., H]."""
+
+    def __init__(self, config: HeadsConfig, lm_head_weight: torch.Tensor | None = None):
+        super().__init__()
+        self.config = config
+        # one ModuleList per head, N separate blocks each: stacked blocks never share weights
+        self.blocks = nn.ModuleList(
+            nn.Sequential(*(ResBlock(config.hidden_size) for _ in range(config.num_layers)))
+            for _ in range(config.num_heads)
+        )
+        if config.shared_lm_head:
+            self.lm_heads = None
+        else:
+            self.lm_heads = nn.ModuleList(
+                nn.Linear(config.hidden_size, config.vocab_size, bias=False) for _ in range(config.num_heads)
+            )
+            if lm_head_weight is not None:
+                self.init_projections_from(lm_head_weight)
+
+    @property
+    def num_heads(self) -> int:
+        return self.config.num_heads
+
+    @torch.no_grad()
+    def init_projections_from(self, lm_head_weight: torch.Tensor) -> None:
+        """Copy the target's lm_head into every head's own projection."""
+        expected = (self.config.vocab_size, self.config.hidden_size)
+        if tuple(lm_head_weight.shape) != expected:
+            raise ValueError(f"lm_head weight has shape {tuple(lm_head_weight.shape)}, heads expect {expected}")
+        for proj in self.lm_heads:
+            proj.weight.copy_(lm_head_weight)
+
+    def features(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [..., H] -> per-head features [K, ..., H] (before the vocabulary projection)."""
+        return torch.stack([block(hidden) for block in self.blocks])
+
+    def forward(self, hidden: torch.Tensor, lm_head: nn.Module | None = None) -> torch.Tensor:
+        """hidden [..., H] -> logits [K, ..., V]. `lm_head` is the target's projection, needed when shared."""
+        feats = self.features(hidden)  # [K, ..., H]
+        if self.lm_heads is None:
+            if lm_head is None:
+                raise ValueError("these heads share the target's lm_head: pass it as `lm_head`")
+            return lm_head(feats)
+        return torch.stack([proj(f) for proj, f in zip(self.lm_heads, feats)])

