@@ -1,0 +1,232 @@
+"""Tree attention backends, registered with transformers' `AttentionInterface` so the target's own layers call them.
+
+Contract with `generate.py`: the target's forward gets `attention_mask=None` for a causal block (prefill, plain
+decoding) or a [1, 1, T, T] boolean tree mask. In both cases the T new tokens are the last T of the live keys the
+cache returns; the S - T keys before them are the committed prefix, visible to every new token. Position ids need not
+be passed around: a tree node's position is the prefix length plus its number of strict ancestors. Sliding-window
+layers (Mistral, Qwen2, Gemma) pass `sliding_window`, and the window is applied to tree tokens by position.
+
+Backends:
+    eager  dense float math, returns the log-sum-exp too; the reference for the others
+    sdpa   torch's scaled_dot_product_attention with a dense boolean mask (CPU and GPU)
+    flash  flash-attn's KV-cache kernel over the prefix (non-causal, with its log-sum-exp), dense math over the few
+           tree tokens, and an exact merge of the two partial softmaxes. flash-attn takes no arbitrary mask, hence the
+           split. Without CUDA the kernel is replaced by `reference_flash_attn_with_kvcache`, a plain-torch
+           implementation of the same contract, so the split-and-merge is tested everywhere.
+"""
+
+import importlib.util
+from contextlib import contextmanager
+
+import torch
+import torch.nn.functional as F
+from transformers import AttentionInterface
+
+BACKENDS = ("eager", "sdpa", "flash")
+
+
+def flash_available() -> bool:
+    return torch.cuda.is_available() and importlib.util.find_spec("flash_attn") is not None
+
+
+def pick_backend(backend: str, device: torch.device) -> str:
+    """'auto' -> flash when usable on `device`, else sdpa. A forced backend is checked."""
+    if backend == "auto":
+        return "flash" if device.type == "cuda" and flash_available() else "sdpa"
+    if backend not in BACKENDS:
+        raise ValueError(f"unknown attention backend {backend!r}; choose from {('auto', *BACKENDS)}")
+    return backend
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Masks
+
+
+def visible_keys(tree_mask: torch.Tensor | None, q_len: int, kv_len: int, sliding_window: int | None) -> torch.Tensor:
+    """Which keys each new token may attend: [T, S] bool. `tree_mask` [T, T] or None for causal."""
+    prefix = kv_len - q_len
+    device = tree_mask.device if tree_mask is not None else None
+    if tree_mask is None:
+        block = torch.ones(q_len, q_len, dtype=torch.bool, device=device).tril()
+    else:
+        block = tree_mask
+    visible = torch.cat([torch.ones(q_len, prefix, dtype=torch.bool, device=block.device), block], dim=1)
+    if sliding_window:
+        q_pos = prefix + block.sum(-1) - 1  # [T]
+        k_pos = torch.cat([torch.arange(prefix, device=block.device), q_pos])  # [S]
+        visible &= (q_pos[:, None] - k_pos[None, :]) < sliding_window
+    return visible
+
+
+def _tree_block(attention_mask: torch.Tensor | None) -> torch.Tensor | None:
+    if attention_mask is None:
+        return None
+    if attention_mask.dim() != 4 or attention_mask.dtype != torch.bool or attention_mask.shape[0] != 1:
+        raise ValueError(
+            f"tree attention expects a [1, 1, T, T] bool mask or None, got {tuple(attention_mask.shape)} "
+            f"{attention_mask.dtype}"
+        )
+    return attention_mask[0, 0]
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Dense math
+
+
+def attention_with_lse(q, k, v, visible, scaling: float, softcap: float | None = None):
+    """Softmax attention returning (out [B, T, H, D], lse [B, H, T] fp32); fully masked rows give 0 and -inf.
+
+    q [B, H, T, D], k/v [B, H_kv, S, D], visible [T, S] bool (or broadcastable to [B, H, T, S]).
+    """
+    groups = q.shape[1] // k.shape[1]
+    k = k.repeat_interleave(groups, dim=1)
+    v = v.repeat_interleave(groups, dim=1)
+    scores = torch.matmul(q.float(), k.float().transpose(-1, -2)) * scaling  # [B, H, T, S]
+    if softcap:
+        scores = torch.tanh(scores / softcap) * softcap
+    scores = scores.masked_fill(~visible, float("-inf"))
+    lse = torch.logsumexp(scores, dim=-1)  # [B, H, T]
+    probs = torch.exp(scores - lse.nan_to_num(neginf=0.0)[..., None])  # -inf rows -> all zeros
+    out = torch.matmul(probs, v.float()).to(q.dtype)  # [B, H, T, D]
+    return out.transpose(1, 2), lse
+
+
+def merge_partial_attention(out_a, lse_a, out_b, lse_b):
+    """Exact softmax over the union of two disjoint key sets, from each set's output [B, T, H, D] and lse [B, H, T]."""
+    lse = torch.logaddexp(lse_a, lse_b)  # [B, H, T]
+    safe = lse.nan_to_num(neginf=0.0)
+    w_a = torch.exp(lse_a - safe).transpose(1, 2)[..., None]  # [B, T, H, 1]
+    w_b = torch.exp(lse_b - safe).transpose(1, 2)[..., None]
+    out = out_a.float() * w_a + out_b.float() * w_b
+    return out.to(out_a.dtype), lse
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# The flash-attn kernel contract
+
+
+def reference_flash_attn_with_kvcache(
+    q,
+    k_cache,
+    v_cache,
+    cache_seqlens=None,
+    softmax_scale=None,
+    causal=False,
+    window_size=(-1, -1),
+    softcap=0.0,
+    return_softmax_lse=False,
+):
+    """Plain torch with the arguments and outputs of `flash_attn.flash_attn_with_kvcache` (no new k/v, no rotary).
+
+    q [B, Sq, H, D]; k_cache/v_cache [B, Sk, H_kv, D]; cache_seqlens int or [B]: keys at or past it are ignored.
+    Queries are aligned to the end of the live keys: query i sits at key position seqlen_k - Sq + i, which is what
+    `causal` and `window_size=(left, right)` are relative to. Returns out [B, Sq, H, D] and, if asked, lse [B, H, Sq].
+    """
+    batch, q_len, _, head_dim = q.shape
+    k_len = k_cache.shape[1]
+    scale = softmax_scale if softmax_scale is not None else head_dim**-0.5
+    if cache_seqlens is None:
+        cache_seqlens = k_len
+    seqlens = torch.as_tensor(cache_seqlens, device=q.device).reshape(-1).expand(batch)  # [B]
+    q_pos = seqlens[:, None] - q_len + torch.arange(q_len, device=q.device)  # [B, Sq]
+    k_idx = torch.arange(k_len, device=q.device)
+    visible = k_idx[None, None, :] < seqlens[:, None, None]  # [B, Sq, Sk]
+    left, right = window_size
+    if causal:
+        right = 0
+    if left >= 0:
+        visible = visible & (k_idx[None, None, :] >= q_pos[..., None] - left)
+    if right >= 0:
+        visible = visible & (k_idx[None, None, :] <= q_pos[..., None] + right)
+    out, lse = attention_with_lse(
+        q.transpose(1, 2), k_cache.transpose(1, 2), v_cache.transpose(1, 2), visible[:, None], scale, softcap
+    )
+    return (out, lse) if return_softmax_lse else out
+
+
+def flash_kernel(device: torch.device):
+    """The real kernel on CUDA with flash-attn installed, else the reference implementation of its contract."""
+    if device.type == "cuda" and flash_available():
+        from flash_attn import flash_attn_with_kvcache
+
+        return flash_attn_with_kvcache
+    return reference_flash_attn_with_kvcache
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Backends, in transformers' attention-function signature: (module, q, k, v, mask, ...) -> (out [B, T, H, D], None)
+
+
+def eager_tree_attention(module, query, key, value, attention_mask, scaling=None, sliding_window=None, softcap=None,
+                         **kwargs):
+    scaling = scaling if scaling is not None else query.shape[-1] ** -0.5
+    visible = visible_keys(_tree_block(attention_mask), query.shape[2], key.shape[2], sliding_window)
+    out, _ = attention_with_lse(query, key, value, visible.to(query.device), scaling, softcap)
+    return out, None
+
+
+def sdpa_tree_attention(module, query, key, value, attention_mask, scaling=None, sliding_window=None, softcap=None,
+                        **kwargs):
+    if softcap:  # sdpa has no logit soft-capping
+        return eager_tree_attention(module, query, key, value, attention_mask, scaling, sliding_window, softcap)
+    q_len, kv_len = query.shape[2], key.shape[2]
+    block = _tree_block(attention_mask)
+    gqa = query.shape[1] != key.shape[1]
+    if block is None and not sliding_window and q_len == kv_len:
+        out = F.scaled_dot_product_attention(query, key, value, is_causal=True, scale=scaling, enable_gqa=gqa)
+    else:
+        visible = visible_keys(block, q_len, kv_len, sliding_window).to(query.device)
+        out = F.scaled_dot_product_attention(query, key, value, attn_mask=visible, scale=scaling, enable_gqa=gqa)
+    return out.transpose(1, 2), None
+
+
+def flash_tree_attention(module, query, key, value, attention_mask, scaling=None, sliding_window=None, softcap=None,
+                         **kwargs):
+    kernel = flash_kernel(query.device)
+    scaling = scaling if scaling is not None else query.shape[-1] ** -0.5
+    q_len, kv_len = query.shape[2], key.shape[2]
+    q = query.transpose(1, 2)  # [B, T, H, D]
+    k_all, v_all = key.transpose(1, 2), value.transpose(1, 2)  # [B, S, H_kv, D]
+    block = _tree_block(attention_mask)
+    if block is None:  # causal block at the end of the cache: the kernel does it alone
+        window = (sliding_window - 1, 0) if sliding_window else (-1, -1)
+        out = kernel(q, k_all, v_all, cache_seqlens=kv_len, softmax_scale=scaling, causal=True, window_size=window,
+                     softcap=softcap or 0.0)
+        return out, None
+
+    prefix = kv_len - q_len
+    tree_visible = visible_keys(block, q_len, q_len, sliding_window)  # the tree among itself
+    out, lse = attention_with_lse(query, key[:, :, prefix:], value[:, :, prefix:], tree_visible, scaling, softcap)
+    if prefix == 0:
+        return out, None
+
+    depth = block.sum(-1) - 1  # [T]
+    # prefix key j is visible to a node at depth d iff (prefix + d) - j < window, i.e. j >= first_visible(d)
+    for d in depth.unique().tolist() if sliding_window else [None]:
+        first = max(0, prefix + d - sliding_window + 1) if sliding_window else 0
+        rows = (depth == d).nonzero().flatten() if sliding_window else slice(None)
+        if first >= prefix:  # the window ends inside the tree: nothing of the prefix is visible
+            continue
+        out_p, lse_p = kernel(q[:, rows], k_all[:, first:prefix], v_all[:, first:prefix],
+                              cache_seqlens=prefix - first, softmax_scale=scaling, causal=False,
+                              softcap=softcap or 0.0, return_softmax_lse=True)
+        merged, _ = merge_partial_attention(out_p, lse_p, out[:, rows], lse[:, :, rows])
+        out[:, rows] = merged
+    return out, None
+
+
+_FUNCTIONS = {"eager": eager_tree_attention, "sdpa": sdpa_tree_attention, "flash": flash_tree_attention}
+for _name, _fn in _FUNCTIONS.items():
+    AttentionInterface.register(f"medusa_like_{_name}", _fn)
+
+
+@contextmanager
+def tree_attention(model, backend: str):
+    """Route the target's attention through `backend` for the duration of the block; restore it afterwards."""
+    config = model.config
+    previous = config._attn_implementation
+    config._attn_implementation = f"medusa_like_{backend}"
+    try:
+        yield
+    finally:
+        config._attn_implementation = previous

@@ -1,0 +1,173 @@
+"""Static token trees: validation, compilation into index buffers, presets and greedy construction.
+
+A tree is a list of paths of top-k ranks (Medusa's "choices"): `[1, 0]` is the node reached by taking head 1's
+second-best token and then head 2's best token. Depth d uses head d. Node 0 is the root, the target's own next token;
+nodes 1.. are the paths sorted by (depth, ranks). Compiling a tree once gives everything a decoding step needs:
+
+    attention_mask   [T, T] bool   node i sees node j iff j is i or one of its ancestors (the root is everyone's)
+    depth            [T]           0 for the root; position id of node i = committed length + depth[i]
+    candidate_index  [T-1]         index of node i+1's token in the heads' flattened top-k [K * top_k]
+    retrieve         [P, D+1]      node indices root -> leaf for each of the P leaves, padded with -1
+"""
+
+import heapq
+from dataclasses import dataclass
+
+import torch
+
+Path_ = tuple[int, ...]
+
+
+class InvalidTreeError(ValueError):
+    pass
+
+
+def validate_paths(paths, num_heads: int | None = None, top_k: int | None = None) -> list[Path_]:
+    """Check a list of rank paths and return it as tuples; raise InvalidTreeError naming the first bad path."""
+    if not isinstance(paths, (list, tuple)):
+        raise InvalidTreeError(f"a tree is a list of paths of top-k ranks, got {type(paths).__name__}")
+    seen: set[Path_] = set()
+    out = []
+    for raw in paths:
+        if not isinstance(raw, (list, tuple)) or len(raw) == 0:
+            raise InvalidTreeError(f"path {raw!r} is not a non-empty list of ranks")
+        if not all(isinstance(r, int) and not isinstance(r, bool) for r in raw):
+            raise InvalidTreeError(f"path {list(raw)} holds a rank that is not an integer")
+        path = tuple(raw)
+        if any(r < 0 for r in path):
+            raise InvalidTreeError(f"path {list(path)} holds a negative rank")
+        if path in seen:
+            raise InvalidTreeError(f"path {list(path)} appears twice")
+        if num_heads is not None and len(path) > num_heads:
+            raise InvalidTreeError(f"path {list(path)} has depth {len(path)} but there are only {num_heads} heads")
+        if top_k is not None and max(path) >= top_k:
+            raise InvalidTreeError(f"path {list(path)} uses rank {max(path)} but top_k is {top_k}")
+        seen.add(path)
+        out.append(path)
+    for path in out:
+        if len(path) > 1 and path[:-1] not in seen:
+            raise InvalidTreeError(f"path {list(path)} has no parent: {list(path[:-1])} is missing from the tree")
+    return out
+
+
+@dataclass
+class TokenTree:
+    """A compiled tree. Build with `TokenTree.from_paths(paths)`; move with `.to(device)`."""
+
+    paths: list[Path_]
+    attention_mask: torch.Tensor  # [T, T] bool
+    depth: torch.Tensor  # [T] long
+    candidate_index: torch.Tensor  # [T-1] long
+    retrieve: torch.Tensor  # [P, D+1] long, -1 padded
+    top_k: int  # ranks needed from each head
+    max_depth: int  # heads needed
+
+    @property
+    def num_nodes(self) -> int:
+        return self.depth.numel()
+
+    @classmethod
+    def from_paths(cls, paths, num_heads: int | None = None, top_k: int | None = None) -> "TokenTree":
+        paths = sorted(validate_paths(paths, num_heads, top_k), key=lambda p: (len(p), p))
+        index = {p: i + 1 for i, p in enumerate(paths)}
+        num_nodes = len(paths) + 1
+        need_k = max((max(p) for p in paths), default=-1) + 1
+        top_k = top_k if top_k is not None else max(need_k, 1)
+        max_depth = max((len(p) for p in paths), default=0)
+
+        mask = torch.eye(num_nodes, dtype=torch.bool)
+        mask[:, 0] = True
+        depth = torch.zeros(num_nodes, dtype=torch.long)
+        candidate_index = torch.zeros(num_nodes - 1, dtype=torch.long)
+        for p, i in index.items():
+            depth[i] = len(p)
+            candidate_index[i - 1] = (len(p) - 1) * top_k + p[-1]
+            for d in range(1, len(p)):
+                mask[i, index[p[:d]]] = True
+
+        parents = {p[:-1] for p in paths}
+        leaves = [p for p in paths if p not in parents] or [()]
+        retrieve = torch.full((len(leaves), max_depth + 1), -1, dtype=torch.long)
+        for row, leaf in enumerate(leaves):
+            retrieve[row, 0] = 0
+            for d in range(1, len(leaf) + 1):
+                retrieve[row, d] = index[leaf[:d]]
+        return cls(paths, mask, depth, candidate_index, retrieve, top_k, max_depth)
+
+    def to(self, device) -> "TokenTree":
+        return TokenTree(
+            self.paths,
+            self.attention_mask.to(device),
+            self.depth.to(device),
+            self.candidate_index.to(device),
+            self.retrieve.to(device),
+            self.top_k,
+            self.max_depth,
+        )
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Building trees
+
+
+def chain(depth: int) -> list[Path_]:
+    """Top-1 of each head, one after the other: [[0], [0, 0], ...]."""
+    return [(0,) * d for d in range(1, depth + 1)]
+
+
+def greedy_tree(rank_accuracy: list[list[float]], num_nodes: int) -> list[Path_]:
+    """The tree of `num_nodes` candidate nodes that maximises expected acceptance length.
+
+    `rank_accuracy[d][r]` is the probability that head d+1's rank-r token is the right one. Assuming heads are
+    independent, a path is accepted with the product of its ranks' probabilities, and the expected number of accepted
+    draft tokens is the sum of those products over the tree. Adding nodes best-first (a child is never more probable
+    than its parent) gives the optimal tree for that objective, and always a valid one.
+    """
+    num_heads = len(rank_accuracy)
+    frontier = [(-acc, (r,)) for r, acc in enumerate(rank_accuracy[0])] if num_heads else []
+    heapq.heapify(frontier)
+    chosen: list[Path_] = []
+    while frontier and len(chosen) < num_nodes:
+        neg_p, path = heapq.heappop(frontier)
+        chosen.append(path)
+        if len(path) < num_heads:
+            for r, acc in enumerate(rank_accuracy[len(path)]):
+                heapq.heappush(frontier, (neg_p * acc, path + (r,)))
+    return chosen
+
+
+def expected_acceptance(paths, rank_accuracy: list[list[float]]) -> float:
+    """Expected accepted draft tokens per step under independent heads (add 1 for the bonus token to get tau)."""
+    total = 0.0
+    for path in paths:
+        p = 1.0
+        for d, r in enumerate(path):
+            p *= rank_accuracy[d][r] if r < len(rank_accuracy[d]) else 0.0
+        total += p
+    return total
+
+
+# A prior used only to shape the presets: head d's rank-r accuracy falls with depth and rank, roughly as measured for
+# Medusa-1 heads (top-1 about 0.6 for head 1, lower for later heads).
+_PRIOR = [[0.60 * 0.55**r for r in range(10)], *[[(0.45 - 0.08 * d) * 0.6**r for r in range(10)] for d in range(4)]]
+
+PRESETS = {
+    "chain": lambda num_heads: chain(num_heads),
+    "small": lambda num_heads: greedy_tree(_PRIOR[: max(num_heads, 1)], 15),
+    "medusa": lambda num_heads: greedy_tree(_PRIOR[: max(num_heads, 1)], 63),
+}
+
+
+def resolve_tree(tree, num_heads: int) -> TokenTree:
+    """A TokenTree from a preset name ('chain', 'small', 'medusa', 'none'), a list of paths, or a TokenTree."""
+    if isinstance(tree, TokenTree):
+        if tree.max_depth > num_heads:
+            raise InvalidTreeError(f"tree has depth {tree.max_depth} but there are only {num_heads} heads")
+        return tree
+    if tree is None or tree == "none":
+        return TokenTree.from_paths([], num_heads)
+    if isinstance(tree, str):
+        if tree not in PRESETS:
+            raise InvalidTreeError(f"unknown tree preset {tree!r}; choose from {sorted(PRESETS)} or pass a list of paths")
+        return TokenTree.from_paths(PRESETS[tree](num_heads), num_heads)
+    return TokenTree.from_paths([list(p) for p in tree], num_heads)
