@@ -11,7 +11,9 @@ nodes 1.. are the paths sorted by (depth, ranks). Compiling a tree once gives ev
 """
 
 import heapq
+import json
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -158,16 +160,42 @@ PRESETS = {
 }
 
 
+def save_tree(paths, path, **meta) -> Path:
+    """Write a tree as JSON: {"paths": [[0], [1], [0, 0], ...], **meta}."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"paths": [list(p) for p in paths], **meta}, indent=1))
+    return path
+
+
+def load_tree(path) -> list[Path_]:
+    """Read a tree written by `save_tree` (or a bare JSON list of paths)."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"tree file {str(path)!r} does not exist")
+    try:
+        data = json.loads(path.read_text())
+    except json.JSONDecodeError as err:
+        raise InvalidTreeError(f"tree file {str(path)!r} is not valid JSON: {err}") from err
+    paths = data["paths"] if isinstance(data, dict) and "paths" in data else data
+    return validate_paths(paths)
+
+
 def resolve_tree(tree, num_heads: int) -> TokenTree:
-    """A TokenTree from a preset name ('chain', 'small', 'medusa', 'none'), a list of paths, or a TokenTree."""
+    """A TokenTree from a preset name ('chain', 'small', 'medusa', 'none'), a JSON tree file, a list of paths, or a
+    TokenTree."""
     if isinstance(tree, TokenTree):
         if tree.max_depth > num_heads:
             raise InvalidTreeError(f"tree has depth {tree.max_depth} but there are only {num_heads} heads")
         return tree
     if tree is None or tree == "none":
         return TokenTree.from_paths([], num_heads)
+    if isinstance(tree, (str, Path)) and str(tree).endswith(".json"):
+        return TokenTree.from_paths(load_tree(tree), num_heads)
     if isinstance(tree, str):
         if tree not in PRESETS:
-            raise InvalidTreeError(f"unknown tree preset {tree!r}; choose from {sorted(PRESETS)} or pass a list of paths")
+            raise InvalidTreeError(
+                f"unknown tree preset {tree!r}; choose from {sorted(PRESETS)} or pass a list of paths"
+            )
         return TokenTree.from_paths(PRESETS[tree](num_heads), num_heads)
     return TokenTree.from_paths([list(p) for p in tree], num_heads)

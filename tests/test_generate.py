@@ -1,0 +1,189 @@
+"""Losslessness of tree speculative decoding on tiny random targets of four families, three backends, four trees."""
+
+import pytest
+import torch
+
+from medusa_like.attention import tree_attention
+from medusa_like.generate import StopChecker, accept_greedy, build_candidates, speculative_generate, target_hidden
+from medusa_like.kv_cache import CacheOverflowError, TreeKVCache
+from medusa_like.model import MedusaLikeModel
+from medusa_like.tree import TokenTree, resolve_tree
+
+from .conftest import VOCAB, greedy_reference, random_heads, random_prompts, tiny_target
+
+BACKENDS = ["eager", "sdpa", "flash"]
+TREES = ["none", "chain", "small", "medusa"]
+NEW_TOKENS = 24
+
+_references: dict = {}
+
+
+def references(family: str) -> tuple:
+    """20 prompts of varied lengths and the target's own greedy continuations, computed once per family."""
+    if family not in _references:
+        target = tiny_target(family)
+        prompts = random_prompts(20, seed=1, min_len=1, max_len=40)
+        _references[family] = target, prompts, [greedy_reference(target, p, NEW_TOKENS) for p in prompts]
+    return _references[family]
+
+
+@pytest.mark.parametrize("tree_name", TREES)
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_speculative_greedy_equals_target_greedy(family, backend, tree_name):
+    target, prompts, expected = references(family)
+    model = MedusaLikeModel(target, None, random_heads(), backend=backend)
+    for prompt, reference in zip(prompts, expected):
+        out = model.generate(prompt, max_new_tokens=NEW_TOKENS, tree=tree_name, eos_token_id=[])
+        assert out.new_tokens.tolist() == reference.tolist(), f"prompt of length {prompt.shape[1]}"
+        assert out.stats.new_tokens == NEW_TOKENS
+        assert out.stats.target_forwards == 1 + len(out.stats.accepted_draft)
+
+
+@pytest.mark.parametrize("tree_name", ["chain", "small", "medusa"])
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_every_tree_node_sees_exactly_its_path(family, backend, tree_name):
+    """The logits at each node equal those of running the prompt + that node's path sequentially."""
+    target = tiny_target(family)
+    tree = resolve_tree(tree_name, num_heads=4)
+    g = torch.Generator().manual_seed(3)
+    prompt = torch.randint(0, VOCAB, (1, 11), generator=g)
+    tokens = torch.randint(0, VOCAB, (tree.num_nodes,), generator=g)
+    cache = TreeKVCache.for_model(target, 64 + tree.num_nodes)
+    with torch.no_grad(), tree_attention(target, backend):
+        target_hidden(target, prompt, torch.arange(11)[None], cache, None)
+        cache.commit_all(11)
+        hidden = target_hidden(target, tokens[None], (11 + tree.depth)[None], cache, tree.attention_mask[None, None])
+        tree_logits = target.get_output_embeddings()(hidden)[0]  # [T, V]
+    for node in range(tree.num_nodes):
+        ancestors = tree.attention_mask[node].nonzero().flatten()  # ascending = root to node
+        sequence = torch.cat([prompt[0], tokens[ancestors]])[None]
+        with torch.no_grad():
+            expected = target(sequence).logits[0, -1]
+        torch.testing.assert_close(tree_logits[node], expected, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("tree_name", ["chain", "small", "medusa"])
+def test_oracle_candidates_accept_full_depth_every_step(family, tree_name):
+    """When rank 0 of every head is the target's own continuation, every step accepts depth + 1 tokens."""
+    target, prompts, _ = references(family)
+    tree = resolve_tree(tree_name, num_heads=4)
+    prompt = prompts[0]
+    truth = greedy_reference(target, prompt, 60).tolist()
+    g = torch.Generator().manual_seed(0)
+
+    def oracle(_hidden, generated):
+        proposals = torch.randint(0, VOCAB, (4, tree.top_k), generator=g)
+        for k in range(4):  # head k+1 guesses the token k+1 after the root
+            proposals[k, 0] = truth[len(generated) + k] if len(generated) + k < len(truth) else 0
+        # ranks > 0 must not repeat the right token, or a sibling could be accepted instead; harmless either way
+        return proposals
+
+    out = speculative_generate(target, None, prompt, tree, max_new_tokens=40, proposer=oracle)
+    assert out.new_tokens.tolist() == truth[:40]
+    assert out.stats.accepted_draft == [tree.max_depth] * len(out.stats.accepted_draft)
+    steps = len(out.stats.accepted_draft)
+    assert steps == -(-(40 - 1) // (tree.max_depth + 1))  # ceil: the prefill yields the first token
+    assert out.stats.tau == pytest.approx(40 / (steps + 1))
+
+
+def test_untrained_heads_are_lossless_and_reproduce_the_base_distribution():
+    target = tiny_target("llama")
+    model = MedusaLikeModel.from_pretrained(target, heads=None, num_heads=3)
+    prompt = random_prompts(1, seed=5)[0]
+    hidden = target.base_model(prompt).last_hidden_state[0, -1]
+    head_logits = model.heads(hidden, target.get_output_embeddings())  # [3, V]
+    base_logits = target.get_output_embeddings()(hidden)
+    for k in range(3):
+        torch.testing.assert_close(head_logits[k], base_logits)
+    out = model.generate(prompt, max_new_tokens=20, tree="small", eos_token_id=[])
+    assert out.new_tokens.tolist() == greedy_reference(target, prompt, 20).tolist()
+
+
+def test_eos_stops_like_the_target():
+    target, prompts, expected = references("llama")
+    prompt, reference = prompts[2], expected[2]
+    eos = int(reference[7])
+    model = MedusaLikeModel(target, None, random_heads(), backend="sdpa")
+    out = model.generate(prompt, max_new_tokens=NEW_TOKENS, tree="small", eos_token_id=eos)
+    hf = target.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=NEW_TOKENS, do_sample=False,
+                         eos_token_id=eos, pad_token_id=eos)[0, prompt.shape[1]:]
+    assert out.new_tokens.tolist() == hf.tolist()
+    assert out.new_tokens[-1] == eos and out.finish_reason == "eos"
+
+
+@pytest.mark.parametrize("max_new_tokens", [1, 2, 5, 17])
+def test_max_new_tokens_is_exact(max_new_tokens):
+    target, prompts, expected = references("llama")
+    model = MedusaLikeModel(target, None, random_heads(), backend="sdpa")
+    out = model.generate(prompts[3], max_new_tokens=max_new_tokens, tree="medusa", eos_token_id=[])
+    assert out.new_tokens.tolist() == expected[3][:max_new_tokens].tolist()
+    assert out.finish_reason == "length"
+    assert out.sequences.shape[1] == prompts[3].shape[1] + max_new_tokens
+
+
+def test_streaming_callback_sees_every_token_once():
+    target, prompts, expected = references("qwen2")
+    model = MedusaLikeModel(target, None, random_heads(), backend="sdpa")
+    streamed: list[int] = []
+    out = model.generate(prompts[4], max_new_tokens=NEW_TOKENS, tree="chain", eos_token_id=[], streamer=streamed.extend)
+    assert streamed == out.new_tokens.tolist() == expected[4].tolist()
+
+
+def test_accept_greedy_picks_the_longest_matching_path():
+    tree = TokenTree.from_paths([[0], [1], [0, 0], [1, 0], [1, 0, 0]])
+    # nodes: 0 root, 1 [0], 2 [1], 3 [0,0], 4 [1,0], 5 [1,0,0]
+    tokens = torch.tensor([7, 10, 11, 12, 13, 14])
+    predictions = torch.tensor([11, 12, 13, 99, 14, 15])  # root->11 (node 2), node 2->13 (node 4), node 4->14 (node 5)
+    assert accept_greedy(tokens, predictions, tree).tolist() == [0, 2, 4, 5]
+    predictions = torch.tensor([10, 12, 0, 0, 0, 0])  # root->10 (node 1), node 1->12 (node 3)
+    assert accept_greedy(tokens, predictions, tree).tolist() == [0, 1, 3]
+    predictions = torch.tensor([42, 0, 0, 0, 0, 0])  # nothing matches: the root alone
+    assert accept_greedy(tokens, predictions, tree).tolist() == [0]
+
+
+def test_build_candidates_gathers_per_tree():
+    tree = TokenTree.from_paths([[0], [1], [0, 0], [0, 1]])
+    proposals = torch.tensor([[10, 11], [20, 21], [30, 31]])  # [K, top_k]
+    assert build_candidates(torch.tensor(5), proposals, tree).tolist() == [5, 10, 11, 20, 21]
+
+
+def test_stop_checker_cuts_at_eos_and_stop_strings():
+    class CharTokenizer:
+        def decode(self, ids):
+            return "".join(chr(ord("a") + i) for i in ids)
+
+    stop = StopChecker([25], ["cd"], CharTokenizer())
+    assert stop.cut([0, 1, 2, 3, 4], 0) == (4, "stop_string")
+    assert stop.cut([0, 25, 2, 3], 0) == (2, "eos")
+    assert stop.cut([0, 1, 4], 0) is None
+    with pytest.raises(ValueError, match="need a tokenizer"):
+        StopChecker([], ["x"], None)
+
+
+def test_bad_requests_get_clear_errors():
+    target = tiny_target("llama")
+    model = MedusaLikeModel(target, None, random_heads(num_heads=2), backend="sdpa")
+    prompt = random_prompts(1)[0]
+    with pytest.raises(ValueError, match="one sequence"):
+        model.generate(torch.zeros(2, 5, dtype=torch.long), max_new_tokens=4)
+    with pytest.raises(ValueError, match="max_new_tokens must be >= 1"):
+        model.generate(prompt, max_new_tokens=0)
+    with pytest.raises(ValueError, match="only 2 heads"):
+        model.generate(prompt, max_new_tokens=4, tree=[[0], [0, 0], [0, 0, 0]])
+    with pytest.raises(NotImplementedError, match="only greedy"):
+        model.generate(prompt, max_new_tokens=4, temperature=0.7)
+    with pytest.raises(CacheOverflowError, match="too small"):
+        model.generate(prompt, max_new_tokens=50, max_cache_len=prompt.shape[1] + 10)
+    with pytest.raises(ValueError, match="max_position_embeddings"):
+        model.generate(prompt, max_new_tokens=600)
+    with pytest.raises(ValueError, match="do not fit the target"):
+        MedusaLikeModel(tiny_target("llama", hidden_size=48, head_dim=12), None, random_heads())
+
+
+def test_sliding_window_matters_in_these_tests():
+    """Negative control: the windowed families' greedy output changes without the window, so the tests above check
+    that tree tokens get the window."""
+    windowed = tiny_target("mistral")
+    unwindowed = tiny_target("mistral", sliding_window=4096)
+    prompt = random_prompts(1, seed=9, min_len=30, max_len=30)[0]
+    assert greedy_reference(windowed, prompt, 16).tolist() != greedy_reference(unwindowed, prompt, 16).tolist()
