@@ -24,7 +24,17 @@ from safetensors.torch import load_file, save_file
 from transformers import PreTrainedModel
 
 from . import formats
-from .formats import FORMATS, MEDUSA, NATIVE, TGI, VLLM, WEIGHTS_FILE
+from .formats import (
+    FORMATS,
+    MEDUSA,
+    NATIVE,
+    TGI,
+    VLLM,
+    WEIGHTS_FILE,
+    HeadsFormatError,
+    check_names,
+    check_shapes,
+)
 from .heads import HeadsConfig, MedusaHeads
 from .targets import target_fingerprint
 
@@ -32,10 +42,6 @@ log = logging.getLogger(__name__)
 
 CHECKPOINT_KEY = "medusa_like"  # the training module's entry in a Lightning checkpoint
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth")
-
-
-class HeadsFormatError(ValueError):
-    """A heads directory, file or checkpoint that does not hold what its config says."""
 
 
 class TargetMismatchError(ValueError):
@@ -59,22 +65,25 @@ def _target_name(target: PreTrainedModel) -> str:
     return getattr(target.config, "name_or_path", None) or type(target).__name__
 
 
-def check_target(cfg: HeadsConfig, target: PreTrainedModel, fingerprint: str | None, source) -> None:
-    """Raise TargetMismatchError naming what differs: hidden size, vocabulary, or the architecture fingerprint."""
+def check_target(cfg: HeadsConfig, target: PreTrainedModel, fingerprint: str | None, source: str) -> None:
+    """Raise TargetMismatchError naming what differs: hidden size, vocabulary, or the architecture fingerprint.
+
+    `source` completes "heads ... have": e.g. "from runs/x/heads" or "being exported".
+    """
     hidden, vocab = target_dims(target)
     name = _target_name(target)
     if cfg.hidden_size != hidden:
         raise TargetMismatchError(
-            f"heads from {source} have hidden size {cfg.hidden_size}, but target {name!r} has hidden size {hidden}"
+            f"heads {source} have hidden size {cfg.hidden_size}, but target {name!r} has hidden size {hidden}"
         )
     if cfg.vocab_size != vocab:
         raise TargetMismatchError(
-            f"heads from {source} have vocabulary size {cfg.vocab_size}, but target {name!r} has vocabulary size {vocab}"
+            f"heads {source} have vocabulary size {cfg.vocab_size}, but target {name!r} has vocabulary size {vocab}"
         )
     actual = target_fingerprint(target.config)
     if fingerprint is not None and fingerprint != actual:
         raise TargetMismatchError(
-            f"heads from {source} were trained on a target with fingerprint {fingerprint}, but target {name!r} has "
+            f"heads {source} were trained on a target with fingerprint {fingerprint}, but target {name!r} has "
             f"fingerprint {actual}: same hidden size and vocabulary, another architecture (layers, attention heads "
             f"or MLP size)"
         )
@@ -96,6 +105,7 @@ def _atomic_write(path: Path, write) -> None:
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     try:
         write(tmp)
+        os.chmod(tmp, 0o644)  # readable by a serving container's user, whatever the writer's default
         os.replace(tmp, path)
     finally:
         tmp.unlink(missing_ok=True)
@@ -132,45 +142,6 @@ def read_safetensors(path: Path) -> dict[str, torch.Tensor]:
         return load_file(str(path), device="cpu")
     except SafetensorError as err:
         raise HeadsFormatError(f"{path} is not a readable safetensors file (truncated or corrupted?): {err}") from err
-
-
-def config_field(config: dict, key: str, kind: type, source, default=None):
-    """config[key] checked to be of `kind` (bool is not an int here); `default` when absent, unless it is None."""
-    if key not in config:
-        if default is not None:
-            return default
-        raise HeadsFormatError(f"{source} lacks the field {key!r}")
-    value = config[key]
-    if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
-        raise HeadsFormatError(f"{source}: field {key!r} is {value!r}, expected a {kind.__name__}")
-    return value
-
-
-def _show(names: list[str], limit: int = 6) -> str:
-    more = f" and {len(names) - limit} more" if len(names) > limit else ""
-    return ", ".join(repr(n) for n in names[:limit]) + more
-
-
-def check_names(tensors: dict, spec: formats.Spec, source, layout: str) -> None:
-    """Every tensor of `spec` present and nothing else, or an error naming the missing and unexpected ones."""
-    missing = sorted(set(spec) - set(tensors))
-    extra = sorted(set(tensors) - set(spec))
-    if missing or extra:
-        parts = ([f"missing tensors {_show(missing)}"] if missing else []) + (
-            [f"unexpected tensors {_show(extra)}"] if extra else []
-        )
-        raise HeadsFormatError(f"{source} does not match {layout}: {'; '.join(parts)}")
-
-
-def check_shapes(tensors: dict, spec: formats.Spec, source, layout: str) -> None:
-    for name, shape in spec.items():
-        tensor = tensors[name]
-        if tuple(tensor.shape) != shape:
-            raise HeadsFormatError(
-                f"{source}: tensor {name!r} has shape {tuple(tensor.shape)}, expected {shape} for {layout}"
-            )
-        if not tensor.is_floating_point():
-            raise HeadsFormatError(f"{source}: tensor {name!r} has dtype {tensor.dtype}, expected a float type")
 
 
 def _check_out_dir(out: Path, weights_name: str) -> None:
@@ -241,7 +212,7 @@ def export_heads(
     """
     if format not in FORMATS:
         raise ValueError(f"unknown export format {format!r}; expected one of {FORMATS}")
-    check_target(heads.config, target_model, None, "the heads being exported")
+    check_target(heads.config, target_model, None, "being exported")
     dtype = dtype or next(heads.parameters()).dtype
     config, tensors = _layout(format, heads, target_model, target_name, dtype)
     out = Path(out_dir)
@@ -272,107 +243,37 @@ def _build(cfg: HeadsConfig, blocks: dict, projections: list[torch.Tensor] | Non
     return heads.eval()
 
 
-def _shared_or_own(projections: list[torch.Tensor], target: PreTrainedModel) -> list[torch.Tensor] | None:
-    """None (share the target's lm_head) when every projection equals it, else the projections themselves."""
+def _resolve_projections(parsed: formats.Parsed, target: PreTrainedModel, file: Path) -> formats.Parsed:
+    """Per-head projections all equal to the target's lm_head become shared; a stored lm_head must be the target's."""
     lm_head = target_lm_head(target)
-    return None if all(same_weights(p, lm_head) for p in projections) else projections
+    if parsed.stored_lm_head is not None and not same_weights(parsed.stored_lm_head, lm_head):
+        raise TargetMismatchError(
+            f"{file}: lm_heads.0.weight (original_lm_head: true) differs from the lm_head of target "
+            f"{_target_name(target)!r}: these heads were exported for another target"
+        )
+    if parsed.projections is not None and all(same_weights(p, lm_head) for p in parsed.projections):
+        parsed.projections = None
+        parsed.config = HeadsConfig(**{**parsed.config.to_dict(), "shared_lm_head": True})
+    return parsed
 
 
-def _read_native(path: Path, config: dict, target: PreTrainedModel) -> tuple[MedusaHeads, dict]:
-    source = path / "config.json"
-    version = config_field(config, "medusa_like_format", int, source)
-    if version != formats.FORMAT_VERSION:
-        raise HeadsFormatError(f"{source}: medusa_like_format {version} is not supported (expected 1)")
-    head_type = config_field(config, "head_type", str, source)
-    if head_type != "medusa":
-        raise HeadsFormatError(f"{source}: head_type {head_type!r} is not supported (expected 'medusa')")
-    cfg = HeadsConfig(
-        hidden_size=config_field(config, "hidden_size", int, source),
-        vocab_size=config_field(config, "vocab_size", int, source),
-        num_heads=config_field(config, "num_heads", int, source),
-        num_layers=config_field(config, "num_layers", int, source),
-        shared_lm_head=config_field(config, "shared_lm_head", bool, source),
-    )
-    fingerprint = config_field(config, "target_fingerprint", str, source)
-    check_target(cfg, target, fingerprint, path)
-    file = path / WEIGHTS_FILE[NATIVE]
+def _read_directory(path: Path, target: PreTrainedModel) -> tuple[MedusaHeads, dict]:
+    config = read_config(path)
+    try:
+        fmt = formats.detect_format(config)
+    except ValueError as err:
+        raise HeadsFormatError(f"{path / 'config.json'}: {err}") from err
+    file = path / WEIGHTS_FILE[MEDUSA if fmt == "medusa_or_tgi" else fmt]
     tensors = read_safetensors(file)
-    spec = formats.native_spec(cfg)
-    layout = f"config.json (num_heads={cfg.num_heads}, num_layers={cfg.num_layers}, shared={cfg.shared_lm_head})"
-    check_names(tensors, spec, file, layout)
-    check_shapes(tensors, spec, file, layout)
-    blocks = {name: t for name, t in tensors.items() if name.startswith("blocks.")}
-    own = None if cfg.shared_lm_head else [tensors[formats.projection_name(NATIVE, k, 0)] for k in range(cfg.num_heads)]
-    return _build(cfg, blocks, own), {"target": config.get("target"), "target_fingerprint": fingerprint}
-
-
-def _dims_from(tensors: dict, hidden_key: str, vocab_key: str | None, target: PreTrainedModel) -> tuple[int, int]:
-    """(hidden, vocab) read off the file's tensors, falling back to the target's where a tensor is absent."""
-    hidden, vocab = target_dims(target)
-    if hidden_key in tensors and tensors[hidden_key].dim() == 2:
-        hidden = tensors[hidden_key].shape[1]
-    if vocab_key in tensors and tensors[vocab_key].dim() == 2:
-        vocab = tensors[vocab_key].shape[0]
-    return hidden, vocab
-
-
-def _read_medusa_or_tgi(path: Path, config: dict, target: PreTrainedModel) -> tuple[MedusaHeads, dict]:
-    source = path / "config.json"
-    num_heads = config_field(config, "medusa_num_heads", int, source)
-    num_layers = config_field(config, "medusa_num_layers", int, source)
-    file = path / WEIGHTS_FILE[MEDUSA]
-    tensors = read_safetensors(file)
-    fmt = formats.detect_format(config, list(tensors))
-    layout = f"the {'TGI' if fmt == TGI else 'Medusa'} layout of config.json (medusa_num_heads={num_heads}, medusa_num_layers={num_layers})"
-    first_projection = formats.projection_name(MEDUSA, 0, num_layers)
-    hidden, vocab = _dims_from(tensors, "0.0.linear.weight", None if fmt == TGI else first_projection, target)
-    cfg = HeadsConfig(hidden, vocab, num_heads, num_layers, shared_lm_head=fmt == TGI)
-    spec = formats.tgi_spec(num_heads, hidden) if fmt == TGI else formats.medusa_spec(num_heads, num_layers, hidden, vocab)
-    check_names(tensors, spec, file, layout)
-    check_target(cfg, target, None, path)
-    check_shapes(tensors, spec, file, layout)
-    blocks = formats.blocks_from(fmt, tensors, num_heads, num_layers, hidden)
-    own = None
-    if fmt == MEDUSA:
-        own = _shared_or_own([tensors[formats.projection_name(MEDUSA, k, num_layers)] for k in range(num_heads)], target)
-    cfg = HeadsConfig(hidden, vocab, num_heads, num_layers, shared_lm_head=own is None)
-    return _build(cfg, blocks, own), {"target": config.get("base_model_name_or_path"), "format": fmt}
-
-
-def _read_vllm(path: Path, config: dict, target: PreTrainedModel) -> tuple[MedusaHeads, dict]:
-    source = path / "config.json"
-    num_heads = config_field(config, "num_heads", int, source)
-    num_layers = config_field(config, "num_hidden_layers", int, source)
-    hidden = config_field(config, "hidden_size", int, source)
-    vocab = config_field(config, "vocab_size", int, source)
-    bias = config_field(config, "medusa_fc_bias", bool, source, default=False)
-    original = config_field(config, "original_lm_head", bool, source, default=False)
-    truncated = config.get("truncated_vocab_size")
-    if truncated not in (None, vocab):
-        raise HeadsFormatError(f"{source}: truncated_vocab_size {truncated} != vocab_size {vocab} is not supported")
-    check_target(HeadsConfig(hidden, vocab, num_heads, num_layers), target, None, path)
-    file = path / WEIGHTS_FILE[VLLM]
-    tensors = {name.removeprefix("medusa_heads."): t for name, t in read_safetensors(file).items()}
-    spec = formats.vllm_spec(num_heads, num_layers, hidden, vocab, bias, original)
-    layout = (
-        f"the vLLM layout of config.json (num_heads={num_heads}, num_hidden_layers={num_layers}, "
-        f"medusa_fc_bias={bias}, original_lm_head={original})"
-    )
-    check_names(tensors, spec, file, layout)
-    check_shapes(tensors, spec, file, layout)
-    blocks = formats.blocks_from(VLLM, tensors, num_heads, num_layers, hidden)
-    if original:
-        shared = tensors[formats.projection_name(VLLM, 0, num_layers)]
-        if not same_weights(shared, target_lm_head(target)):
-            raise TargetMismatchError(
-                f"{file}: lm_heads.0.weight (original_lm_head: true) differs from the lm_head of target "
-                f"{_target_name(target)!r}: these heads were exported for another target"
-            )
-        own = None
+    if fmt == NATIVE:
+        parsed = formats.parse_native(config, tensors, file)
+    elif fmt == VLLM:
+        parsed = formats.parse_vllm(config, tensors, file)
     else:
-        own = _shared_or_own([tensors[formats.projection_name(VLLM, k, num_layers)] for k in range(num_heads)], target)
-    cfg = HeadsConfig(hidden, vocab, num_heads, num_layers, shared_lm_head=own is None)
-    return _build(cfg, blocks, own), {"format": VLLM}
+        parsed = formats.parse_medusa_or_tgi(config, tensors, file, target_dims(target)[1])
+    check_target(parsed.config, target, parsed.meta.get("target_fingerprint"), f"from {path}")
+    parsed = _resolve_projections(parsed, target, file)
+    return _build(parsed.config, parsed.blocks, parsed.projections), parsed.meta
 
 
 def read_heads(path: str | Path, target_model: PreTrainedModel) -> tuple[MedusaHeads, dict]:
@@ -384,19 +285,9 @@ def read_heads(path: str | Path, target_model: PreTrainedModel) -> tuple[MedusaH
         if path.suffix != ".ckpt":
             raise HeadsFormatError(f"{path} is a file: expected a heads directory with config.json, or a .ckpt")
         heads, meta = heads_from_checkpoint(path)
-        check_target(heads.config, target_model, meta["target_fingerprint"], path)
+        check_target(heads.config, target_model, meta["target_fingerprint"], f"from {path}")
         return heads, {**meta, "format": "checkpoint"}
-    config = read_config(path)
-    try:
-        fmt = formats.detect_format(config)
-    except ValueError as err:
-        raise HeadsFormatError(f"{path / 'config.json'}: {err}") from err
-    if fmt == NATIVE:
-        heads, meta = _read_native(path, config, target_model)
-        return heads, {**meta, "format": NATIVE}
-    if fmt == VLLM:
-        return _read_vllm(path, config, target_model)
-    return _read_medusa_or_tgi(path, config, target_model)
+    return _read_directory(path, target_model)
 
 
 def load_heads(path: str | Path, target_model: PreTrainedModel) -> MedusaHeads:
@@ -414,8 +305,8 @@ def _torch_load(path: Path) -> dict:
     try:
         return torch.load(path, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError:
-        # Lightning stores hyper-parameters as arbitrary objects; only our own training output reaches this point
-        log.info("%s needs full unpickling (weights_only=False): load checkpoints you trust only", path)
+        # Lightning may store hyper-parameters as arbitrary objects, which only a full unpickling restores
+        log.warning("%s holds more than tensors: unpickling it fully (load checkpoints you trust only)", path)
         return torch.load(path, map_location="cpu", weights_only=False)
 
 
@@ -430,7 +321,7 @@ def heads_from_checkpoint(ckpt_path: str | Path) -> tuple[MedusaHeads, dict]:
         raise FileNotFoundError(f"checkpoint {path} does not exist")
     try:
         checkpoint = _torch_load(path)
-    except (RuntimeError, EOFError, pickle.UnpicklingError) as err:
+    except (RuntimeError, EOFError, OSError, pickle.UnpicklingError) as err:
         raise HeadsFormatError(f"{path} is not a readable torch checkpoint (truncated or corrupted?): {err}") from err
     if not isinstance(checkpoint, dict) or CHECKPOINT_KEY not in checkpoint or "state_dict" not in checkpoint:
         keys = sorted(checkpoint) if isinstance(checkpoint, dict) else type(checkpoint).__name__

@@ -16,6 +16,7 @@ layout, or TGI's compact form when the file holds no projections).
 """
 
 import re
+from dataclasses import dataclass, field
 
 import torch
 
@@ -33,6 +34,10 @@ WEIGHTS_FILE = {
 
 Spec = dict[str, tuple[int, ...]]  # tensor name -> shape
 Tensors = dict[str, torch.Tensor]
+
+
+class HeadsFormatError(ValueError):
+    """A heads directory, file or checkpoint that does not hold what its config says."""
 
 
 # ---- names ----
@@ -106,7 +111,7 @@ def blocks_to(fmt: str, blocks: Tensors, num_heads: int, num_layers: int) -> Ten
     out = {}
     for k in range(num_heads):
         for layer in range(num_layers):
-            for native, foreign in zip(native_block_names(k, layer), foreign_block_names(fmt, k, layer)):
+            for native, foreign in zip(native_block_names(k, layer), foreign_block_names(fmt, k, layer), strict=True):
                 out[foreign] = blocks[native]
     return out
 
@@ -198,3 +203,142 @@ def detect_format(config: dict, weight_keys: list[str] | None = None) -> str:
         "model_type 'medusa' (vLLM) or 'medusa_num_heads' (Medusa / TGI); "
         f"its keys are {sorted(config)}"
     )
+
+
+# ---- strict checks of a file against its layout ----
+
+
+def config_field(config: dict, key: str, kind: type, source, default=None):
+    """config[key] checked to be of `kind` (bool is not an int here); `default` when absent, unless it is None."""
+    if key not in config:
+        if default is not None:
+            return default
+        raise HeadsFormatError(f"{source} lacks the field {key!r}")
+    value = config[key]
+    if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
+        raise HeadsFormatError(f"{source}: field {key!r} is {value!r}, expected a {kind.__name__}")
+    return value
+
+
+def _show(names: list[str], limit: int = 6) -> str:
+    more = f" and {len(names) - limit} more" if len(names) > limit else ""
+    return ", ".join(repr(n) for n in names[:limit]) + more
+
+
+def check_names(tensors: dict, spec: Spec, source, layout: str) -> None:
+    """Every tensor of `spec` present and nothing else, or an error naming the missing and unexpected ones."""
+    missing = sorted(set(spec) - set(tensors))
+    extra = sorted(set(tensors) - set(spec))
+    if missing or extra:
+        parts = ([f"missing tensors {_show(missing)}"] if missing else []) + (
+            [f"unexpected tensors {_show(extra)}"] if extra else []
+        )
+        raise HeadsFormatError(f"{source} does not match {layout}: {'; '.join(parts)}")
+
+
+def check_shapes(tensors: dict, spec: Spec, source, layout: str) -> None:
+    for name, shape in spec.items():
+        tensor = tensors[name]
+        if tuple(tensor.shape) != shape:
+            raise HeadsFormatError(
+                f"{source}: tensor {name!r} has shape {tuple(tensor.shape)}, expected {shape} for {layout}"
+            )
+        if not tensor.is_floating_point():
+            raise HeadsFormatError(f"{source}: tensor {name!r} has dtype {tensor.dtype}, expected a float type")
+
+
+# ---- parsing a file into the native names ----
+
+
+@dataclass
+class Parsed:
+    """What a heads file holds, under native names; its names and shapes already checked against its config."""
+
+    config: HeadsConfig  # shared_lm_head: no per-head projections in the file
+    blocks: Tensors
+    projections: list[torch.Tensor] | None = None  # per-head projections, when the file has them
+    stored_lm_head: torch.Tensor | None = None  # the target's lm_head, stored for shared heads (vLLM original_lm_head)
+    meta: dict = field(default_factory=dict)
+
+
+def _checked(tensors: Tensors, spec: Spec, file, layout: str) -> None:
+    check_names(tensors, spec, file, layout)
+    check_shapes(tensors, spec, file, layout)
+
+
+def parse_native(config: dict, tensors: Tensors, file) -> Parsed:
+    source = f"{file.parent / 'config.json'}"
+    version = config_field(config, "medusa_like_format", int, source)
+    if version != FORMAT_VERSION:
+        raise HeadsFormatError(f"{source}: medusa_like_format {version} is not supported (expected {FORMAT_VERSION})")
+    head_type = config_field(config, "head_type", str, source)
+    if head_type != "medusa":
+        raise HeadsFormatError(f"{source}: head_type {head_type!r} is not supported (expected 'medusa')")
+    cfg = HeadsConfig(
+        hidden_size=config_field(config, "hidden_size", int, source),
+        vocab_size=config_field(config, "vocab_size", int, source),
+        num_heads=config_field(config, "num_heads", int, source),
+        num_layers=config_field(config, "num_layers", int, source),
+        shared_lm_head=config_field(config, "shared_lm_head", bool, source),
+    )
+    fp = config_field(config, "target_fingerprint", str, source)
+    layout = f"config.json (num_heads={cfg.num_heads}, num_layers={cfg.num_layers}, shared={cfg.shared_lm_head})"
+    _checked(tensors, native_spec(cfg), file, layout)
+    own = None
+    if not cfg.shared_lm_head:
+        own = [tensors[projection_name(NATIVE, k, 0)] for k in range(cfg.num_heads)]
+    blocks = {name: t for name, t in tensors.items() if name.startswith("blocks.")}
+    return Parsed(cfg, blocks, own, meta={"format": NATIVE, "target": config.get("target"), "target_fingerprint": fp})
+
+
+def _dim(tensors: Tensors, name: str, axis: int, default: int) -> int:
+    tensor = tensors.get(name)
+    return int(tensor.shape[axis]) if tensor is not None and tensor.dim() == 2 else default
+
+
+def parse_medusa_or_tgi(config: dict, tensors: Tensors, file, target_vocab: int) -> Parsed:
+    """The original Medusa layout, or TGI's compact one when the file holds no projections (vocabulary: the target's)."""
+    source = f"{file.parent / 'config.json'}"
+    num_heads = config_field(config, "medusa_num_heads", int, source)
+    num_layers = config_field(config, "medusa_num_layers", int, source)
+    fmt = detect_format(config, list(tensors))
+    layout = (
+        f"the {'TGI' if fmt == TGI else 'Medusa'} layout of config.json "
+        f"(medusa_num_heads={num_heads}, medusa_num_layers={num_layers})"
+    )
+    hidden = _dim(tensors, "0.0.linear.weight", 1, -1)
+    if fmt == TGI:
+        _checked(tensors, tgi_spec(num_heads, hidden), file, layout)
+        cfg = HeadsConfig(hidden, target_vocab, num_heads, 1, shared_lm_head=True)
+        return Parsed(cfg, blocks_from(TGI, tensors, num_heads, 1, hidden), meta={"format": TGI})
+    vocab = _dim(tensors, projection_name(MEDUSA, 0, num_layers), 0, -1)
+    _checked(tensors, medusa_spec(num_heads, num_layers, hidden, vocab), file, layout)
+    own = [tensors[projection_name(MEDUSA, k, num_layers)] for k in range(num_heads)]
+    cfg = HeadsConfig(hidden, vocab, num_heads, num_layers, shared_lm_head=False)
+    blocks = blocks_from(MEDUSA, tensors, num_heads, num_layers, hidden)
+    return Parsed(cfg, blocks, own, meta={"format": MEDUSA, "target": config.get("base_model_name_or_path")})
+
+
+def parse_vllm(config: dict, tensors: Tensors, file) -> Parsed:
+    source = f"{file.parent / 'config.json'}"
+    num_heads = config_field(config, "num_heads", int, source)
+    num_layers = config_field(config, "num_hidden_layers", int, source)
+    hidden = config_field(config, "hidden_size", int, source)
+    vocab = config_field(config, "vocab_size", int, source)
+    bias = config_field(config, "medusa_fc_bias", bool, source, default=False)
+    original = config_field(config, "original_lm_head", bool, source, default=False)
+    truncated = config.get("truncated_vocab_size")
+    if truncated not in (None, vocab):
+        raise HeadsFormatError(f"{source}: truncated_vocab_size {truncated} != vocab_size {vocab} is not supported")
+    tensors = {name.removeprefix("medusa_heads."): t for name, t in tensors.items()}
+    layout = (
+        f"the vLLM layout of config.json (num_heads={num_heads}, num_hidden_layers={num_layers}, "
+        f"medusa_fc_bias={bias}, original_lm_head={original})"
+    )
+    _checked(tensors, vllm_spec(num_heads, num_layers, hidden, vocab, bias, original), file, layout)
+    projections = [tensors[projection_name(VLLM, k, num_layers)] for k in range(1 if original else num_heads)]
+    cfg = HeadsConfig(hidden, vocab, num_heads, num_layers, shared_lm_head=original)
+    blocks = blocks_from(VLLM, tensors, num_heads, num_layers, hidden)
+    if original:
+        return Parsed(cfg, blocks, stored_lm_head=projections[0], meta={"format": VLLM})
+    return Parsed(cfg, blocks, projections, meta={"format": VLLM})

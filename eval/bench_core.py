@@ -1,0 +1,133 @@
+"""Core benchmark: target forward time against tree size, and speculative vs plain greedy tokens/s.
+
+    python -m eval.bench_core                       # default target, fresh (zero-init) heads
+    python -m eval.bench_core --heads runs/x/heads  # trained heads
+    python -m eval.bench_core --out bench.json --prompts 4 --max-new-tokens 96
+
+Prints two tables and writes them as JSON. Forward time is the median of timed repeats of one tree forward over a
+committed prefix (the cost that a bigger tree pays per step); decoding speed is measured on chat prompts, plain greedy
+being this project's own loop with no tree (same cache and backend) and transformers' `generate`.
+"""
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+
+import torch
+from rich.console import Console
+from rich.table import Table
+
+from medusa_like.attention import tree_attention
+from medusa_like.generate import target_hidden
+from medusa_like.kv_cache import TreeKVCache
+from medusa_like.model import MedusaLikeModel
+from medusa_like.tree import TokenTree, greedy_tree
+
+PROMPTS = [
+    "Explain how a hash map works, in a few paragraphs.",
+    "Write a Python function that checks whether a string is a palindrome, and explain it.",
+    "Give me three tips for writing a good cover letter.",
+    "What causes the seasons on Earth?",
+]
+_PRIOR = [[0.6 * 0.5**r for r in range(16)], *[[0.4 * 0.5**r for r in range(16)] for _ in range(4)]]
+
+
+def time_tree_forward(model: MedusaLikeModel, num_nodes: int, prefix_len: int, repeats: int) -> float:
+    """Median seconds of one target forward over a `num_nodes` tree on a `prefix_len`-token committed prefix."""
+    target = model.target
+    paths = greedy_tree(_PRIOR, num_nodes - 1)
+    tree = TokenTree.from_paths(paths).to(model.device)
+    prefix = torch.randint(0, target.config.vocab_size, (1, prefix_len), device=model.device)
+    tokens = torch.randint(0, target.config.vocab_size, (1, tree.num_nodes), device=model.device)
+    lm_head = target.get_output_embeddings()
+    times = []
+    with torch.inference_mode(), tree_attention(target, model.backend):
+        cache = TreeKVCache.for_model(target, prefix_len + tree.num_nodes)
+        target_hidden(target, prefix, torch.arange(prefix_len, device=model.device)[None], cache, None)
+        cache.commit_all(prefix_len)
+        positions = (prefix_len + tree.depth)[None]
+        mask = tree.attention_mask[None, None]
+        for i in range(repeats + 1):
+            start = time.perf_counter()
+            lm_head(target_hidden(target, tokens, positions, cache, mask)).argmax(-1)
+            if model.device.type == "cuda":
+                torch.cuda.synchronize()
+            if i:  # the first is a warm-up
+                times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def decode_speed(model: MedusaLikeModel, trees: list[str], num_prompts: int, max_new_tokens: int) -> list[dict]:
+    prompts = [model.chat_ids([{"role": "user", "content": p}]) for p in PROMPTS[:num_prompts]]
+    rows = {name: {"tokens": 0, "seconds": 0.0, "forwards": 0} for name in ["hf_generate", *trees]}
+    model.generate(prompts[0], max_new_tokens=8, tree="none")  # warm-up
+    for ids in prompts:  # interleaved per prompt, so drift on a shared machine hits every method alike
+        start = time.perf_counter()
+        out = model.target.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
+                                    do_sample=False)
+        rows["hf_generate"]["seconds"] += time.perf_counter() - start
+        rows["hf_generate"]["tokens"] += out.shape[1] - ids.shape[1]
+        rows["hf_generate"]["forwards"] += out.shape[1] - ids.shape[1]
+        for name in trees:
+            result = model.generate(ids, max_new_tokens=max_new_tokens, tree=name)
+            stats = result.stats
+            rows[name]["seconds"] += stats.prefill_seconds + stats.decode_seconds
+            rows[name]["tokens"] += stats.new_tokens
+            rows[name]["forwards"] += stats.target_forwards
+    base = rows["hf_generate"]["tokens"] / rows["hf_generate"]["seconds"]
+    table = []
+    for name, r in rows.items():
+        tps = r["tokens"] / r["seconds"]
+        table.append({"method": name, "tokens_per_s": tps, "tau": r["tokens"] / max(r["forwards"], 1),
+                      "speedup_vs_hf": tps / base})
+    return table
+
+
+def main(argv=None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--target", default="smollm2-135m-instruct")
+    parser.add_argument("--heads", default=None, help="heads directory; default: fresh zero-initialised heads")
+    parser.add_argument("--backend", default="auto")
+    parser.add_argument("--nodes", default="1,2,4,8,16,32,64,128")
+    parser.add_argument("--prefix-len", type=int, default=256)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--prompts", type=int, default=2)
+    parser.add_argument("--max-new-tokens", type=int, default=64)
+    parser.add_argument("--trees", default="none,chain,small,medusa")
+    parser.add_argument("--out", default="bench_core.json")
+    args = parser.parse_args(argv)
+
+    model = MedusaLikeModel.from_pretrained(args.target, heads=args.heads, backend=args.backend)
+    console = Console()
+    forward = []
+    for n in [int(x) for x in args.nodes.split(",")]:
+        seconds = time_tree_forward(model, n, args.prefix_len, args.repeats)
+        forward.append({"nodes": n, "ms": seconds * 1e3, "relative_to_1": None})
+    for row in forward:
+        row["relative_to_1"] = row["ms"] / forward[0]["ms"]
+    speed = decode_speed(model, args.trees.split(","), args.prompts, args.max_new_tokens)
+
+    table = Table(title=f"tree forward on a {args.prefix_len}-token prefix ({model.backend}, {model.device})")
+    for col in ("nodes", "ms", "x one token"):
+        table.add_column(col, justify="right")
+    for row in forward:
+        table.add_row(str(row["nodes"]), f"{row['ms']:.1f}", f"{row['relative_to_1']:.2f}")
+    console.print(table)
+    table = Table(title=f"greedy decoding, {args.prompts} prompts x {args.max_new_tokens} tokens")
+    for col in ("method", "tokens/s", "tau", "speedup vs HF generate"):
+        table.add_column(col, justify="right")
+    for row in speed:
+        table.add_row(row["method"], f"{row['tokens_per_s']:.1f}", f"{row['tau']:.2f}", f"{row['speedup_vs_hf']:.2f}x")
+    console.print(table)
+
+    result = {"target": args.target, "heads": args.heads, "backend": model.backend, "device": str(model.device),
+              "torch_threads": torch.get_num_threads(), "tree_forward": forward, "decoding": speed}
+    Path(args.out).write_text(json.dumps(result, indent=2))
+    console.print(f"wrote {args.out}")
+    return result
+
+
+if __name__ == "__main__":
+    main()

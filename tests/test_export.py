@@ -1,0 +1,445 @@
+"""Export and import of heads in every format: lossless round trips, exact file layouts, and every error.
+
+All on tiny random Llama targets built from a config (nothing downloaded). The expected layouts below are written out
+by hand from the serving engines' documentation, not derived from the exporter.
+"""
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from hydra import compose, initialize_config_dir
+from safetensors.torch import load_file, save_file
+from transformers import AutoModelForCausalLM, LlamaConfig
+
+from medusa_like.export import (
+    HeadsFormatError,
+    TargetMismatchError,
+    export_heads,
+    heads_from_checkpoint,
+    load_heads,
+    read_heads,
+    save_heads,
+)
+from medusa_like.heads import HeadsConfig, MedusaHeads
+from medusa_like.targets import target_fingerprint
+
+H, V, K = 32, 128, 3
+CONF_DIR = str(Path(__file__).resolve().parents[1] / "conf")
+
+
+def tiny_target(seed: int = 0, **overrides) -> torch.nn.Module:
+    fields = dict(
+        vocab_size=V,
+        hidden_size=H,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        intermediate_size=64,
+        tie_word_embeddings=False,
+    )
+    fields.update(overrides)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(LlamaConfig(**fields)).eval()
+    model.config.name_or_path = f"tiny-llama-{seed}"
+    return model
+
+
+def random_heads(num_layers: int = 1, shared: bool = True, seed: int = 1, hidden: int = H) -> MedusaHeads:
+    """Heads with every parameter random (zero-initialised blocks would make a broken export pass)."""
+    heads = MedusaHeads(HeadsConfig(hidden, V, K, num_layers, shared))
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in heads.parameters():
+            p.copy_(torch.randn(p.shape, generator=gen) * 0.1)
+    return heads.eval()
+
+
+def logits(heads: MedusaHeads, target) -> torch.Tensor:
+    hidden = torch.randn(2, 5, H, generator=torch.Generator().manual_seed(7))
+    with torch.no_grad():
+        return heads(hidden, target.get_output_embeddings())
+
+
+def export(heads, tmp_path, fmt, target, name="out") -> Path:
+    return export_heads(heads, tmp_path / name, fmt, target_model=target, target_name="tiny/base")
+
+
+@pytest.fixture(scope="module")
+def target():
+    return tiny_target()
+
+
+# ---- hand-written layouts (K=3 heads, H=32, V=128) ----
+
+
+def block_spec(prefix_fmt: str, num_layers: int, bias: bool = True) -> dict:
+    spec = {}
+    for k in range(K):
+        for layer in range(num_layers):
+            base = prefix_fmt.format(k=k, l=layer)
+            spec[f"{base}.weight"] = (H, H)
+            if bias:
+                spec[f"{base}.bias"] = (H,)
+    return spec
+
+
+EXPECTED = {
+    # (format, num_layers, shared): (weights file, {name: shape}, config subset)
+    ("native", 2, False): (
+        "model.safetensors",
+        {**block_spec("blocks.{k}.{l}.linear", 2), **{f"lm_heads.{k}.weight": (V, H) for k in range(K)}},
+        {"medusa_like_format": 1, "head_type": "medusa", "num_heads": 3, "num_layers": 2, "hidden_size": H},
+    ),
+    ("native", 1, True): (
+        "model.safetensors",
+        block_spec("blocks.{k}.{l}.linear", 1),
+        {"shared_lm_head": True, "vocab_size": V, "target": "tiny/base"},
+    ),
+    ("medusa", 2, True): (
+        "medusa_lm_head.safetensors",
+        {**block_spec("{k}.{l}.linear", 2), **{f"{k}.2.weight": (V, H) for k in range(K)}},
+        {"medusa_num_heads": 3, "medusa_num_layers": 2, "base_model_name_or_path": "tiny/base"},
+    ),
+    ("medusa", 1, False): (
+        "medusa_lm_head.safetensors",
+        {**block_spec("{k}.{l}.linear", 1), **{f"{k}.1.weight": (V, H) for k in range(K)}},
+        {"medusa_num_heads": 3, "medusa_num_layers": 1},
+    ),
+    ("vllm", 2, False): (
+        "model.safetensors",
+        {**block_spec("blocks.{k}.layers.{l}", 2), **{f"lm_heads.{k}.weight": (V, H) for k in range(K)}},
+        {
+            "model_type": "medusa",
+            "architectures": ["MedusaModel"],
+            "hidden_size": H,
+            "vocab_size": V,
+            "num_heads": 3,
+            "num_hidden_layers": 2,
+            "medusa_fc_bias": True,
+        },
+    ),
+    ("vllm", 1, True): (
+        "model.safetensors",
+        {**block_spec("blocks.{k}.layers.{l}", 1), "lm_heads.0.weight": (V, H)},
+        {"model_type": "medusa", "num_heads": 3, "num_hidden_layers": 1, "original_lm_head": True},
+    ),
+    ("tgi", 1, True): (
+        "medusa_lm_head.safetensors",
+        block_spec("{k}.{l}.linear", 1),
+        {"medusa_num_heads": 3, "medusa_num_layers": 1, "base_model_name_or_path": "tiny/base"},
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(EXPECTED), ids=lambda c: f"{c[0]}-L{c[1]}-{'shared' if c[2] else 'own'}")
+def test_round_trip_is_exact_and_layout_matches_spec(case, target, tmp_path):
+    fmt, num_layers, shared = case
+    weights_file, spec, config_subset = EXPECTED[case]
+    heads = random_heads(num_layers, shared)
+    out = export(heads, tmp_path, fmt, target)
+
+    assert sorted(p.name for p in out.iterdir()) == sorted(["config.json", weights_file])
+    tensors = load_file(out / weights_file)
+    assert {name: tuple(t.shape) for name, t in tensors.items()} == spec
+    config = json.loads((out / "config.json").read_text())
+    assert {key: config[key] for key in config_subset} == config_subset
+    if fmt == "native":
+        assert config["target_fingerprint"] == target_fingerprint(target.config)
+    if shared and fmt in ("medusa", "vllm"):  # the target's lm_head is stored for the engine
+        assert torch.equal(tensors["0.2.weight" if fmt == "medusa" else "lm_heads.0.weight"], target.lm_head.weight)
+
+    loaded, info = read_heads(out, target)
+    assert info["format"] == fmt
+    assert loaded.config == heads.config
+    assert torch.equal(logits(loaded, target), logits(heads, target))
+
+
+def test_own_projections_equal_to_the_target_import_as_shared(target, tmp_path):
+    heads = random_heads(1, shared=False)
+    heads.init_projections_from(target.lm_head.weight)
+    for fmt in ("medusa", "vllm"):
+        loaded = load_heads(export(heads, tmp_path, fmt, target, fmt), target)
+        assert loaded.config.shared_lm_head and loaded.lm_heads is None
+        hidden = torch.randn(2, 5, H)
+        with torch.no_grad():  # the same numbers through the shared path's one batched projection
+            assert torch.equal(loaded(hidden, target.lm_head), target.lm_head(heads.features(hidden)))
+
+
+def test_bf16_export_round_trips_in_bf16(target, tmp_path):
+    heads = random_heads(1, shared=True)
+    out = export_heads(heads, tmp_path / "bf16", "vllm", target_model=target, target_name="t", dtype=torch.bfloat16)
+    loaded = load_heads(out, target)  # the bf16 lm_head still counts as the fp32 target's
+    assert next(loaded.parameters()).dtype == torch.bfloat16
+    assert torch.equal(logits(loaded.float(), target), logits(heads.to(torch.bfloat16).float(), target))
+
+
+# ---- refusals on export ----
+
+
+@pytest.mark.parametrize(
+    "num_layers, shared, reason",
+    [(2, True, "2 residual blocks per head"), (1, False, "their own vocabulary projections")],
+)
+def test_tgi_refuses_heads_it_cannot_hold(num_layers, shared, reason, target, tmp_path):
+    with pytest.raises(ValueError, match=reason):
+        export(random_heads(num_layers, shared), tmp_path, "tgi", target)
+    assert not (tmp_path / "out").exists()
+
+
+def test_export_refuses_other_weight_files_and_unknown_format(target, tmp_path):
+    out = export(random_heads(), tmp_path, "native", target)
+    with pytest.raises(FileExistsError, match="model.safetensors"):
+        export(random_heads(), tmp_path, "medusa", target)
+    export(random_heads(seed=5), tmp_path, "native", target)  # overwriting the same format is fine
+    assert torch.equal(logits(load_heads(out, target), target), logits(random_heads(seed=5), target))
+    with pytest.raises(ValueError, match="'onnx'"):
+        export(random_heads(), tmp_path, "onnx", target, "x")
+
+
+def test_export_refuses_heads_of_another_target(tmp_path):
+    with pytest.raises(TargetMismatchError, match="hidden size 16"):
+        export(random_heads(hidden=16), tmp_path, "native", tiny_target())
+
+
+def test_interrupted_write_leaves_the_previous_file(target, tmp_path, monkeypatch):
+    out = export(random_heads(seed=1), tmp_path, "native", target)
+    before = (out / "model.safetensors").read_bytes()
+
+    def crash(tensors, filename, metadata=None):
+        Path(filename).write_bytes(b"partial")
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr("medusa_like.export.save_file", crash)
+    with pytest.raises(KeyboardInterrupt):
+        export(random_heads(seed=2), tmp_path, "native", target)
+    assert (out / "model.safetensors").read_bytes() == before
+    assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors"]
+
+
+# ---- broken files ----
+
+
+@pytest.mark.parametrize("fmt", ["native", "medusa", "vllm", "tgi"])
+def test_truncated_or_garbage_weights_are_named(fmt, target, tmp_path):
+    out = export(random_heads(), tmp_path, fmt, target)
+    weights = next(out.glob("*.safetensors"))
+    data = weights.read_bytes()
+    weights.write_bytes(data[: len(data) - 100])
+    with pytest.raises(HeadsFormatError, match=rf"{weights.name} is not a readable safetensors file"):
+        load_heads(out, target)
+    weights.write_bytes(b"not a safetensors file at all")
+    with pytest.raises(HeadsFormatError, match="truncated or corrupted"):
+        load_heads(out, target)
+
+
+def rewrite(out: Path, edit) -> None:
+    """Apply edit(tensors) to the directory's weights file and save it back."""
+    weights = next(out.glob("*.safetensors"))
+    tensors = load_file(weights)
+    edit(tensors)
+    save_file(tensors, weights)
+
+
+def test_missing_extra_and_misshapen_tensors_are_named(target, tmp_path):
+    out = export(random_heads(2, shared=False), tmp_path, "medusa", target)
+    rewrite(out, lambda t: t.pop("1.1.linear.bias"))
+    with pytest.raises(HeadsFormatError, match=r"missing tensors '1\.1\.linear\.bias'"):
+        load_heads(out, target)
+
+    out = export(random_heads(1), tmp_path, "native", target, "extra")
+    rewrite(out, lambda t: t.update({"lm_heads.0.weight": torch.zeros(V, H)}))
+    with pytest.raises(HeadsFormatError, match=r"unexpected tensors 'lm_heads\.0\.weight'"):
+        load_heads(out, target)
+
+    out = export(random_heads(1, shared=False), tmp_path, "vllm", target, "shape")
+    rewrite(out, lambda t: t.update({"lm_heads.2.weight": torch.zeros(V - 1, H)}))
+    with pytest.raises(HeadsFormatError, match=r"'lm_heads\.2\.weight' has shape \(127, 32\), expected \(128, 32\)"):
+        load_heads(out, target)
+
+
+@pytest.mark.parametrize(
+    "fmt, key, pattern",
+    [
+        ("native", "num_heads", r"num_heads=2.*unexpected tensors 'blocks\.2\.0\.linear\.bias'"),
+        ("medusa", "medusa_num_heads", r"medusa_num_heads=2.*unexpected tensors '2\.0\.linear\.bias'"),
+        ("vllm", "num_heads", r"num_heads=2.*unexpected tensors 'blocks\.2\.layers\.0\.bias'"),
+        ("tgi", "medusa_num_heads", r"medusa_num_heads=2.*unexpected tensors '2\.0\.linear\.bias'"),
+    ],
+)
+def test_config_head_count_disagreeing_with_weights(fmt, key, pattern, target, tmp_path):
+    out = export(random_heads(1), tmp_path, fmt, target)
+    config = json.loads((out / "config.json").read_text())
+    config[key] = 2
+    (out / "config.json").write_text(json.dumps(config))
+    with pytest.raises(HeadsFormatError, match=pattern):
+        load_heads(out, target)
+    config[key] = 4
+    (out / "config.json").write_text(json.dumps(config))
+    with pytest.raises(HeadsFormatError, match=r"missing tensors '(blocks\.)?3\."):
+        load_heads(out, target)
+
+
+def test_bad_paths_and_configs(target, tmp_path):
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        load_heads(tmp_path / "nowhere", target)
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with pytest.raises(HeadsFormatError, match="no config.json"):
+        load_heads(empty, target)
+    (empty / "config.json").write_text("{not json")
+    with pytest.raises(HeadsFormatError, match="not valid JSON"):
+        load_heads(empty, target)
+    (empty / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    with pytest.raises(HeadsFormatError, match="matches no known heads format"):
+        load_heads(empty, target)
+    (empty / "config.json").write_text(json.dumps({"medusa_num_heads": 3, "medusa_num_layers": 1}))
+    (empty / "medusa_lm_head.pt").write_bytes(b"pickle")
+    with pytest.raises(HeadsFormatError, match=r"medusa_lm_head.safetensors is missing.*convert them to safetensors"):
+        load_heads(empty, target)
+    out = export(random_heads(), tmp_path, "native", target)
+    config = json.loads((out / "config.json").read_text())
+    (out / "config.json").write_text(json.dumps({**config, "num_layers": "1"}))
+    with pytest.raises(HeadsFormatError, match="field 'num_layers' is '1', expected a int"):
+        load_heads(out, target)
+    with pytest.raises(HeadsFormatError, match="is a file"):
+        load_heads(out / "config.json", target)
+
+
+# ---- the target ----
+
+
+@pytest.mark.parametrize("fmt", ["native", "medusa", "vllm", "tgi"])
+def test_target_with_another_hidden_size_or_vocabulary(fmt, target, tmp_path):
+    out = export(random_heads(), tmp_path, fmt, target)
+    with pytest.raises(TargetMismatchError, match=r"hidden size 32, but target 'tiny-llama-0' has hidden size 64"):
+        load_heads(out, tiny_target(hidden_size=64))
+    if fmt == "tgi":  # TGI's compact form stores no projection, so no vocabulary to disagree with
+        assert load_heads(out, tiny_target(vocab_size=256)).config.vocab_size == 256
+        return
+    with pytest.raises(TargetMismatchError, match=r"vocabulary size 128, but target .* has vocabulary size 256"):
+        load_heads(out, tiny_target(vocab_size=256))
+
+
+def test_target_with_another_fingerprint(target, tmp_path):
+    out = save_heads(random_heads(), tmp_path / "native", target, "tiny/base")
+    with pytest.raises(TargetMismatchError, match="fingerprint"):
+        load_heads(out, tiny_target(num_hidden_layers=2))
+
+
+def test_stored_lm_head_of_another_target(target, tmp_path):
+    out = export(random_heads(shared=True), tmp_path, "vllm", target)
+    with pytest.raises(TargetMismatchError, match=r"lm_heads\.0\.weight \(original_lm_head: true\) differs"):
+        load_heads(out, tiny_target(seed=3))
+
+
+# ---- training checkpoints ----
+
+
+def write_checkpoint(path: Path, heads: MedusaHeads, target, fingerprint: str | None = None) -> Path:
+    """A checkpoint following the training module's contract (plus the optimizer state it also holds)."""
+    torch.save(
+        {
+            "state_dict": {f"heads.{name}": t for name, t in heads.state_dict().items()},
+            "optimizer_states": [{"state": {}, "param_groups": [{"lr": 1e-3}]}],
+            "global_step": 12,
+            "epoch": 1,
+            "medusa_like": {
+                "heads_config": heads.config.to_dict(),
+                "target": "tiny/base",
+                "target_fingerprint": fingerprint or target_fingerprint(target.config),
+            },
+        },
+        path,
+    )
+    return path
+
+
+def test_checkpoint_to_every_format(target, tmp_path):
+    heads = random_heads(1, shared=True)
+    ckpt = write_checkpoint(tmp_path / "last.ckpt", heads, target)
+    from_ckpt, meta = heads_from_checkpoint(ckpt)
+    assert meta["target"] == "tiny/base" and meta["global_step"] == 12
+    assert torch.equal(logits(from_ckpt, target), logits(heads, target))
+    for fmt in ("native", "medusa", "vllm", "tgi"):
+        out = export(load_heads(ckpt, target), tmp_path, fmt, target, fmt)
+        assert torch.equal(logits(load_heads(out, target), target), logits(heads, target))
+
+
+def test_checkpoint_errors(target, tmp_path):
+    heads = random_heads(1)
+    ckpt = write_checkpoint(tmp_path / "other.ckpt", heads, target, fingerprint="0" * 16)
+    with pytest.raises(TargetMismatchError, match="fingerprint 0000000000000000"):
+        load_heads(ckpt, target)
+    state = {"state_dict": {"heads.blocks.0.0.linear.weight": torch.zeros(H, H)}, "epoch": 0}
+    torch.save(state, tmp_path / "plain.ckpt")
+    with pytest.raises(HeadsFormatError, match="not a medusa_like training checkpoint"):
+        heads_from_checkpoint(tmp_path / "plain.ckpt")
+    good = write_checkpoint(tmp_path / "good.ckpt", heads, target).read_bytes()
+    (tmp_path / "cut.ckpt").write_bytes(good[: len(good) // 2])
+    with pytest.raises(HeadsFormatError, match="not a readable torch checkpoint"):
+        heads_from_checkpoint(tmp_path / "cut.ckpt")
+    ckpt = write_checkpoint(tmp_path / "less.ckpt", random_heads(1), target)
+    checkpoint = torch.load(ckpt, weights_only=True)
+    del checkpoint["state_dict"]["heads.blocks.1.0.linear.weight"]
+    torch.save(checkpoint, ckpt)
+    with pytest.raises(HeadsFormatError, match=r"missing tensors 'blocks\.1\.0\.linear\.weight'"):
+        heads_from_checkpoint(ckpt)
+
+
+# ---- the Hydra entry point ----
+
+
+def save_tiny_target(directory: Path) -> Path:
+    """A tiny target directory that `targets.load_target` opens: model and a word-level tokenizer."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    tiny_target().save_pretrained(directory)
+    vocab = {f"w{i}": i for i in range(V - 1)} | {"[UNK]": V - 1}
+    backend = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    backend.pre_tokenizer = pre_tokenizers.Whitespace()
+    PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="[UNK]").save_pretrained(directory)
+    return directory
+
+
+def test_hydra_entry_point_exports_a_checkpoint(target, tmp_path):
+    from train.export import export as run_export
+
+    target_dir = save_tiny_target(tmp_path / "target")
+    heads = random_heads(1, shared=True)
+    ckpt = write_checkpoint(tmp_path / "last.ckpt", heads, target)
+    with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
+        cfg = compose(
+            config_name="export",
+            overrides=[f"heads.path={ckpt}", "format=vllm", f"out={tmp_path / 'vllm'}", f"model.target={target_dir}"],
+        )
+    out = run_export(cfg)
+    config = json.loads((out / "config.json").read_text())
+    assert config["original_lm_head"] is True
+    assert torch.equal(logits(load_heads(out, target), target), logits(heads, target))
+
+
+def test_tied_embeddings_target(tmp_path):
+    """A target whose lm_head is its input embedding (SmolLM2, Gemma): the stored lm_head is that shared matrix."""
+    tied = tiny_target(tie_word_embeddings=True)
+    assert tied.lm_head.weight is tied.get_input_embeddings().weight
+    heads = random_heads(1, shared=True)
+    for fmt in ("native", "medusa", "vllm", "tgi"):
+        loaded = load_heads(export(heads, tmp_path, fmt, tied, fmt), tied)
+        assert loaded.config.shared_lm_head
+        assert torch.equal(logits(loaded, tied), logits(heads, tied))
+
+
+def test_vllm_blocks_without_bias_import_as_zero_bias(target, tmp_path):
+    heads = random_heads(2, shared=False)
+    with torch.no_grad():
+        for name, p in heads.named_parameters():
+            if name.endswith(".bias"):
+                p.zero_()
+    out = export(heads, tmp_path, "vllm", target)
+    rewrite(out, lambda t: [t.pop(name) for name in [n for n in t if n.endswith(".bias")]])
+    config = json.loads((out / "config.json").read_text())
+    (out / "config.json").write_text(json.dumps({**config, "medusa_fc_bias": False}))
+    assert torch.equal(logits(load_heads(out, target), target), logits(heads, target))
