@@ -65,8 +65,9 @@ def decode_speed(model: MedusaLikeModel, trees: list[str], num_prompts: int, max
     model.generate(prompts[0], max_new_tokens=8, tree="none")  # warm-up
     for ids in prompts:  # interleaved per prompt, so drift on a shared machine hits every method alike
         start = time.perf_counter()
-        out = model.target.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
-                                    do_sample=False)
+        out = model.target.generate(
+            ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens, do_sample=False
+        )
         rows["hf_generate"]["seconds"] += time.perf_counter() - start
         rows["hf_generate"]["tokens"] += out.shape[1] - ids.shape[1]
         rows["hf_generate"]["forwards"] += out.shape[1] - ids.shape[1]
@@ -80,8 +81,14 @@ def decode_speed(model: MedusaLikeModel, trees: list[str], num_prompts: int, max
     table = []
     for name, r in rows.items():
         tps = r["tokens"] / r["seconds"]
-        table.append({"method": name, "tokens_per_s": tps, "tau": r["tokens"] / max(r["forwards"], 1),
-                      "speedup_vs_hf": tps / base})
+        table.append(
+            {
+                "method": name,
+                "tokens_per_s": tps,
+                "tau": r["tokens"] / max(r["forwards"], 1),
+                "speedup_vs_hf": tps / base,
+            }
+        )
     return table
 
 
@@ -122,8 +129,15 @@ def main(argv=None) -> dict:
         table.add_row(row["method"], f"{row['tokens_per_s']:.1f}", f"{row['tau']:.2f}", f"{row['speedup_vs_hf']:.2f}x")
     console.print(table)
 
-    result = {"target": args.target, "heads": args.heads, "backend": model.backend, "device": str(model.device),
-              "torch_threads": torch.get_num_threads(), "tree_forward": forward, "decoding": speed}
+    result = {
+        "target": args.target,
+        "heads": args.heads,
+        "backend": model.backend,
+        "device": str(model.device),
+        "torch_threads": torch.get_num_threads(),
+        "tree_forward": forward,
+        "decoding": speed,
+    }
     Path(args.out).write_text(json.dumps(result, indent=2))
     console.print(f"wrote {args.out}")
     return result

@@ -157,16 +157,18 @@ def flash_kernel(device: torch.device):
 # Backends, in transformers' attention-function signature: (module, q, k, v, mask, ...) -> (out [B, T, H, D], None)
 
 
-def eager_tree_attention(module, query, key, value, attention_mask, scaling=None, sliding_window=None, softcap=None,
-                         **kwargs):
+def eager_tree_attention(
+    module, query, key, value, attention_mask, scaling=None, sliding_window=None, softcap=None, **kwargs
+):
     scaling = scaling if scaling is not None else query.shape[-1] ** -0.5
     visible = visible_keys(_tree_block(attention_mask), query.shape[2], key.shape[2], sliding_window)
     out, _ = attention_with_lse(query, key, value, visible.to(query.device), scaling, softcap)
     return out, None
 
 
-def sdpa_tree_attention(module, query, key, value, attention_mask, scaling=None, sliding_window=None, softcap=None,
-                        **kwargs):
+def sdpa_tree_attention(
+    module, query, key, value, attention_mask, scaling=None, sliding_window=None, softcap=None, **kwargs
+):
     if softcap:  # sdpa has no logit soft-capping
         return eager_tree_attention(module, query, key, value, attention_mask, scaling, sliding_window, softcap)
     q_len, kv_len = query.shape[2], key.shape[2]
@@ -180,8 +182,9 @@ def sdpa_tree_attention(module, query, key, value, attention_mask, scaling=None,
     return out.transpose(1, 2), None
 
 
-def flash_tree_attention(module, query, key, value, attention_mask, scaling=None, sliding_window=None, softcap=None,
-                         **kwargs):
+def flash_tree_attention(
+    module, query, key, value, attention_mask, scaling=None, sliding_window=None, softcap=None, **kwargs
+):
     kernel = flash_kernel(query.device)
     scaling = scaling if scaling is not None else query.shape[-1] ** -0.5
     q_len, kv_len = query.shape[2], key.shape[2]
@@ -190,8 +193,16 @@ def flash_tree_attention(module, query, key, value, attention_mask, scaling=None
     block = _tree_block(attention_mask)
     if block is None:  # causal block at the end of the cache: the kernel does it alone
         window = (sliding_window - 1, 0) if sliding_window else (-1, -1)
-        out = kernel(q, k_all, v_all, cache_seqlens=kv_len, softmax_scale=scaling, causal=True, window_size=window,
-                     softcap=softcap or 0.0)
+        out = kernel(
+            q,
+            k_all,
+            v_all,
+            cache_seqlens=kv_len,
+            softmax_scale=scaling,
+            causal=True,
+            window_size=window,
+            softcap=softcap or 0.0,
+        )
         return out, None
 
     prefix = kv_len - q_len
@@ -207,9 +218,16 @@ def flash_tree_attention(module, query, key, value, attention_mask, scaling=None
         rows = (depth == d).nonzero().flatten() if sliding_window else slice(None)
         if first >= prefix:  # the window ends inside the tree: nothing of the prefix is visible
             continue
-        out_p, lse_p = kernel(q[:, rows], k_all[:, first:prefix], v_all[:, first:prefix],
-                              cache_seqlens=prefix - first, softmax_scale=scaling, causal=False,
-                              softcap=softcap or 0.0, return_softmax_lse=True)
+        out_p, lse_p = kernel(
+            q[:, rows],
+            k_all[:, first:prefix],
+            v_all[:, first:prefix],
+            cache_seqlens=prefix - first,
+            softmax_scale=scaling,
+            causal=False,
+            softcap=softcap or 0.0,
+            return_softmax_lse=True,
+        )
         merged, _ = merge_partial_attention(out_p, lse_p, out[:, rows], lse[:, :, rows])
         out[:, rows] = merged
     return out, None

@@ -23,6 +23,7 @@ import torch
 from .attention import tree_attention
 from .heads import MedusaHeads
 from .kv_cache import CacheOverflowError, TreeKVCache
+from .sampling import accept_sampling, warp_logits
 from .tree import TokenTree
 
 
@@ -156,8 +157,13 @@ def speculative_generate(
     streamer: Callable | None = None,
     max_cache_len: int | None = None,
     proposer: Callable | None = None,
+    temperature: float = 0.0,
+    top_k: int = 0,
+    top_p: float = 1.0,
+    generator: torch.Generator | None = None,
 ) -> GenerateOutput:
-    """Greedy tree speculative decoding of one sequence; lossless against the target's greedy decoding.
+    """Tree speculative decoding of one sequence, lossless: at temperature 0 the output is the target's greedy output
+    token for token; above it, every token is drawn from the target's own (temperature, top-k, top-p) distribution.
 
     `proposer(last_hidden [H], generated: list[int]) -> [K, top_k]` replaces the heads' proposals when given (an
     oracle in tests, or another drafter); verification and acceptance stay the same, so the output does too.
@@ -196,12 +202,17 @@ def speculative_generate(
     stats = DecodeStats()
     tree_mask = tree.attention_mask[None, None]  # [1, 1, T, T]
 
+    def next_token(logits):  # [V] -> []
+        if temperature == 0:
+            return logits.argmax(-1)
+        return torch.multinomial(warp_logits(logits, temperature, top_k, top_p), 1, generator=generator)[0]
+
     with tree_attention(target, backend):
         start = time.perf_counter()
         hidden = target_hidden(target, input_ids, torch.arange(prompt_len, device=device)[None], cache, None)
         cache.commit_all(prompt_len)
         last_hidden = hidden[0, -1]  # [H]
-        root = lm_head(last_hidden).argmax(-1)
+        root = next_token(lm_head(last_hidden))
         stats.target_forwards = 1
         generated = [int(root)]
         stats.prefill_seconds = time.perf_counter() - start
@@ -215,13 +226,18 @@ def speculative_generate(
             prefix = cache.length
             cache.check_room(tree.num_nodes)
             hidden = target_hidden(target, tokens[None], (prefix + tree.depth)[None], cache, tree_mask)[0]  # [T, H]
-            predictions = lm_head(hidden).argmax(-1)  # [T]
-            nodes = accept_greedy(tokens, predictions, tree)  # [n + 1]
+            logits = lm_head(hidden)  # [T, V]
+            if temperature == 0:
+                predictions = logits.argmax(-1)  # [T]
+                nodes = accept_greedy(tokens, predictions, tree)  # [n + 1]
+                root = predictions[nodes[-1]]
+            else:
+                probs = warp_logits(logits, temperature, top_k, top_p)  # [T, V]
+                nodes, root = accept_sampling(tokens, probs, tree, generator)
             cache.commit(prefix + nodes)
             stats.target_forwards += 1
             stats.accepted_draft.append(nodes.numel() - 1)
 
-            root = predictions[nodes[-1]]
             last_hidden = hidden[nodes[-1]]
             new = tokens[nodes[1:]].tolist() + [int(root)]
             first_new = len(generated)

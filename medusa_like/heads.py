@@ -88,4 +88,4 @@ class MedusaHeads(nn.Module):
             if lm_head is None:
                 raise ValueError("these heads share the target's lm_head: pass it as `lm_head`")
             return lm_head(feats)
-        return torch.stack([proj(f) for proj, f in zip(self.lm_heads, feats)])
+        return torch.stack([proj(f) for proj, f in zip(self.lm_heads, feats, strict=True)])

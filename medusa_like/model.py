@@ -90,25 +90,35 @@ class MedusaLikeModel:
         max_new_tokens: int = 256,
         tree: str | list | TokenTree | None = "small",
         temperature: float = 0.0,
+        top_k: int = 0,
+        top_p: float = 1.0,
+        seed: int | None = None,
         eos_token_id: int | list[int] | None = None,
         stop_strings: list[str] | None = None,
         streamer=None,
         max_cache_len: int | None = None,
     ) -> GenerateOutput:
-        """Greedy speculative decoding; the output equals the target's own greedy decoding token for token.
+        """Speculative decoding, lossless: at temperature 0 the output equals the target's own greedy decoding token
+        for token; above it, tokens are drawn from exactly the target's (temperature, top_k, top_p) distribution.
 
         `tree`: a preset ('chain', 'small', 'medusa', 'none' for plain decoding), a list of rank paths, a tree file
         (JSON from the tree search) or a `TokenTree`. `streamer`: a callable taking each step's new token ids, or a
         transformers streamer.
         """
-        if temperature != 0.0:
-            raise NotImplementedError(
-                f"temperature={temperature}: only greedy (temperature 0) verification is implemented, which is what "
-                "makes the output provably identical to the target's"
-            )
+        if temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {temperature}")
+        generator = None
+        if temperature > 0 and seed is not None:
+            generator = torch.Generator(self.device).manual_seed(seed)
         if input_ids.dim() == 1:
             input_ids = input_ids[None]
-        eos = self.eos_token_ids() if eos_token_id is None else [eos_token_id] if isinstance(eos_token_id, int) else eos_token_id
+        eos = (
+            self.eos_token_ids()
+            if eos_token_id is None
+            else [eos_token_id]
+            if isinstance(eos_token_id, int)
+            else eos_token_id
+        )
         stop = StopChecker(eos, stop_strings or (), self.tokenizer)
         return speculative_generate(
             self.target,
@@ -120,4 +130,8 @@ class MedusaLikeModel:
             stop=stop,
             streamer=streamer,
             max_cache_len=max_cache_len,
+            temperature=temperature,
+            top_k=top_k,
+            top_p=top_p,
+            generator=generator,
         )

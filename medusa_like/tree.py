@@ -13,6 +13,7 @@ nodes 1.. are the paths sorted by (depth, ranks). Compiling a tree once gives ev
 import heapq
 import json
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 
 import torch
@@ -67,6 +68,15 @@ class TokenTree:
     @property
     def num_nodes(self) -> int:
         return self.depth.numel()
+
+    @cached_property
+    def children(self) -> list[list[int]]:
+        """Child node indices of every node, in rank order (used by sampling verification)."""
+        index = {p: i + 1 for i, p in enumerate(self.paths)}
+        kids: list[list[int]] = [[] for _ in range(self.num_nodes)]
+        for p, i in index.items():
+            kids[index[p[:-1]] if len(p) > 1 else 0].append(i)
+        return kids
 
     @classmethod
     def from_paths(cls, paths, num_heads: int | None = None, top_k: int | None = None) -> "TokenTree":

@@ -10,6 +10,10 @@ VOCAB = 97
 HIDDEN = 32
 SLIDING_WINDOW = 6  # far below the test sequence lengths, so sliding layers really slide
 
+# Tiny models gain nothing from intra-op threads, and OpenMP workers spinning on a busy 2-core machine make each small
+# matmul up to 50x slower.
+torch.set_num_threads(1)
+
 _COMMON = dict(
     vocab_size=VOCAB,
     hidden_size=HIDDEN,
@@ -26,7 +30,9 @@ _COMMON = dict(
 FAMILIES = {
     "llama": lambda: LlamaConfig(**_COMMON),
     # first layer full attention, second sliding
-    "qwen2": lambda: Qwen2Config(**_COMMON, use_sliding_window=True, sliding_window=SLIDING_WINDOW, max_window_layers=1),
+    "qwen2": lambda: Qwen2Config(
+        **_COMMON, use_sliding_window=True, sliding_window=SLIDING_WINDOW, max_window_layers=1
+    ),
     "mistral": lambda: MistralConfig(**_COMMON, sliding_window=SLIDING_WINDOW),
     "gemma3": lambda: Gemma3TextConfig(
         **{**_COMMON, "num_hidden_layers": 3},

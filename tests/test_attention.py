@@ -96,8 +96,9 @@ def test_reference_kernel_contract():
     q = torch.randn(1, 3, 4, 8, generator=g)  # [B, Sq, H, D]
     k = torch.randn(1, 10, 2, 8, generator=g)  # [B, Sk, H_kv, D]
     v = torch.randn(1, 10, 2, 8, generator=g)
-    out, lse = reference_flash_attn_with_kvcache(q, k, v, cache_seqlens=6, causal=True, window_size=(2, 0),
-                                                 return_softmax_lse=True)
+    out, lse = reference_flash_attn_with_kvcache(
+        q, k, v, cache_seqlens=6, causal=True, window_size=(2, 0), return_softmax_lse=True
+    )
     assert out.shape == (1, 3, 4, 8) and lse.shape == (1, 4, 3)
     # query i sits at key position 6 - 3 + i and sees keys [pos - 2, pos]
     for i, pos in enumerate([3, 4, 5]):
