@@ -63,7 +63,8 @@ def test_every_tree_node_sees_exactly_its_path(family, backend, tree_name):
 
 
 @pytest.mark.parametrize("tree_name", ["chain", "small", "medusa"])
-def test_oracle_candidates_accept_full_depth_every_step(family, tree_name):
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_oracle_candidates_accept_full_depth_every_step(family, backend, tree_name):
     """When rank 0 of every head is the target's own continuation, every step accepts depth + 1 tokens."""
     target, prompts, _ = references(family)
     tree = resolve_tree(tree_name, num_heads=4)
@@ -78,7 +79,7 @@ def test_oracle_candidates_accept_full_depth_every_step(family, tree_name):
         # ranks > 0 must not repeat the right token, or a sibling could be accepted instead; harmless either way
         return proposals
 
-    out = speculative_generate(target, None, prompt, tree, max_new_tokens=40, proposer=oracle)
+    out = speculative_generate(target, None, prompt, tree, max_new_tokens=40, backend=backend, proposer=oracle)
     assert out.new_tokens.tolist() == truth[:40]
     assert out.stats.accepted_draft == [tree.max_depth] * len(out.stats.accepted_draft)
     steps = len(out.stats.accepted_draft)
