@@ -1,0 +1,196 @@
+"""Self-distillation on tiny random targets: loss masks, resuming after an interruption, shards, multi-turn."""
+
+import json
+
+import pytest
+import torch
+import torch.nn as nn
+
+from medusa_like import distill
+from medusa_like.tiny_targets import tiny_target
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    # tiny models are latency-bound: one thread avoids OpenMP spinning against other processes on a shared CPU
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)
+
+
+def chatty_target(eos_logit: float = 9.7):
+    """A tiny random llama whose projection favours the end-of-turn token (~25% per step), so answers finish."""
+    model, tokenizer = tiny_target("llama", tie_word_embeddings=False)
+    old = model.get_output_embeddings()
+    head = nn.Linear(old.in_features, old.out_features, bias=True)
+    with torch.no_grad():
+        head.weight.copy_(old.weight)
+        head.bias.zero_()
+        head.bias[tokenizer.eos_token_id] = eos_logit
+    model.set_output_embeddings(head)
+    model.requires_grad_(False)
+    return model, tokenizer
+
+
+@pytest.fixture(scope="module")
+def target():
+    return chatty_target()
+
+
+def conversations(n: int, turns: int = 1) -> list[dict]:
+    out = []
+    for i in range(n):
+        messages = []
+        for t in range(turns):
+            messages += [
+                {"role": "user", "content": f"Question {i}.{t}: name a colour."},
+                {"role": "assistant", "content": "x"},
+            ]
+        out.append({"id": f"c{i}", "group": f"c{i}", "messages": messages})
+    return out
+
+
+GEN = distill.GenerationConfig(temperature=0.8, max_new_tokens=8, max_prompt_tokens=64, max_length=256)
+
+
+def segments(mask: list[int]) -> list[tuple[int, int]]:
+    spans, start = [], None
+    for i, m in enumerate([*mask, 0]):
+        if m and start is None:
+            start = i
+        elif not m and start is not None:
+            spans.append((start, i))
+            start = None
+    return spans
+
+
+def test_loss_mask_covers_the_answers_and_their_end_token_only():
+    _, tokenizer = tiny_target("llama")
+    messages = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "Hi there"},
+        {"role": "assistant", "content": "Hello! How can I help?"},
+        {"role": "user", "content": "Count to three."},
+        {"role": "assistant", "content": "One, two, thr"},
+    ]
+    ids, mask = distill.build_sample(tokenizer, messages, finished=[True, False])
+    assert len(ids) == len(mask)
+    spans = segments(mask)
+    assert len(spans) == 2
+    assert tokenizer.decode(ids[slice(*spans[0])]) == "Hello! How can I help?<|im_end|>"
+    assert tokenizer.decode(ids[slice(*spans[1])]) == "One, two, thr"  # cut off: no end token to learn
+    assert tokenizer.decode(ids[: spans[0][0]]).endswith("<|im_start|>assistant\n")
+
+
+def test_distilled_rows_hold_the_targets_own_answers(tmp_path, target):
+    model, tokenizer = target
+    path = distill.run(
+        model, tokenizer, conversations(6), tmp_path / "d", GEN, batch_size=4, chunk_size=4, progress=False
+    )
+    data = distill.load_distilled(tmp_path / "d")
+    assert path == tmp_path / "d" / "dataset" and data["id"] == [f"c{i}" for i in range(6)]
+    eos = tokenizer.eos_token_id
+    for row in data:
+        spans = segments(row["loss_mask"])
+        assert len(spans) == 1 and 1 <= spans[0][1] - spans[0][0] <= GEN.max_new_tokens + 2
+        prompt = tokenizer.decode(row["input_ids"][: spans[0][0]])
+        assert f"Question {row['id'][1:]}.0" in prompt and prompt.endswith("<|im_start|>assistant\n")
+        answer = row["input_ids"][slice(*spans[0])]
+        assert eos not in answer[:-1]  # the end token, if learned, closes the answer
+    assert any(row["input_ids"][segments(row["loss_mask"])[0][1] - 1] == eos for row in data)
+
+
+def test_interrupted_then_resumed_equals_uninterrupted(tmp_path, target):
+    model, tokenizer = target
+    convs = conversations(12)
+    kwargs = dict(batch_size=2, chunk_size=4, progress=False)
+    distill.run(model, tokenizer, convs, tmp_path / "whole", GEN, **kwargs)
+
+    calls = {"n": 0}
+    generate = model.generate
+
+    def interrupted(*args, **kw):
+        calls["n"] += 1
+        if calls["n"] == 3:  # the first batch of chunk 1
+            raise KeyboardInterrupt
+        return generate(*args, **kw)
+
+    model.generate = interrupted
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            distill.run(model, tokenizer, convs, tmp_path / "resumed", GEN, **kwargs)
+        chunks = tmp_path / "resumed" / "chunks"
+        assert sorted(p.name for p in chunks.iterdir()) == ["chunk-00000"]
+        assert not (tmp_path / "resumed" / "dataset").exists()
+        (chunks / ".chunk-00001.tmp-4242").mkdir()  # as if killed while saving chunk 1
+        calls["n"] = 100
+        distill.run(model, tokenizer, convs, tmp_path / "resumed", GEN, **kwargs)
+    finally:
+        del model.generate
+    assert calls["n"] == 104  # chunks 1 and 2 only, two batches each
+    assert not (chunks / ".chunk-00001.tmp-4242").exists()
+    whole = distill.load_distilled(tmp_path / "whole").to_list()
+    assert distill.load_distilled(tmp_path / "resumed").to_list() == whole
+
+
+def test_shards_and_time_boxed_runs_combine_into_the_same_dataset(tmp_path, target):
+    model, tokenizer = target
+    convs = conversations(12)
+    kwargs = dict(batch_size=4, chunk_size=4, progress=False)
+    distill.run(model, tokenizer, convs, tmp_path / "whole", GEN, **kwargs)
+    out = tmp_path / "sharded"
+    assert distill.run(model, tokenizer, convs, out, GEN, shard=1, num_shards=2, **kwargs) is None
+    assert distill.run(model, tokenizer, convs, out, GEN, shard=0, num_shards=2, max_chunks=1, **kwargs) is None
+    with pytest.raises(FileNotFoundError, match="1 of 3 chunks missing"):
+        distill.combine(out, 3)
+    assert distill.run(model, tokenizer, convs, out, GEN, shard=0, num_shards=2, **kwargs) == out / "dataset"
+    assert distill.load_distilled(out).to_list() == distill.load_distilled(tmp_path / "whole").to_list()
+    with pytest.raises(ValueError, match="shard must be in"):
+        distill.run(model, tokenizer, convs, out, GEN, shard=2, num_shards=2, **kwargs)
+
+
+def test_a_changed_recipe_is_refused(tmp_path, target):
+    model, tokenizer = target
+    distill.run(model, tokenizer, conversations(4), tmp_path / "d", GEN, chunk_size=4, progress=False)
+    hotter = distill.GenerationConfig(**{**GEN.__dict__, "temperature": 1.2})
+    with pytest.raises(ValueError, match="another recipe.*generation"):
+        distill.run(model, tokenizer, conversations(4), tmp_path / "d", hotter, chunk_size=4, progress=False)
+    with pytest.raises(ValueError, match="another recipe.*num_conversations"):
+        distill.run(model, tokenizer, conversations(5), tmp_path / "d", GEN, chunk_size=4, progress=False)
+
+
+def test_all_turns_are_answered_on_the_regenerated_history(tmp_path, target):
+    model, tokenizer = target
+    gen = distill.GenerationConfig(**{**GEN.__dict__, "turns": "all"})
+    distill.run(
+        model, tokenizer, conversations(8, turns=3), tmp_path / "d", gen, batch_size=4, chunk_size=8, progress=False
+    )
+    rows = distill.load_distilled(tmp_path / "d").to_list()
+    assert len(rows) == 8
+    answered = []
+    for row in rows:
+        text = tokenizer.decode(row["input_ids"])
+        spans = segments(row["loss_mask"])
+        assert text.count("<|im_start|>user") == len(spans)  # one user turn per answer
+        for t in range(len(spans)):
+            assert f"Question {row['id'][1:]}.{t}:" in text
+        assert "x<|im_end|>" not in text  # the original answers are gone
+        answered.append(len(spans))
+    assert max(answered) == 3 and min(answered) >= 1
+
+
+def test_select_conversations_skips_long_prompts(tmp_path):
+    _, tokenizer = tiny_target("llama")
+    records = [{"id": "long", "conversations": [{"from": "human", "value": "word " * 200}]}]
+    records += [{"id": f"s{i}", "conversations": [{"from": "human", "value": f"short {i}"}]} for i in range(3)]
+    (tmp_path / "c.jsonl").write_text("\n".join(json.dumps(r) for r in records))
+    picked = distill.select_conversations(str(tmp_path / "c.jsonl"), 2, tokenizer, GEN)
+    assert [c["id"] for c in picked] == ["s0", "s1"]
+
+
+def test_a_tokenizer_without_chat_template_is_an_error():
+    _, tokenizer = tiny_target("llama")
+    tokenizer.chat_template = None
+    with pytest.raises(ValueError, match="no chat template"):
+        distill.build_sample(tokenizer, [{"role": "user", "content": "hi"}], [])

@@ -1,0 +1,232 @@
+"""Training the heads on tiny random targets: targets and losses, fast dev run, overfitting, checkpoints and resume,
+the NaN guard, the hidden-state cache, W&B offline logging and 2-process DDP on the CPU (gloo)."""
+
+import csv
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import lightning as L
+import pytest
+import torch
+import torch.nn.functional as F
+from hydra import compose, initialize_config_dir
+from hydra.core.hydra_config import HydraConfig
+from hydra.utils import instantiate
+from lightning.pytorch.callbacks import Callback
+from omegaconf import open_dict
+from safetensors.torch import load_file, save_file
+
+from medusa_like import distill, targets
+from medusa_like.export import heads_from_checkpoint, load_heads
+from medusa_like.training.losses import IGNORE, head_labels, head_losses, head_weights, topk_correct
+from train.train import train
+
+ROOT = Path(__file__).resolve().parents[1]
+CONF = str(ROOT / "conf")
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)
+
+
+def compose_train(out_dir: Path, data_dir: Path, *overrides: str):
+    with initialize_config_dir(config_dir=CONF, version_base="1.3"):
+        cfg = compose(
+            "train",
+            return_hydra_config=True,
+            overrides=["model=tiny_llama", "data=tiny", "logger=none", "distill.progress=false", *overrides],
+        )
+    HydraConfig().set_config(cfg)
+    with open_dict(cfg):
+        cfg.paths.output_dir = str(out_dir)
+        cfg.paths.data_dir = str(data_dir)
+        cfg.trainer.enable_progress_bar = False
+        if cfg.get("callbacks"):
+            cfg.callbacks.pop("progress_bar", None)
+    return cfg
+
+
+@pytest.fixture(scope="module")
+def data_dir(tmp_path_factory):
+    """The `tiny` data distilled once by the tiny llama (train() distils it when missing)."""
+    root = tmp_path_factory.mktemp("data")
+    cfg = compose_train(root / "run", root, "debug=fdr")
+    train(cfg)
+    assert distill.is_complete(cfg.data.dir)
+    return root
+
+
+def build_module(data_dir: Path, tmp_path: Path, *overrides: str):
+    cfg = compose_train(tmp_path, data_dir, *overrides)
+    target, _ = instantiate(cfg.model.loader)
+    lm_head = target.get_output_embeddings().weight
+    heads_config = instantiate(cfg.heads, vocab_size=lm_head.shape[0], hidden_size=lm_head.shape[1])
+    module = instantiate(cfg.module, target=target, heads_config=heads_config, target_name="tiny", _convert_="object")
+    datamodule = instantiate(cfg.data.module)
+    datamodule.setup("fit")
+    return module, datamodule
+
+
+# ---- targets and losses --------------------------------------------------------------------------------------------
+
+
+def test_head_k_at_position_t_learns_token_t_plus_1_plus_k():
+    input_ids = torch.arange(100, 112).view(1, 12)  # token at position t is 100 + t
+    loss_mask = torch.tensor([[0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 0]])
+    labels = head_labels(input_ids, loss_mask, num_heads=3)  # [3, 1, 12]
+    for k in (1, 2, 3):
+        for t in range(12):
+            future = t + 1 + k
+            expected = 100 + future if future < 12 and loss_mask[0, future] else IGNORE
+            assert labels[k - 1, 0, t] == expected, (k, t)
+
+
+def test_losses_accuracies_and_weights():
+    torch.manual_seed(0)
+    logits = torch.randn(2, 5, 11)  # [K, N, V]
+    labels = torch.tensor([[1, 2, 3, IGNORE, IGNORE], [IGNORE] * 5])
+    loss, counts = head_losses(logits, labels)
+    assert counts.tolist() == [3, 0] and loss[1] == 0
+    torch.testing.assert_close(loss[0], F.cross_entropy(logits[0, :3], labels[0, :3]))
+    same, _ = head_losses(logits, labels, teacher_logits=logits, kl_weight=0.25)
+    torch.testing.assert_close(same, 0.75 * loss)  # KL to itself is 0
+    kl_only, _ = head_losses(logits, labels, teacher_logits=logits.flip(-1), kl_weight=1.0)
+    expected = F.kl_div(
+        F.log_softmax(logits[0, :3], -1),
+        F.log_softmax(logits.flip(-1)[0, :3], -1),
+        log_target=True,
+        reduction="batchmean",
+    )
+    torch.testing.assert_close(kl_only[0], expected)
+    hits = topk_correct(logits, labels, (1, 5))
+    top1 = (logits[0, :3].argmax(-1) == labels[0, :3]).sum()
+    assert hits[1].tolist() == [top1.item(), 0] and hits[1][0] <= hits[5][0] <= 3
+    torch.testing.assert_close(head_weights(3, 0.8), torch.tensor([0.8, 0.64, 0.512]))
+
+
+# ---- training runs ---------------------------------------------------------------------------------------------------
+
+
+def test_fast_dev_run_trains_validates_and_exports(tmp_path, data_dir):
+    cfg = compose_train(tmp_path, data_dir, "debug=fdr", "export_heads=true", "model=tiny_qwen2")
+    metrics = train(cfg)
+    for k in range(1, 5):
+        assert 0 <= metrics[f"val/acc_top1_head{k}"] <= metrics[f"val/acc_top5_head{k}"] <= 1
+        assert metrics[f"val/loss_head{k}"] > 0
+    target, _ = instantiate(cfg.model.loader)
+    heads = load_heads(tmp_path / "heads", target)
+    assert heads.num_heads == 4 and any(p.abs().sum() > 0 for p in heads.parameters())  # trained away from zero init
+    assert (tmp_path / "metrics.json").is_file()
+
+
+def test_the_loss_falls_on_an_overfit_batch(tmp_path, data_dir):
+    cfg = compose_train(tmp_path, data_dir, "debug=overfit", "trainer.max_epochs=30", "module.optimizer.lr=0.05")
+    train(cfg)
+    rows = list(csv.DictReader(open(next(tmp_path.glob("csv/version_*/metrics.csv")))))
+    losses = [float(r["train/loss"]) for r in rows if r.get("train/loss")]
+    assert len(losses) == 30
+    assert losses[-1] < 0.5 * losses[0], losses
+
+
+def test_checkpoints_hold_heads_and_optimizer_only_and_resume_exactly(tmp_path, data_dir):
+    common = ["module.scheduler=null", "data.module.batch_size=64", "data.module.shuffle=false", "callbacks=default"]
+    train(compose_train(tmp_path / "a", data_dir, *common, "trainer.max_steps=2"))
+    train(compose_train(tmp_path / "b", data_dir, *common, "trainer.max_steps=1"))
+    ckpt_path = tmp_path / "b" / "checkpoints" / "last.ckpt"
+    ckpt = torch.load(ckpt_path, weights_only=True)
+    assert ckpt["state_dict"] and all(k.startswith("heads.") for k in ckpt["state_dict"])
+    assert ckpt["optimizer_states"][0]["state"], "optimizer moments must be saved"
+    target, _ = instantiate(compose_train(tmp_path, data_dir).model.loader)
+    assert ckpt["medusa_like"]["target_fingerprint"] == targets.target_fingerprint(target.config)
+    assert ckpt["medusa_like"]["heads_config"]["num_heads"] == 4 and ckpt["medusa_like"]["target"] == "tiny_llama"
+    heads, meta = heads_from_checkpoint(ckpt_path)
+    assert meta["global_step"] == 1 and heads.num_heads == 4
+    train(compose_train(tmp_path / "c", data_dir, *common, "trainer.max_steps=2", f"ckpt_path={ckpt_path}"))
+    straight, resumed = (
+        load_file(tmp_path / "a/heads/model.safetensors"),
+        load_file(tmp_path / "c/heads/model.safetensors"),
+    )
+    after_one = load_file(tmp_path / "b/heads/model.safetensors")
+    assert straight.keys() == resumed.keys()
+    for name in straight:
+        torch.testing.assert_close(resumed[name], straight[name], rtol=0, atol=0)
+    assert any(not torch.equal(after_one[n], straight[n]) for n in straight)
+
+
+def test_non_finite_loss_and_empty_batches_stop_training(tmp_path, data_dir):
+    module, datamodule = build_module(data_dir, tmp_path)
+    with torch.no_grad():
+        module.heads.blocks[0][0].linear.weight.fill_(float("nan"))
+    trainer = L.Trainer(fast_dev_run=True, logger=False, enable_progress_bar=False, enable_model_summary=False)
+    with pytest.raises(FloatingPointError, match="non-finite loss"):
+        trainer.fit(module, datamodule=datamodule)
+    batch = next(iter(datamodule.train_dataloader()))
+    batch["loss_mask"].zero_()
+    with pytest.raises(ValueError, match="no supervised assistant token"):
+        module._forward(batch)
+
+
+def test_cached_hidden_states_give_the_same_loss(tmp_path, data_dir):
+    module, datamodule = build_module(data_dir, tmp_path, f"module.hidden_cache_dir={tmp_path / 'cache'}")
+    plain, _ = build_module(data_dir, tmp_path, "module.kl_weight=0.0")
+    batch = next(iter(datamodule.train_dataloader()))
+    first = module._forward(batch)[0]
+    assert len(list((tmp_path / "cache").glob("*.safetensors"))) == batch["input_ids"].shape[0]
+    module.target.base_model.forward = None  # a second target forward would now fail: the cache must serve it
+    torch.testing.assert_close(module._forward(batch)[0], first, rtol=0, atol=0)
+    torch.testing.assert_close(plain._forward(batch)[0], first)
+
+
+def test_soft_labels_change_the_loss(tmp_path, data_dir):
+    hard, datamodule = build_module(data_dir, tmp_path)
+    soft, _ = build_module(data_dir, tmp_path, "module.kl_weight=0.5")
+    batch = next(iter(datamodule.train_dataloader()))
+    loss_hard, loss_soft = hard._forward(batch)[0], soft._forward(batch)[0]
+    assert torch.isfinite(loss_soft) and not torch.isclose(loss_hard, loss_soft)
+
+
+def test_wandb_offline_run_holds_the_per_head_metrics(tmp_path, data_dir, monkeypatch):
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    cfg = compose_train(tmp_path, data_dir, "logger=wandb", "trainer.max_epochs=1", "export_heads=false")
+    train(cfg)
+    runs = list((tmp_path / "wandb").glob("offline-run-*/run-*.wandb"))
+    assert len(runs) == 1
+    blob = runs[0].read_bytes()
+    for k in range(1, 5):
+        assert f"val/acc_top1_head{k}".encode() in blob and f"val/acc_top5_head{k}".encode() in blob
+
+
+class SaveHeadsPerRank(Callback):
+    """Each rank writes its own copy of the heads at the end of fit (for the DDP test)."""
+
+    def __init__(self, out_dir: str):
+        self.out_dir = Path(out_dir)
+
+    def on_fit_end(self, trainer, pl_module):
+        state = {k: v.detach().contiguous() for k, v in pl_module.heads.state_dict().items()}
+        save_file(state, str(self.out_dir / f"rank{trainer.global_rank}.safetensors"))
+
+
+@pytest.mark.slow
+def test_two_process_ddp_on_cpu_ends_with_identical_heads(tmp_path, data_dir):
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "MEDUSA_LIKE_ROOT": str(tmp_path), "PYTHONPATH": str(ROOT)}
+    command = [
+        sys.executable, "-m", "train.train", "model=tiny_llama", "data=tiny", "logger=none", "trainer=ddp",
+        "trainer.accelerator=cpu", "trainer.devices=2", "trainer.precision=32-true", "trainer.max_steps=3",
+        "+trainer.enable_progress_bar=false", "~callbacks.progress_bar", "data.module.batch_size=2", f"paths.data_dir={data_dir}",
+        "+callbacks.per_rank._target_=tests.test_training.SaveHeadsPerRank", f"+callbacks.per_rank.out_dir={tmp_path}",
+    ]  # fmt: skip
+    done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    rank0, rank1 = load_file(tmp_path / "rank0.safetensors"), load_file(tmp_path / "rank1.safetensors")
+    assert rank0.keys() == rank1.keys()
+    for name in rank0:
+        torch.testing.assert_close(rank0[name], rank1[name], rtol=0, atol=0)
+    assert any(t.abs().sum() > 0 for t in rank0.values())  # they trained, away from the zero init
+    assert len(list(tmp_path.glob("runs/train/*/heads/model.safetensors"))) == 1  # rank 0 alone exported
