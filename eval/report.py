@@ -1,0 +1,227 @@
+"""Rendering an evaluation report: report.json, report.md, PNG plots (matplotlib, Agg) and a rich console table.
+
+The report is the dict built by `eval.evaluate.evaluate`; nothing here measures anything. A losslessness fraction
+below 1 opens report.md and the console output with a red warning.
+"""
+
+import json
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402  (the backend must be chosen first)
+from rich.console import Console  # noqa: E402
+from rich.panel import Panel  # noqa: E402
+from rich.table import Table  # noqa: E402
+
+METHOD_LABELS = {
+    "hf_greedy": "(a) transformers greedy",
+    "hf_prompt_lookup": "(b) transformers prompt lookup",
+    "plain_loop": "(c) our loop, no heads",
+    "speculative": "(d) speculative",
+}
+PLOTS = {
+    "accepted_histogram": "accepted_histogram.png",
+    "tau_per_category": "tau_per_category.png",
+    "tree_sweep": "tree_sweep.png",
+}
+
+
+def mismatch_warning(report: dict) -> str | None:
+    lossless = report["losslessness"]
+    if lossless["fraction"] == 1.0:
+        return None
+    where = ", ".join(
+        f"{m['question_id']}/turn {m['turn']} at token {m['first_divergence']}" for m in lossless["mismatched"][:5]
+    )
+    return (
+        f"LOSSLESSNESS FAILED: {lossless['mismatches']} of {lossless['prompts']} outputs differ from transformers' greedy "
+        f"decoding (fraction {lossless['fraction']:.3f}; expected 1.0 at temperature 0 in fp32). First: {where}"
+    )
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Files
+
+
+def write_json(report: dict, out_dir: Path) -> Path:
+    path = out_dir / "report.json"
+    path.write_text(json.dumps(report, indent=1) + "\n")
+    return path
+
+
+def write_plots(report: dict, out_dir: Path) -> dict[str, str]:
+    """The three PNGs; returns {plot name: file name}."""
+    acc = report["acceptance"]
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    hist = acc["histogram"]
+    ax.bar(range(len(hist)), hist, color="tab:blue")
+    ax.set_xlabel("draft tokens accepted in one step (bonus token excluded)")
+    ax.set_ylabel("tree steps")
+    ax.set_title(f"tau = {acc['tau']:.2f}, mean accepted draft = {acc['mean_accepted_draft']:.2f}")
+    ax.set_xticks(range(len(hist)))
+    _save(fig, out_dir / PLOTS["accepted_histogram"])
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    cats = sorted(acc["per_category"])
+    ax.bar(cats, [acc["per_category"][c]["tau"] for c in cats], color="tab:green")
+    ax.axhline(acc["tau"], color="black", linestyle="--", label=f"all: {acc['tau']:.2f}")
+    ax.set_ylabel("tau (tokens per target forward)")
+    ax.set_title("tau per category")
+    ax.tick_params(axis="x", rotation=30)
+    ax.legend()
+    _save(fig, out_dir / PLOTS["tau_per_category"])
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    rows = sorted(report["tree_sweep"], key=lambda r: r["nodes"])
+    nodes = [r["nodes"] for r in rows]
+    ax.plot(nodes, [r["tau"] for r in rows], "o-", color="tab:blue", label="tau")
+    ax.set_xlabel("tree nodes (root included)")
+    ax.set_ylabel("tau", color="tab:blue")
+    ax.set_xscale("log", base=2)
+    right = ax.twinx()
+    right.plot(nodes, [r["tokens_per_second"] for r in rows], "s-", color="tab:red", label="tokens/s")
+    base = report["speed"]["median_tokens_per_second"]["hf_greedy"]
+    right.axhline(base, color="tab:red", linestyle=":", label=f"(a) greedy {base:.1f}/s")
+    right.set_ylabel("tokens/s", color="tab:red")
+    right.legend(loc="lower right")
+    ax.set_title("tau and tokens/s against tree size")
+    _save(fig, out_dir / PLOTS["tree_sweep"])
+    return dict(PLOTS)
+
+
+def _save(fig, path: Path) -> None:
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def _table(header: list[str], rows: list[list]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def markdown(report: dict) -> str:
+    s, setup, speed = report["summary"], report["setup"], report["speed"]
+    parts = []
+    warning = mismatch_warning(report)
+    if warning:
+        parts.append(f"> [!CAUTION]\n> **🔴 {warning}**")  # GitHub renders a CAUTION alert in red
+    parts.append("# Evaluation report")
+    parts.append(
+        f"Target `{setup['target']}`, heads `{setup['heads']}` ({setup['num_heads']} heads), tree `{setup['tree']['name']}` "
+        f"({setup['tree']['nodes']} nodes, depth {setup['tree']['depth']}); {setup['data']['source']} "
+        f"({setup['data']['questions']} questions, {report['losslessness']['prompts']} prompts), "
+        f"max_new_tokens {setup['max_new_tokens']}; {setup['dtype']} on {setup['device']} ({setup['threads']} threads), "
+        f"backend {setup['backend']}, torch {setup['torch']}, transformers {setup['transformers']}."
+    )
+    parts.append(
+        _table(
+            ["tau", "mean accepted draft", "speedup vs (a)", "speedup vs (b)", "losslessness"],
+            [
+                [
+                    f"{s['tau']:.3f}",
+                    f"{s['mean_accepted_draft']:.3f}",
+                    f"{s['speedup_vs_hf_greedy']:.2f}x",
+                    f"{s['speedup_vs_hf_prompt_lookup']:.2f}x",
+                    f"{s['losslessness']:.3f}",
+                ]
+            ],
+        )
+    )
+    parts.append("## Speed (median over prompts)")
+    rows = []
+    for m, label in METHOD_LABELS.items():
+        rows.append(
+            [
+                label,
+                f"{speed['median_tokens_per_second'][m]:.2f}",
+                "1.00x"
+                if m == "hf_greedy"
+                else f"{speed['speedup']['hf_greedy'][m]:.2f}x ({speed['paired_speedup']['hf_greedy'][m]:.2f}x)",
+                "1.00x"
+                if m == "hf_prompt_lookup"
+                else f"{speed['speedup']['hf_prompt_lookup'][m]:.2f}x ({speed['paired_speedup']['hf_prompt_lookup'][m]:.2f}x)",
+            ]
+        )
+    parts.append(_table(["method", "tokens/s", "vs (a) (paired)", "vs (b) (paired)"], rows))
+    acc = report["acceptance"]
+    parts.append("## Acceptance per category")
+    parts.append(
+        _table(
+            ["category", "prompts", "tau", "mean accepted draft"],
+            [
+                [c, v["prompts"], f"{v['tau']:.3f}", f"{v['mean_accepted_draft']:.3f}"]
+                for c, v in sorted(acc["per_category"].items())
+            ]
+            + [["**all**", acc["prompts"], f"**{acc['tau']:.3f}**", f"{acc['mean_accepted_draft']:.3f}"]],
+        )
+    )
+    if report["head_accuracy"]:
+        parts.append("## Head accuracy (teacher-forced on the reference answers)")
+        heads = report["head_accuracy"]
+        ks = list(next(iter(heads.values())))
+        parts.append(_table(["head", *ks], [[h, *(f"{v[k]:.3f}" for k in ks)] for h, v in heads.items()]))
+    parts.append("## tau and speed against tree size")
+    parts.append(
+        _table(
+            ["budget", "nodes", "depth", "predicted tau", "tau", "tokens/s"],
+            [
+                [
+                    r["budget"],
+                    r["nodes"],
+                    r["depth"],
+                    f"{r['predicted_tau']:.2f}" if "predicted_tau" in r else "-",
+                    f"{r['tau']:.3f}",
+                    f"{r['tokens_per_second']:.2f}",
+                ]
+                for r in report["tree_sweep"]
+            ],
+        )
+    )
+    parts.append("## Plots")
+    parts.append("\n".join(f"![{name}]({file})" for name, file in report["plots"].items()))
+    parts.append("## Definitions")
+    parts.append("\n".join(f"- **{k}**: {v}" for k, v in report["definitions"].items()))
+    return "\n\n".join(parts) + "\n"
+
+
+def write_markdown(report: dict, out_dir: Path) -> Path:
+    write_json(report, out_dir)
+    path = out_dir / "report.md"
+    path.write_text(markdown(report))
+    return path
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Console
+
+
+def print_report(report: dict, out_dir: Path, console: Console | None = None) -> None:
+    console = console or Console()
+    warning = mismatch_warning(report)
+    if warning:
+        console.print(Panel(warning, style="bold red", title="NOT LOSSLESS"))
+    speed = report["speed"]
+    table = Table(title=f"speed, {report['losslessness']['prompts']} prompts (median tokens/s)")
+    for col in ("method", "tokens/s", "vs (a)", "vs (b)"):
+        table.add_column(col, justify="right")
+    for m, label in METHOD_LABELS.items():
+        table.add_row(
+            label,
+            f"{speed['median_tokens_per_second'][m]:.2f}",
+            "1.00x" if m == "hf_greedy" else f"{speed['speedup']['hf_greedy'][m]:.2f}x",
+            "1.00x" if m == "hf_prompt_lookup" else f"{speed['speedup']['hf_prompt_lookup'][m]:.2f}x",
+        )
+    console.print(table)
+    s = report["summary"]
+    style = "green" if s["lossless"] else "bold red"
+    console.print(
+        f"tau {s['tau']:.3f} (mean accepted draft {s['mean_accepted_draft']:.3f}), "
+        f"speedup {s['speedup_vs_hf_greedy']:.2f}x vs (a), {s['speedup_vs_hf_prompt_lookup']:.2f}x vs (b), "
+        f"[{style}]losslessness {s['losslessness']:.3f}[/{style}]"
+    )
+    console.print(f"reports in {out_dir}")

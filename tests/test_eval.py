@@ -1,0 +1,209 @@
+"""The evaluation app on a tiny random Llama (the default's tokenizer and chat template): every report field and plot,
+losslessness 1.0, the loud failure path, the question sets, and a clear error for each bad input."""
+
+import json
+from pathlib import Path
+
+import pytest
+from hydra import compose, initialize_config_dir
+
+from eval.common import load_model, question_set
+from eval.evaluate import METHODS, evaluate, exit_code
+from eval.report import PLOTS, markdown
+from medusa_like.export import TargetMismatchError, save_heads
+from medusa_like.heads import HeadsConfig, MedusaHeads
+from medusa_like.questions import (
+    QuestionSetError,
+    load_humaneval_questions,
+    load_jsonl_questions,
+    load_validation_questions,
+)
+from medusa_like.tiny_targets import tiny_target
+
+CONF_DIR = str(Path(__file__).resolve().parents[1] / "conf")
+QUESTIONS = [
+    {"question_id": 1, "category": "writing", "turns": ["Write a haiku about rain.", "Now make it about snow."]},
+    {"question_id": 2, "category": "math", "turns": ["What is 12 times 7?"]},
+]
+
+
+def write_jsonl(path: Path, records) -> Path:
+    path.write_text("\n".join(r if isinstance(r, str) else json.dumps(r) for r in records) + "\n")
+    return path
+
+
+def eval_cfg(*overrides: str):
+    with initialize_config_dir(version_base="1.3", config_dir=CONF_DIR):
+        return compose("eval", overrides=["model=tiny_llama", *overrides])
+
+
+@pytest.fixture(scope="module")
+def report(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("eval")
+    questions = write_jsonl(tmp / "questions.jsonl", QUESTIONS)
+    cfg = eval_cfg(
+        f"data.path={questions}",
+        "eval.max_new_tokens=8",
+        "eval.sweep.budgets=[0,2,4]",
+        "eval.sweep.prompts=1",
+        f"out_dir={tmp / 'run'}",
+        "tree=auto",  # the tree search first: calibrate on the same file, time budgets 1 and 2, keep the fastest
+        "tree_search.calibration.source=jsonl",
+        f"tree_search.calibration.path={questions}",
+        "tree_search.budgets=[1,2]",
+        "tree_search.timing_prompts=1",
+    )
+    return evaluate(cfg), tmp / "run"
+
+
+def test_report_fields(report):
+    report, _ = report
+    summary = report["summary"]
+    for key in ("tau", "mean_accepted_draft", "speedup_vs_hf_greedy", "speedup_vs_hf_prompt_lookup", "losslessness"):
+        assert isinstance(summary[key], float)
+    assert report["setup"]["data"]["questions"] == 2
+    acc = report["acceptance"]
+    assert acc["prompts"] == 3  # two turns + one turn
+    assert acc["tau"] >= 1.0
+    assert sum(acc["histogram"]) == acc["tree_steps"]
+    assert set(acc["per_category"]) == {"writing", "math"}
+    assert acc["per_category"]["writing"]["prompts"] == 2
+    assert list(report["head_accuracy"]) == ["head1", "head2", "head3", "head4"]
+    assert list(report["head_accuracy"]["head1"]) == [f"top{k}" for k in range(1, 11)]
+    assert set(report["speed"]["median_tokens_per_second"]) == set(METHODS)
+    assert set(report["speed"]["speedup"]) == {"hf_greedy", "hf_prompt_lookup"}
+    assert [r["budget"] for r in report["tree_sweep"]] == [0, 2, 4]
+    assert report["tree_sweep"][0]["tau"] == 1.0
+    assert report["tree_search"]["budget"] in (1, 2)
+    assert report["setup"]["tree"]["nodes"] == report["tree_search"]["budget"] + 1
+    assert [(p["question_id"], p["turn"]) for p in report["prompts"]] == [("1", 1), ("1", 2), ("2", 1)]
+    assert all(set(p["new_tokens"]) == set(METHODS) for p in report["prompts"])
+    assert set(report["definitions"]) >= {"tau", "mean_accepted_draft", "speedup", "losslessness"}
+
+
+def test_lossless_on_fp32(report):
+    report, _ = report
+    assert report["losslessness"]["fraction"] == 1.0
+    assert report["losslessness"]["mismatched"] == []
+    assert all(p["match"] for p in report["prompts"])
+    # every method produced the same number of tokens as the reference
+    assert all(len(set(p["new_tokens"].values())) == 1 for p in report["prompts"])
+
+
+def test_files_written(report):
+    report, run = report
+    on_disk = json.loads((run / "report.json").read_text())
+    assert on_disk["summary"] == report["summary"]
+    md = (run / "report.md").read_text()
+    assert md.startswith("# Evaluation report") and "CAUTION" not in md
+    for name in PLOTS.values():
+        assert (run / name).stat().st_size > 1000
+        assert f"]({name})" in md
+
+
+def test_mismatch_is_loud(report):
+    report, _ = report
+    bad = json.loads(json.dumps(report))
+    bad["losslessness"].update(
+        fraction=0.5, mismatches=1, mismatched=[{"question_id": "1", "turn": 2, "first_divergence": 3}]
+    )
+    bad["summary"].update(losslessness=0.5, lossless=False)
+    md = markdown(bad)
+    assert md.startswith("> [!CAUTION]") and "LOSSLESSNESS FAILED" in md.splitlines()[1]
+    assert "1/turn 2 at token 3" in md
+    assert exit_code(bad, fail_on_mismatch=True) == 1
+    assert exit_code(bad, fail_on_mismatch=False) == 0
+    assert exit_code(report, fail_on_mismatch=True) == 0
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Question sets
+
+
+def test_jsonl_questions(tmp_path):
+    qs = load_jsonl_questions(write_jsonl(tmp_path / "q.jsonl", [*QUESTIONS, ""]))
+    assert [(q.question_id, q.category, len(q.turns)) for q in qs] == [("1", "writing", 2), ("2", "math", 1)]
+
+
+def test_humaneval_questions():
+    qs = load_humaneval_questions()
+    assert len(qs) == 164 and qs[0].question_id == "HumanEval/0" and qs[0].category == "humaneval"
+    assert "def has_close_elements" in qs[0].turns[0]
+
+
+def test_validation_questions_follow_the_training_split(tmp_path):
+    from medusa_like.data.split import is_validation
+
+    convs = [
+        {
+            "id": f"c{i}",
+            "messages": [{"role": "user", "content": f"question {i}"}, {"role": "assistant", "content": "a"}],
+        }
+        for i in range(40)
+    ]
+    path = write_jsonl(tmp_path / "convs.jsonl", convs)
+    qs = load_validation_questions(str(path), val_fraction=0.3, split_seed=0)
+    expected = [f"c{i}" for i in range(40) if is_validation(f"c{i}", 0.3, 0)]
+    assert [q.question_id for q in qs] == expected and expected
+    assert qs[0].turns == (f"question {expected[0][1:]}",)
+
+
+def test_per_category_subset(tmp_path):
+    path = write_jsonl(
+        tmp_path / "q.jsonl", [{"question_id": i, "category": "ab"[i % 2], "turns": ["x"]} for i in range(6)]
+    )
+    cfg = eval_cfg(f"data.path={path}", "data.per_category=2")
+    assert [q.question_id for q in question_set(cfg.data, cfg.data.validation)] == ["0", "1", "2", "3"]
+    cfg = eval_cfg(f"data.path={path}", "data.skip=1", "data.limit=2")
+    assert [q.question_id for q in question_set(cfg.data, cfg.data.validation)] == ["1", "2"]
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Bad inputs
+
+
+@pytest.mark.parametrize(
+    "lines, message",
+    [
+        ([json.dumps(QUESTIONS[0]), '{"question_id": 3, "turns": ["a"'], r"q.jsonl:2: malformed JSON line"),
+        (
+            [json.dumps({"question_id": 3, "category": "x", "turns": []})],
+            r"q.jsonl:1: 'turns' must be a non-empty list",
+        ),
+        ([json.dumps({"question_id": 3, "turns": ["ok", "  "]})], r"q.jsonl:1: turn 2 is '  ', expected a non-empty"),
+        ([json.dumps({"category": "x", "turns": ["a"]})], r"q.jsonl:1: missing field\(s\) \['question_id'\]"),
+        ([json.dumps(QUESTIONS[1]), json.dumps(QUESTIONS[1])], r"question_id '2' appears twice"),
+        (["[1, 2]"], r"q.jsonl:1: expected a JSON object"),
+    ],
+)
+def test_bad_question_files(tmp_path, lines, message):
+    path = write_jsonl(tmp_path / "q.jsonl", lines)
+    with pytest.raises(QuestionSetError, match=message):
+        load_jsonl_questions(path)
+
+
+def test_missing_question_file(tmp_path):
+    cfg = eval_cfg(f"data.path={tmp_path / 'nope.jsonl'}", f"out_dir={tmp_path}")
+    with pytest.raises(QuestionSetError, match=r"nope.jsonl' does not exist"):
+        evaluate(cfg)
+
+
+def test_missing_path_and_unknown_source(tmp_path):
+    with pytest.raises(QuestionSetError, match="needs a path"):
+        question_set(eval_cfg().data, eval_cfg().data.validation)
+    cfg = eval_cfg("data.source=sharegpt_v9")
+    with pytest.raises(QuestionSetError, match="unknown question source 'sharegpt_v9'"):
+        question_set(cfg.data, cfg.data.validation)
+
+
+def test_heads_for_another_target(tmp_path):
+    other, _ = tiny_target("llama", hidden_size=32, num_layers=1, num_attention_heads=2, num_key_value_heads=1)
+    heads = MedusaHeads(HeadsConfig(32, other.config.vocab_size, 4), other.get_output_embeddings().weight)
+    save_heads(heads, tmp_path / "heads", other, "tiny-other")
+    with pytest.raises(TargetMismatchError, match="hidden size 32, but target .* hidden size 64"):
+        load_model(eval_cfg(f"heads.path={tmp_path / 'heads'}"))
+
+
+def test_missing_heads(tmp_path):
+    with pytest.raises(FileNotFoundError, match="heads.path=.*does not exist"):
+        load_model(eval_cfg(f"heads.path={tmp_path / 'none'}"))

@@ -1,0 +1,153 @@
+"""Tree search: best trees per budget on synthetic accuracies (worked out by hand and by brute force), timing rows,
+head accuracy on a tiny target, and the tree-search app saving a tree that the evaluation then uses."""
+
+import itertools
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from hydra import compose, initialize_config_dir
+
+from medusa_like.model import MedusaLikeModel
+from medusa_like.tiny_targets import tiny_target
+from medusa_like.tree import expected_acceptance, load_tree
+from medusa_like.tree_search import (
+    fastest,
+    head_rank_counts,
+    head_topk_accuracy,
+    predicted_tau,
+    time_trees,
+    trees_for_budgets,
+)
+
+CONF_DIR = str(Path(__file__).resolve().parents[1] / "conf")
+
+# head 1: rank 0 right 60%, rank 1 20%, rank 2 15%; head 2: rank 0 50%, rank 1 20%
+TOPK = [[0.6, 0.8, 0.95], [0.5, 0.7, 0.7]]
+# node probabilities (product along the path):
+#   (0) .6   (1) .2   (2) .15   (0,0) .3   (0,1) .12   (1,0) .1   (2,0) .075   (1,1) .04   (2,1) .03
+BY_HAND = {
+    0: [],
+    1: [(0,)],
+    2: [(0,), (0, 0)],
+    3: [(0,), (0, 0), (1,)],
+    4: [(0,), (0, 0), (1,), (2,)],
+    5: [(0,), (0, 0), (1,), (2,), (0, 1)],
+    6: [(0,), (0, 0), (1,), (2,), (0, 1), (1, 0)],
+}
+EXPECTED = {0: 0.0, 1: 0.6, 2: 0.9, 3: 1.1, 4: 1.25, 5: 1.37, 6: 1.47}
+
+
+def all_trees(num_nodes: int):
+    """Every valid tree (parents present) of num_nodes nodes over 2 heads x 3 ranks."""
+    nodes = [(r,) for r in range(3)] + [(a, b) for a in range(3) for b in range(3)]
+    for subset in itertools.combinations(nodes, num_nodes):
+        if all(len(p) == 1 or p[:1] in subset for p in subset):
+            yield list(subset)
+
+
+@pytest.mark.parametrize("budget", sorted(BY_HAND))
+def test_best_trees_by_hand(budget):
+    tree = trees_for_budgets(TOPK, [budget])[budget]
+    assert sorted(tree) == sorted(BY_HAND[budget])
+    ranks = [[0.6, 0.2, 0.15], [0.5, 0.2, 0.0]]
+    assert expected_acceptance(tree, ranks) == pytest.approx(EXPECTED[budget])
+    assert predicted_tau(tree, TOPK) == pytest.approx(1 + EXPECTED[budget])
+
+
+@pytest.mark.parametrize("budget", [1, 2, 3, 4, 5])
+def test_greedy_tree_is_optimal(budget):
+    ranks = [[0.6, 0.2, 0.15], [0.5, 0.2, 0.0]]
+    best = max(expected_acceptance(t, ranks) for t in all_trees(budget))
+    assert expected_acceptance(trees_for_budgets(TOPK, [budget])[budget], ranks) == pytest.approx(best)
+
+
+def test_perfect_first_choice_gives_a_chain():
+    topk = [[1.0, 1.0], [1.0, 1.0], [1.0, 1.0]]
+    assert trees_for_budgets(topk, [3])[3] == [(0,), (0, 0), (0, 0, 0)]
+
+
+def test_bad_budget():
+    with pytest.raises(ValueError, match="budgets are numbers of candidate nodes >= 0, got -1"):
+        trees_for_budgets(TOPK, [-1])
+
+
+def test_fastest_prefers_speed_then_smaller_trees():
+    rows = [
+        {"budget": 4, "tokens_per_second": 10.0},
+        {"budget": 8, "tokens_per_second": 12.0},
+        {"budget": 16, "tokens_per_second": 12.0},
+    ]
+    assert fastest(rows)["budget"] == 8
+    with pytest.raises(ValueError, match="no timed budgets"):
+        fastest([])
+
+
+@pytest.fixture(scope="module")
+def tiny_model():
+    target, tokenizer = tiny_target("llama", hidden_size=32, num_layers=1, num_attention_heads=2, num_key_value_heads=1)
+    return MedusaLikeModel.from_pretrained(target, tokenizer=tokenizer, num_heads=2)
+
+
+def test_head_rank_counts_positions(tiny_model):
+    # a 5-token prompt + 4 answer tokens (L = 9): head 1 sees t = 4..6 (t + 2 <= 8), head 2 sees t = 4..5
+    seq = torch.randint(0, 1000, (1, 9))
+    counts = head_rank_counts(tiny_model, seq, prompt_len=5, k_max=3)
+    assert [c[-1] for c in counts] == [3, 2]
+    topk = head_topk_accuracy(tiny_model, [(seq, 5)], k_max=3)
+    assert len(topk) == 2 and all(len(t) == 3 for t in topk)
+
+
+def test_time_trees_rows(tiny_model):
+    ids = tiny_model.chat_ids([{"role": "user", "content": "hi"}])
+    trees = {0: [], 2: [(0,), (0, 0)]}
+    rows = time_trees(tiny_model, [ids], trees, max_new_tokens=5)
+    by_budget = {r["budget"]: r for r in rows}
+    assert by_budget[0]["tau"] == 1.0 and by_budget[0]["nodes"] == 1
+    assert by_budget[2]["nodes"] == 3 and by_budget[2]["depth"] == 2
+    assert all(r["tokens_per_second"] > 0 for r in rows)
+
+
+def test_tree_search_app_saves_a_tree_eval_uses(tmp_path):
+    from eval.evaluate import evaluate
+    from eval.tree_search import tree_search
+
+    questions = tmp_path / "q.jsonl"
+    questions.write_text(
+        "\n".join(json.dumps({"question_id": i, "category": "c", "turns": [f"Say {i} words."]}) for i in range(2))
+    )
+    tree_path = tmp_path / "tree.json"
+    common = ["model=tiny_llama", "eval.max_new_tokens=6", f"out_dir={tmp_path / 'run'}"]
+    with initialize_config_dir(version_base="1.3", config_dir=CONF_DIR):
+        cfg = compose(
+            "eval",
+            overrides=[
+                *common,
+                "tree_search.calibration.source=jsonl",
+                f"tree_search.calibration.path={questions}",
+                "tree_search.budgets=[1,3]",
+                "tree_search.timing_prompts=1",
+                f"tree_search.out={tree_path}",
+            ],
+        )
+        result = tree_search(cfg)
+        assert result["budget"] in (1, 3)
+        assert {r["budget"] for r in result["timings"]} == {1, 3}
+        saved = json.loads(tree_path.read_text())
+        assert saved["budget"] == result["budget"] and len(saved["head_topk_accuracy"]) == 4
+        assert len(load_tree(tree_path)) == result["budget"]
+
+        cfg = compose(
+            "eval",
+            overrides=[
+                *common,
+                "data.source=jsonl",
+                f"data.path={questions}",
+                f"tree={tree_path}",
+                "eval.sweep.prompts=0",
+            ],
+        )
+        report = evaluate(cfg)
+    assert report["setup"]["tree"]["nodes"] == result["budget"] + 1
+    assert report["summary"]["losslessness"] == 1.0
