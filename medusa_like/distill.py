@@ -217,6 +217,23 @@ def is_complete(out_dir: str | Path) -> bool:
     return (Path(out_dir) / "dataset").exists()
 
 
+def check_finished_recipe(out_dir: str | Path, gen: GenerationConfig, num_conversations: int | None) -> None:
+    """Refuse to reuse a finished dataset distilled with other generation settings or another size than requested."""
+    path = Path(out_dir) / "recipe.json"
+    if not path.exists():
+        return
+    found = json.loads(path.read_text())
+    requested = {"generation": asdict(gen)}
+    if num_conversations is not None:
+        requested["num_conversations"] = num_conversations
+    diff = {k: (found.get(k), v) for k, v in requested.items() if found.get(k) != v}
+    if diff:
+        raise ValueError(
+            f"{out_dir} holds a distillation with another recipe (key: (on disk, requested)): {diff}; "
+            f"use another data.name or delete the directory"
+        )
+
+
 def _generate(model, tokenizer, prompts: list[str], gen: GenerationConfig, eos_ids: list[int], pad_id: int):
     enc = tokenizer(prompts, add_special_tokens=False, padding=True, padding_side="left", return_tensors="pt")
     sampling = {"do_sample": False}

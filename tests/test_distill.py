@@ -149,6 +149,12 @@ def test_a_changed_recipe_is_refused(tmp_path, target):
         distill.run(model, tokenizer, conversations(4), tmp_path / "d", hotter, chunk_size=4, progress=False)
     with pytest.raises(ValueError, match="another recipe.*num_conversations"):
         distill.run(model, tokenizer, conversations(5), tmp_path / "d", GEN, chunk_size=4, progress=False)
+    # a finished dataset is checked too before training reuses it
+    distill.check_finished_recipe(tmp_path / "d", GEN, 4)
+    with pytest.raises(ValueError, match="another recipe.*generation"):
+        distill.check_finished_recipe(tmp_path / "d", hotter, 4)
+    with pytest.raises(ValueError, match="another recipe.*num_conversations"):
+        distill.check_finished_recipe(tmp_path / "d", GEN, 8)
 
 
 def test_all_turns_are_answered_on_the_regenerated_history(tmp_path, target):

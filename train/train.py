@@ -14,7 +14,7 @@ from pathlib import Path
 import hydra
 import lightning as L
 from hydra.utils import instantiate
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 from medusa_like import distill as distill_lib
 from train.distill import distil_dataset, load_model
@@ -29,7 +29,10 @@ def train(cfg: DictConfig) -> dict[str, float]:
     run_config = resolved(cfg)
     save_config(run_config, Path(cfg.paths.output_dir))
     target, tokenizer = load_model(cfg.model)
-    if not distill_lib.is_complete(cfg.data.dir):
+    if distill_lib.is_complete(cfg.data.dir):
+        gen = distill_lib.GenerationConfig(**OmegaConf.to_container(cfg.data.generation, resolve=True))
+        distill_lib.check_finished_recipe(cfg.data.dir, gen, cfg.data.num_conversations)
+    else:
         if not cfg.distill_if_missing:
             distill_lib.load_distilled(cfg.data.dir)  # raises with the command to run
         distil_dataset(cfg, target, tokenizer)
