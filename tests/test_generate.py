@@ -4,7 +4,14 @@ import pytest
 import torch
 
 from medusa_like.attention import tree_attention
-from medusa_like.generate import StopChecker, accept_greedy, build_candidates, speculative_generate, target_hidden
+from medusa_like.generate import (
+    StopChecker,
+    VocabProjection,
+    accept_greedy,
+    build_candidates,
+    speculative_generate,
+    target_hidden,
+)
 from medusa_like.kv_cache import CacheOverflowError, TreeKVCache
 from medusa_like.model import MedusaLikeModel
 from medusa_like.tree import TokenTree, resolve_tree
@@ -192,3 +199,15 @@ def test_sliding_window_matters_in_these_tests():
     unwindowed = tiny_target("mistral", sliding_window=4096)
     prompt = random_prompts(1, seed=9, min_len=30, max_len=30)[0]
     assert greedy_reference(windowed, prompt, 16).tolist() != greedy_reference(unwindowed, prompt, 16).tolist()
+
+
+def test_vocab_projection_gives_the_targets_own_logits(family):
+    """The projection used for verification and for the heads equals the target's logits, soft-capping included."""
+    target = tiny_target(family)
+    if family == "gemma3":
+        target.config.final_logit_softcapping = 0.5  # small enough to change the logits a lot
+    prompt = random_prompts(1, seed=6)[0]
+    with torch.no_grad():
+        hidden = target.base_model(prompt).last_hidden_state
+        expected = target(prompt).logits
+    torch.testing.assert_close(VocabProjection(target)(hidden), expected, atol=1e-5, rtol=1e-5)
