@@ -110,9 +110,9 @@ class VocabProjection:
         return logits.reshape(*hidden.shape[:-1], -1)
 
 
-def propose(heads: MedusaHeads, hidden: torch.Tensor, lm_head, top_k: int) -> torch.Tensor:
-    """hidden [H] -> each head's top-k tokens [K, top_k]."""
-    return heads(hidden, lm_head).topk(top_k, dim=-1).indices
+def propose(heads: MedusaHeads, hidden: torch.Tensor, lm_head, top_k: int, depth: int) -> torch.Tensor:
+    """hidden [H] -> the top-k tokens [depth, top_k] of the first `depth` heads (the ones the tree uses)."""
+    return heads(hidden, lm_head, num_heads=depth).topk(top_k, dim=-1).indices
 
 
 def build_candidates(root: torch.Tensor, proposals: torch.Tensor | None, tree: TokenTree) -> torch.Tensor:
@@ -221,7 +221,7 @@ def speculative_generate(
     if proposer is None:
 
         def proposer(hidden, _generated):
-            return propose(heads, hidden, lm_head, tree.top_k)
+            return propose(heads, hidden, lm_head, tree.top_k, tree.max_depth)
 
     cache = TreeKVCache.for_model(target, capacity)
     stats = DecodeStats()

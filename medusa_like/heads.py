@@ -77,15 +77,18 @@ class MedusaHeads(nn.Module):
         for proj in self.lm_heads:
             proj.weight.copy_(lm_head_weight)
 
-    def features(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden [..., H] -> per-head features [K, ..., H] (before the vocabulary projection)."""
-        return torch.stack([block(hidden) for block in self.blocks])
+    def features(self, hidden: torch.Tensor, num_heads: int | None = None) -> torch.Tensor:
+        """hidden [..., H] -> per-head features [K, ..., H] (before the vocabulary projection), first `num_heads`."""
+        return torch.stack([block(hidden) for block in self.blocks[:num_heads]])
 
-    def forward(self, hidden: torch.Tensor, lm_head: nn.Module | None = None) -> torch.Tensor:
-        """hidden [..., H] -> logits [K, ..., V]. `lm_head` is the target's projection, needed when shared."""
-        feats = self.features(hidden)  # [K, ..., H]
+    def forward(self, hidden: torch.Tensor, lm_head=None, num_heads: int | None = None) -> torch.Tensor:
+        """hidden [..., H] -> logits [K, ..., V] of the first `num_heads` heads (all by default).
+
+        `lm_head` maps features to logits with the target's projection; it is needed when the projection is shared.
+        """
+        feats = self.features(hidden, num_heads)  # [K, ..., H]
         if self.lm_heads is None:
             if lm_head is None:
                 raise ValueError("these heads share the target's lm_head: pass it as `lm_head`")
             return lm_head(feats)
-        return torch.stack([proj(f) for proj, f in zip(self.lm_heads, feats, strict=True)])
+        return torch.stack([proj(f) for proj, f in zip(self.lm_heads, feats, strict=False)])
