@@ -20,7 +20,7 @@ from rich.console import Console
 from rich.table import Table
 
 from medusa_like.attention import tree_attention
-from medusa_like.generate import target_hidden
+from medusa_like.generate import VocabProjection, target_hidden
 from medusa_like.kv_cache import TreeKVCache
 from medusa_like.model import MedusaLikeModel
 from medusa_like.tree import TokenTree, greedy_tree
@@ -41,7 +41,7 @@ def time_tree_forward(model: MedusaLikeModel, num_nodes: int, prefix_len: int, r
     tree = TokenTree.from_paths(paths).to(model.device)
     prefix = torch.randint(0, target.config.vocab_size, (1, prefix_len), device=model.device)
     tokens = torch.randint(0, target.config.vocab_size, (1, tree.num_nodes), device=model.device)
-    lm_head = target.get_output_embeddings()
+    lm_head = VocabProjection(target)
     times = []
     with torch.inference_mode(), tree_attention(target, model.backend):
         cache = TreeKVCache.for_model(target, prefix_len + tree.num_nodes)
