@@ -3,11 +3,11 @@
 from pathlib import Path
 
 import torch
-from hydra.utils import instantiate
 from omegaconf import DictConfig
 
 from medusa_like.model import MedusaLikeModel
 from medusa_like.questions import Question, load_questions, select
+from train.distill import load_model as load_target_model
 
 
 def load_model(cfg: DictConfig) -> MedusaLikeModel:
@@ -17,13 +17,12 @@ def load_model(cfg: DictConfig) -> MedusaLikeModel:
     """
     if cfg.heads.path is not None and not Path(cfg.heads.path).exists():
         raise FileNotFoundError(f"heads.path={cfg.heads.path!r} does not exist (a heads directory or a .ckpt file)")
-    loader = cfg.model.loader
     dtype = cfg.target.dtype
-    target, tokenizer = instantiate(loader, **({"dtype": dtype} if "dtype" in loader and dtype else {}))
+    target, tokenizer = load_target_model(
+        cfg.model, **({"dtype": dtype} if "dtype" in cfg.model.loader and dtype else {})
+    )
     if dtype:
         target = target.to(getattr(torch, dtype))
-    if cfg.model.get("chat_template"):
-        tokenizer.chat_template = cfg.model.chat_template
     return MedusaLikeModel.from_pretrained(
         target, heads=cfg.heads.path, tokenizer=tokenizer, num_heads=cfg.heads.num_heads, backend=cfg.target.backend
     )

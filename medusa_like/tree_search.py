@@ -36,17 +36,15 @@ def head_rank_counts(
     lm_head = target.get_output_embeddings()
     hidden = target.base_model(input_ids=sequence).last_hidden_state[0]  # [L, H]
     length = sequence.shape[1]
-    counts = []
-    for k in range(1, heads.num_heads + 1):
-        total = [0] * (k_max + 1)
-        positions = torch.arange(prompt_len - 1, length - 1 - k)  # t with t + 1 + k < L
-        for start in range(0, positions.numel(), chunk):
-            t = positions[start : start + chunk]
-            feats = heads.blocks[k - 1](hidden[t])  # [n, H]
-            logits = lm_head(feats) if heads.lm_heads is None else heads.lm_heads[k - 1](feats)  # [n, V]
-            ranks = target_ranks(logits, sequence[0, t + 1 + k])  # [n]
-            total = [a + b for a, b in zip(total, rank_counts(ranks, k_max), strict=True)]
-        counts.append(total)
+    counts = [[0] * (k_max + 1) for _ in range(heads.num_heads)]
+    positions = torch.arange(prompt_len - 1, length - 2)  # t with t + 2 < L: head 1 has a label
+    for start in range(0, positions.numel(), chunk):
+        t = positions[start : start + chunk]
+        logits = heads(hidden[t], lm_head)  # [K, n, V]
+        for k in range(1, heads.num_heads + 1):
+            valid = t + 1 + k < length
+            ranks = target_ranks(logits[k - 1][valid], sequence[0, t[valid] + 1 + k])  # [n_k]
+            counts[k - 1] = [a + b for a, b in zip(counts[k - 1], rank_counts(ranks, k_max), strict=True)]
     return counts
 
 

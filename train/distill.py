@@ -20,9 +20,11 @@ from train.run_dir import resolved, save_config
 log = logging.getLogger(__name__)
 
 
-def load_model(model_cfg: DictConfig):
-    """(frozen target, tokenizer) from a `model/` config, with the config's chat template if it sets one."""
-    target, tokenizer = instantiate(model_cfg.loader)
+def load_model(model_cfg: DictConfig, **overrides):
+    """(frozen target, tokenizer) from a `model/` config, with the config's chat template if it sets one.
+
+    `overrides` replace arguments of the config's loader (e.g. dtype=...)."""
+    target, tokenizer = instantiate(model_cfg.loader, **overrides)
     if model_cfg.get("chat_template"):
         tokenizer.chat_template = model_cfg.chat_template
     return target, tokenizer
