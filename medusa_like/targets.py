@@ -115,6 +115,14 @@ def target_fingerprint(config) -> str:
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
+def eos_token_ids(model, tokenizer=None) -> list[int]:
+    """The ids that end an answer: the model's generation config's and the tokenizer's EOS, without duplicates."""
+    configured = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    ids = configured if isinstance(configured, list) else [configured]
+    ids = [*ids, getattr(tokenizer, "eos_token_id", None)]
+    return list(dict.fromkeys(int(i) for i in ids if i is not None))
+
+
 def chat_input_ids(tokenizer: PreTrainedTokenizerBase, messages: list[dict]) -> torch.Tensor:
     """Token ids [1, T] of a conversation under the target's own chat template, ready for the assistant to answer.
 

@@ -1,63 +1,85 @@
 """Shared fixtures: tiny random targets of several families, built from configs (nothing downloaded)."""
 
+from pathlib import Path
+
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, Gemma3TextConfig, LlamaConfig, MistralConfig, Qwen2Config
+from hydra import compose, initialize_config_dir
+from hydra.core.hydra_config import HydraConfig
+from omegaconf import open_dict
 
-from medusa_like.heads import HeadsConfig, MedusaHeads
+from medusa_like.decoding.draft_tree import DraftTree, grow_dynamic, grow_static
+from medusa_like.decoding.tree import DynamicTreeSpec
+from medusa_like.drafters.medusa import HeadsConfig, MedusaHeads
+from medusa_like.tiny import tiny_model
 
 VOCAB = 97
 HIDDEN = 32
 SLIDING_WINDOW = 6  # far below the test sequence lengths, so sliding layers really slide
+FAMILIES = ("llama", "qwen2", "mistral", "gemma3")
 
 # Tiny models gain nothing from intra-op threads, and OpenMP workers spinning on a busy 2-core machine make each small
 # matmul up to 50x slower.
 torch.set_num_threads(1)
 
-_COMMON = dict(
-    vocab_size=VOCAB,
-    hidden_size=HIDDEN,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    intermediate_size=64,
-    max_position_embeddings=512,
-    bos_token_id=None,
-    eos_token_id=None,
-    pad_token_id=None,
-)
-
-FAMILIES = {
-    "llama": lambda: LlamaConfig(**_COMMON),
-    # first layer full attention, second sliding
-    "qwen2": lambda: Qwen2Config(
-        **_COMMON, use_sliding_window=True, sliding_window=SLIDING_WINDOW, max_window_layers=1
-    ),
-    "mistral": lambda: MistralConfig(**_COMMON, sliding_window=SLIDING_WINDOW),
-    "gemma3": lambda: Gemma3TextConfig(
-        **{**_COMMON, "num_hidden_layers": 3},
-        head_dim=8,
-        sliding_window=SLIDING_WINDOW,
-        layer_types=["sliding_attention", "full_attention", "sliding_attention"],
-    ),
-}
-
 
 def tiny_target(family: str, seed: int = 0, **overrides):
-    torch.manual_seed(seed)
-    config = FAMILIES[family]()
-    for key, value in overrides.items():
-        setattr(config, key, value)
-    return AutoModelForCausalLM.from_config(config).eval()
+    """A tiny random target of `family` with the tests' vocabulary and real sliding windows."""
+    vocab_size = overrides.pop("vocab_size", VOCAB)
+    return tiny_model(family, vocab_size, seed, **{"sliding_window": SLIDING_WINDOW, **overrides})
 
 
-def random_heads(num_heads: int = 4, num_layers: int = 1, shared: bool = True, seed: int = 0) -> MedusaHeads:
-    """Heads with random (non-zero) weights, so their proposals are wrong in varied ways."""
-    torch.manual_seed(seed)
-    heads = MedusaHeads(HeadsConfig(HIDDEN, VOCAB, num_heads, num_layers, shared))
-    for p in heads.parameters():
-        torch.nn.init.normal_(p, std=0.5)
+def random_heads(
+    num_heads: int = 4, num_layers: int = 1, shared: bool = True, seed: int = 0, hidden: int = HIDDEN, std: float = 0.5
+) -> MedusaHeads:
+    """Heads with every parameter random (zero-initialised blocks would make broken code pass), so their proposals
+    are wrong in varied ways."""
+    heads = MedusaHeads(HeadsConfig(hidden, VOCAB, num_heads, num_layers, shared))
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in heads.parameters():
+            p.copy_(torch.randn(p.shape, generator=gen) * std)
     return heads.eval()
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Configs: composed the way the entry points compose them, pointed at a temporary directory
+
+CONF = Path(__file__).resolve().parents[1] / "conf"
+
+
+def compose_config(name: str, out_dir: Path, *overrides: str, data_dir: Path | None = None):
+    """`conf/<name>.yaml` with `overrides`, its run directory `out_dir` and its data under `data_dir`."""
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        cfg = compose(name, return_hydra_config=True, overrides=list(overrides))
+    HydraConfig().set_config(cfg)
+    with open_dict(cfg):
+        cfg.paths.output_dir = str(out_dir)
+        cfg.paths.data_dir = str(data_dir or Path(out_dir) / "data")
+        if "trainer" in cfg:
+            cfg.trainer.enable_progress_bar = False
+        if cfg.get("callbacks"):
+            cfg.callbacks.pop("progress_bar", None)
+    return cfg
+
+
+TINY_TRAIN = ("model=tiny_llama", "data=tiny", "logger=none", "distill.progress=false")
+
+
+@pytest.fixture
+def cfg_train(tmp_path):
+    """The training config on the tiny llama and the tiny data, no logger."""
+    return compose_config("train", tmp_path, *TINY_TRAIN)
+
+
+@pytest.fixture
+def cfg_eval(tmp_path):
+    return compose_config("eval", tmp_path, "model=tiny_llama")
+
+
+@pytest.fixture
+def cfg_export(tmp_path):
+    return compose_config("export", tmp_path, "model=tiny_llama", "drafter.path=none", f"out={tmp_path / 'out'}")
 
 
 def random_prompts(n: int, seed: int = 0, min_len: int = 2, max_len: int = 40) -> list[torch.Tensor]:
@@ -78,6 +100,71 @@ def greedy_reference(target, input_ids: torch.Tensor, max_new_tokens: int) -> to
     return out[0, input_ids.shape[1] :]
 
 
-@pytest.fixture(params=sorted(FAMILIES))
+@pytest.fixture(params=FAMILIES)
 def family(request) -> str:
     return request.param
+
+
+class ScriptedProposer:
+    """A test drafter for static trees: `propose_fn(generated tokens) -> [K, top_k]` gives the candidates of each depth
+    (an oracle, or the target's likely tokens), placed as a trained drafter's would be."""
+
+    feature_layers = None
+    max_depth = None
+
+    def __init__(self, propose_fn):
+        self.propose_fn = propose_fn
+
+    def begin(self, prompt_ids, features, root, capacity):
+        self.generated, self.root = [int(root)], root
+
+    def accept(self, tokens, features, bonus):
+        self.generated += tokens[1:].tolist() + [int(bonus)]
+        self.root = bonus
+
+    def propose(self, spec) -> DraftTree:
+        if spec.max_depth == 0:
+            return DraftTree.from_static(spec, self.root.view(1))
+        proposals = self.propose_fn(self.generated)[: spec.max_depth]  # [K, top_k]
+        return DraftTree.from_static(spec, torch.cat([self.root.view(1), proposals.flatten()[spec.candidate_index]]))
+
+
+class OracleProposer:
+    """Knows the target's continuation `truth`: after a node on the true path, rank 0 is the true next token with
+    probability 0.9; every other candidate is a random wrong token. Works with static and dynamic trees."""
+
+    feature_layers = None
+    max_depth = None
+
+    def __init__(self, truth: list[int], seed: int = 0):
+        self.truth, self.generator = truth, torch.Generator().manual_seed(seed)
+
+    def begin(self, prompt_ids, features, root, capacity):
+        self.done, self.root = 1, root  # tokens of `truth` already generated
+
+    def accept(self, tokens, features, bonus):
+        self.done += tokens.numel()
+        self.root = bonus
+
+    def propose(self, spec) -> DraftTree:
+        grow = grow_dynamic if isinstance(spec, DynamicTreeSpec) else grow_static
+        return grow(spec, self.root, self._expand)
+
+    def _expand(self, frontier, tokens, parents, depth):
+        k = 4
+        out = torch.randint(0, VOCAB, (frontier.numel(), k), generator=self.generator)
+        logp = torch.log(torch.tensor([0.9] + [0.1 / (k - 1)] * (k - 1))).repeat(frontier.numel(), 1)
+        for row, node in enumerate(frontier.tolist()):
+            path = []
+            while node >= 0:
+                path.append(int(tokens[node]))
+                node = int(parents[node])
+            path = path[::-1]  # root first
+            start = self.done - 1  # index of the root in truth
+            on_truth = path == self.truth[start : start + len(path)]
+            nxt = start + len(path)
+            right = self.truth[nxt] if on_truth and nxt < len(self.truth) else -1
+            out[row][out[row] == right] = (right + 1) % VOCAB  # wrong candidates stay wrong
+            if right >= 0:
+                out[row, 0] = right
+        return out, logp

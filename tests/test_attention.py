@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from medusa_like.attention import (
+from medusa_like.decoding.attention import (
     attention_with_lse,
     eager_tree_attention,
     flash_available,
@@ -14,7 +14,7 @@ from medusa_like.attention import (
     sdpa_tree_attention,
     visible_keys,
 )
-from medusa_like.tree import TokenTree, resolve_tree
+from medusa_like.decoding.tree import TokenTree, resolve_tree
 
 
 def qkv(q_len: int, kv_len: int, heads: int = 4, kv_heads: int = 2, dim: int = 8, seed: int = 0, **kw):

@@ -1,41 +1,37 @@
-"""Every config composes, in both entry points where it belongs, and everything it describes instantiates."""
+"""Every config composes, in every entry point where it belongs, and everything it describes instantiates."""
 
 from pathlib import Path
 
 import lightning as L
 import pytest
 import torch
-from hydra import compose, initialize_config_dir
-from hydra.core.hydra_config import HydraConfig
 from hydra.utils import get_method, instantiate
 from omegaconf import OmegaConf, open_dict
 
 from medusa_like.data.datamodule import DistilledDataModule
-from medusa_like.distill import GenerationConfig
-from medusa_like.heads import HeadsConfig
-from medusa_like.training.module import MedusaHeadsModule
+from medusa_like.data.generation import GenerationConfig
+from medusa_like.drafters.medusa import HeadsConfig
+from medusa_like.drafters.vocab import DraftVocab
+from medusa_like.training.eagle3_module import Eagle3Module
+from medusa_like.training.medusa_module import MedusaHeadsModule
 
-CONF = Path(__file__).resolve().parents[1] / "conf"
-TRAIN_GROUPS = ("model", "heads", "data", "trainer", "callbacks", "logger", "experiment", "debug")
-OPTIONS = [(group, p.stem) for group in TRAIN_GROUPS for p in sorted((CONF / group).glob("*.yaml"))]
+from .conftest import CONF, compose_config
+
+TRAIN_GROUPS = ("model", "drafter", "data", "trainer", "callbacks", "logger", "experiment", "debug")
+OPTIONS = [(group, p.stem) for group in TRAIN_GROUPS for p in sorted((CONF / group).glob("*.yaml")) if p.stem != "base"]
 
 
-def compose_cfg(name: str, tmp_path: Path, *overrides: str):
-    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
-        cfg = compose(name, return_hydra_config=True, overrides=list(overrides))
-    HydraConfig().set_config(cfg)
-    with open_dict(cfg):
-        cfg.paths.output_dir = str(tmp_path)
-        cfg.paths.data_dir = str(tmp_path / "data")
-    return cfg
+def resolve(cfg) -> dict:
+    return OmegaConf.to_container(OmegaConf.masked_copy(cfg, [k for k in cfg if k != "hydra"]), resolve=True)
 
 
 def test_every_group_option_is_covered():
-    assert len(OPTIONS) >= 25
+    assert len(OPTIONS) >= 28
     for group in TRAIN_GROUPS + ("paths", "hydra"):
         assert list((CONF / group).glob("*.yaml")), group
     expected = {"smollm2_135m", "tiny_llama", "tiny_qwen2", "vicuna_7b", "llama3_8b_instruct", "qwen2_5_7b_instruct"}
     assert expected <= {option for group, option in OPTIONS if group == "model"}
+    assert {"medusa", "eagle3"} <= {option for group, option in OPTIONS if group == "drafter"}
     assert {"cpu", "gpu", "ddp", "fsdp"} <= {option for group, option in OPTIONS if group == "trainer"}
     assert {"wandb", "csv", "none"} <= {option for group, option in OPTIONS if group == "logger"}
     assert {"fdr", "overfit"} <= {option for group, option in OPTIONS if group == "debug"}
@@ -46,11 +42,11 @@ def test_train_option_composes_and_instantiates(group, option, tmp_path):
     overrides = [f"{group}={option}"]
     if group not in ("model", "experiment"):
         overrides.append("model=tiny_llama")
-    cfg = compose_cfg("train", tmp_path, *overrides)
-    OmegaConf.resolve(OmegaConf.masked_copy(cfg, [k for k in cfg if k != "hydra"]))
+    cfg = compose_config("train", tmp_path, *overrides)
+    resolve(cfg)
 
-    heads = instantiate(cfg.heads, hidden_size=64, vocab_size=1000)
-    assert isinstance(heads, HeadsConfig)
+    if cfg.drafter.kind == "medusa":
+        assert isinstance(instantiate(cfg.drafter.heads, hidden_size=64, vocab_size=1000), HeadsConfig)
     gen = GenerationConfig(**cfg.data.generation)
     assert gen.max_new_tokens >= 1
     if OmegaConf.is_missing(cfg.data, "source"):
@@ -62,7 +58,7 @@ def test_train_option_composes_and_instantiates(group, option, tmp_path):
     assert all(isinstance(c, L.Callback) for c in callbacks)
     assert all(isinstance(lg, L.pytorch.loggers.Logger) for lg in loggers)
     trainer_cfg = cfg.trainer
-    if trainer_cfg.accelerator == "gpu" and not torch.cuda.is_available():
+    if trainer_cfg.accelerator in ("gpu", "auto") and not torch.cuda.is_available():
         with open_dict(trainer_cfg):
             trainer_cfg.accelerator, trainer_cfg.devices = "cpu", 1
             if OmegaConf.is_dict(trainer_cfg.get("strategy")):  # FSDP needs CUDA: build the strategy alone
@@ -75,37 +71,62 @@ def test_train_option_composes_and_instantiates(group, option, tmp_path):
     if cfg.model.name.startswith("tiny_"):
         target, tokenizer = instantiate(loader)
         assert tokenizer.chat_template and target.config.vocab_size == len(tokenizer)
-        lm_head = target.get_output_embeddings().weight
-        heads = instantiate(cfg.heads, vocab_size=lm_head.shape[0], hidden_size=lm_head.shape[1])
-        module = instantiate(
-            cfg.module, target=target, heads_config=heads, target_name=cfg.model.name_or_path, _convert_="object"
-        )
-        assert isinstance(module, MedusaHeadsModule) and module.heads.num_heads == heads.num_heads
+        module = build(cfg, target)
+        assert isinstance(module, MedusaHeadsModule if cfg.drafter.kind == "medusa" else Eagle3Module)
     else:  # hub models are not downloaded in tests: the loader must exist and name a model
         assert callable(get_method(loader._target_)) and cfg.model.name_or_path
 
 
+def build(cfg, target):
+    shared = dict(target=target, target_name="tiny", optimizer=instantiate(cfg.module.optimizer))
+    if cfg.drafter.kind == "medusa":
+        lm_head = target.get_output_embeddings().weight
+        heads = instantiate(cfg.drafter.heads, vocab_size=lm_head.shape[0], hidden_size=lm_head.shape[1])
+        return instantiate(cfg.drafter.module, heads_config=heads, **shared, _convert_="object")
+    vocab = DraftVocab(torch.arange(cfg.drafter.draft_vocab_size), target.config.vocab_size)
+    return instantiate(cfg.drafter.module, vocab=vocab, **shared, _convert_="object")
+
+
 @pytest.mark.parametrize("experiment", sorted(p.stem for p in (CONF / "experiment").glob("*.yaml")))
 def test_experiments_compose_for_distillation_and_training_alike(experiment, tmp_path):
-    train_cfg = compose_cfg("train", tmp_path, f"experiment={experiment}")
-    distill_cfg = compose_cfg("distill", tmp_path, f"experiment={experiment}")
+    train_cfg = compose_config("train", tmp_path, f"experiment={experiment}")
+    distill_cfg = compose_config("distill", tmp_path, f"experiment={experiment}")
     assert train_cfg.task_name == distill_cfg.task_name == experiment
     assert train_cfg.data.dir == distill_cfg.data.dir  # training reads what distillation writes
-    assert OmegaConf.to_container(train_cfg.data.generation) == OmegaConf.to_container(distill_cfg.data.generation)
+    assert resolve(train_cfg)["data"] == resolve(distill_cfg)["data"]
     assert train_cfg.model.name == distill_cfg.model.name == "smollm2_135m"
 
 
-@pytest.mark.parametrize("data", sorted(p.stem for p in (CONF / "data").glob("*.yaml")))
+@pytest.mark.parametrize("data", sorted(p.stem for p in (CONF / "data").glob("*.yaml") if p.stem != "base"))
 def test_distill_config_composes_with_every_data_option(data, tmp_path):
-    cfg = compose_cfg("distill", tmp_path, f"data={data}", "distill.shard=1", "distill.num_shards=3")
+    cfg = compose_config("distill", tmp_path, f"data={data}", "distill.shard=1", "distill.num_shards=3")
     assert (cfg.distill.shard, cfg.distill.num_shards) == (1, 3)
-    assert cfg.data.dir.endswith(f"distilled/{cfg.model.name}/{cfg.data.name}")
-    GenerationConfig(**cfg.data.generation)
+    if not OmegaConf.is_missing(cfg.data, "source"):
+        assert Path(resolve(cfg)["data"]["dir"]).is_relative_to(tmp_path)
 
 
-def test_defaults_and_command_line_overrides(tmp_path):
-    cfg = compose_cfg("train", tmp_path, "module.optimizer.lr=3e-4", "heads.num_heads=5", "logger.wandb.offline=false")
-    assert cfg.model.name == "smollm2_135m" and cfg.data.name == "sharegpt_small" and cfg.logger.wandb.offline is False
-    assert cfg.module.optimizer._partial_ and cfg.module.optimizer.lr == 3e-4 and cfg.heads.num_heads == 5
+@pytest.mark.parametrize("name", ["train", "eval", "export", "distill"])
+def test_every_entry_point_composes_paths_hydra_and_model(name, tmp_path):
+    extra = {"export": ["drafter.path=x", "out=y"]}.get(name, [])
+    cfg = compose_config(name, tmp_path, "model=tiny_qwen2", *extra)
+    assert cfg.model.name == "tiny_qwen2"
+    assert cfg.paths.output_dir == str(tmp_path)
+    assert "run" in cfg.hydra and cfg.task_name
+    resolve(cfg)
+
+
+def test_eval_reads_the_training_split_settings(tmp_path):
+    cfg = compose_config("eval", tmp_path, "data@validation=sharegpt_small")
+    train = compose_config("train", tmp_path, "data=sharegpt_small")
+    assert (cfg.validation.val_fraction, cfg.validation.split_seed) == (train.data.val_fraction, train.data.split_seed)
+    assert cfg.validation.source == train.data.source
+
+
+def test_overrides_reach_the_objects(tmp_path):
+    cfg = compose_config(
+        "train", tmp_path, "module.optimizer.lr=3e-4", "drafter.heads.num_heads=5", "logger.wandb.offline=false"
+    )
+    assert cfg.module.optimizer._partial_ and cfg.module.optimizer.lr == 3e-4 and cfg.drafter.heads.num_heads == 5
+    assert cfg.model.name == "smollm2_135m" and cfg.logger.wandb.offline is False
     optimizer = instantiate(cfg.module.optimizer)([torch.nn.Parameter(torch.zeros(2))])
     assert isinstance(optimizer, torch.optim.AdamW) and optimizer.param_groups[0]["lr"] == 3e-4

@@ -10,7 +10,7 @@ from medusa_like.data.datamodule import DistilledDataModule
 from medusa_like.data.sharegpt import ReadStats, iter_json_array, sharegpt_path
 from medusa_like.data.sources import load_conversations, user_turns
 from medusa_like.data.split import is_validation
-from medusa_like.distill import FEATURES
+from medusa_like.data.storage import FEATURES
 
 
 def sharegpt_record(i: int, turns: int = 1) -> dict:

@@ -1,4 +1,5 @@
-"""Self-distillation on tiny random targets: loss masks, resuming after an interruption, shards, multi-turn."""
+"""Building training data on tiny random targets: loss masks, resuming after an interruption, shards, multi-turn,
+recipe checks, and the teacher-forced `original` recipe."""
 
 import json
 
@@ -6,8 +7,9 @@ import pytest
 import torch
 import torch.nn as nn
 
-from medusa_like import distill
-from medusa_like.tiny_targets import tiny_target
+from medusa_like.data import conversation_text, generation, masks, storage
+from medusa_like.data.storage import check_recipe, recipe
+from medusa_like.tiny import tiny_target
 
 
 def chatty_target(eos_logit: float = 9.7):
@@ -42,7 +44,7 @@ def conversations(n: int, turns: int = 1) -> list[dict]:
     return out
 
 
-GEN = distill.GenerationConfig(temperature=0.8, max_new_tokens=8, max_prompt_tokens=64, max_length=256)
+GEN = generation.GenerationConfig(temperature=0.8, max_new_tokens=8, max_prompt_tokens=64, max_length=256)
 
 
 def segments(mask: list[int]) -> list[tuple[int, int]]:
@@ -65,7 +67,7 @@ def test_loss_mask_covers_the_answers_and_their_end_token_only():
         {"role": "user", "content": "Count to three."},
         {"role": "assistant", "content": "One, two, thr"},
     ]
-    ids, mask = distill.build_sample(tokenizer, messages, finished=[True, False])
+    ids, mask = masks.build_sample(tokenizer, messages, finished=[True, False])
     assert len(ids) == len(mask)
     spans = segments(mask)
     assert len(spans) == 2
@@ -76,10 +78,10 @@ def test_loss_mask_covers_the_answers_and_their_end_token_only():
 
 def test_distilled_rows_hold_the_targets_own_answers(tmp_path, target):
     model, tokenizer = target
-    path = distill.run(
+    path = generation.run(
         model, tokenizer, conversations(6), tmp_path / "d", GEN, batch_size=4, chunk_size=4, progress=False
     )
-    data = distill.load_distilled(tmp_path / "d")
+    data = storage.load_distilled(tmp_path / "d")
     assert path == tmp_path / "d" / "dataset" and data["id"] == [f"c{i}" for i in range(6)]
     eos = tokenizer.eos_token_id
     for row in data:
@@ -96,7 +98,7 @@ def test_interrupted_then_resumed_equals_uninterrupted(tmp_path, target):
     model, tokenizer = target
     convs = conversations(12)
     kwargs = dict(batch_size=2, chunk_size=4, progress=False)
-    distill.run(model, tokenizer, convs, tmp_path / "whole", GEN, **kwargs)
+    generation.run(model, tokenizer, convs, tmp_path / "whole", GEN, **kwargs)
 
     calls = {"n": 0}
     generate = model.generate
@@ -110,60 +112,62 @@ def test_interrupted_then_resumed_equals_uninterrupted(tmp_path, target):
     model.generate = interrupted
     try:
         with pytest.raises(KeyboardInterrupt):
-            distill.run(model, tokenizer, convs, tmp_path / "resumed", GEN, **kwargs)
+            generation.run(model, tokenizer, convs, tmp_path / "resumed", GEN, **kwargs)
         chunks = tmp_path / "resumed" / "chunks"
         assert sorted(p.name for p in chunks.iterdir()) == ["chunk-00000"]
         assert not (tmp_path / "resumed" / "dataset").exists()
         (chunks / ".chunk-00001.tmp-4242").mkdir()  # as if killed while saving chunk 1
         calls["n"] = 100
-        distill.run(model, tokenizer, convs, tmp_path / "resumed", GEN, **kwargs)
+        generation.run(model, tokenizer, convs, tmp_path / "resumed", GEN, **kwargs)
     finally:
         del model.generate
     assert calls["n"] == 104  # chunks 1 and 2 only, two batches each
     assert not (chunks / ".chunk-00001.tmp-4242").exists()
-    whole = distill.load_distilled(tmp_path / "whole").to_list()
-    assert distill.load_distilled(tmp_path / "resumed").to_list() == whole
+    whole = storage.load_distilled(tmp_path / "whole").to_list()
+    assert storage.load_distilled(tmp_path / "resumed").to_list() == whole
 
 
 def test_shards_and_time_boxed_runs_combine_into_the_same_dataset(tmp_path, target):
     model, tokenizer = target
     convs = conversations(12)
     kwargs = dict(batch_size=4, chunk_size=4, progress=False)
-    distill.run(model, tokenizer, convs, tmp_path / "whole", GEN, **kwargs)
+    generation.run(model, tokenizer, convs, tmp_path / "whole", GEN, **kwargs)
     out = tmp_path / "sharded"
-    assert distill.run(model, tokenizer, convs, out, GEN, shard=1, num_shards=2, **kwargs) is None
-    assert distill.run(model, tokenizer, convs, out, GEN, shard=0, num_shards=2, max_chunks=1, **kwargs) is None
+    assert generation.run(model, tokenizer, convs, out, GEN, shard=1, num_shards=2, **kwargs) is None
+    assert generation.run(model, tokenizer, convs, out, GEN, shard=0, num_shards=2, max_chunks=1, **kwargs) is None
     with pytest.raises(FileNotFoundError, match="1 of 3 chunks missing"):
-        distill.combine(out, 3)
-    assert distill.run(model, tokenizer, convs, out, GEN, shard=0, num_shards=2, **kwargs) == out / "dataset"
-    assert distill.load_distilled(out).to_list() == distill.load_distilled(tmp_path / "whole").to_list()
+        storage.combine(out, 3)
+    assert generation.run(model, tokenizer, convs, out, GEN, shard=0, num_shards=2, **kwargs) == out / "dataset"
+    assert storage.load_distilled(out).to_list() == storage.load_distilled(tmp_path / "whole").to_list()
     with pytest.raises(ValueError, match="shard must be in"):
-        distill.run(model, tokenizer, convs, out, GEN, shard=2, num_shards=2, **kwargs)
+        generation.run(model, tokenizer, convs, out, GEN, shard=2, num_shards=2, **kwargs)
 
 
 def test_a_changed_recipe_is_refused(tmp_path, target):
     model, tokenizer = target
-    distill.run(model, tokenizer, conversations(4), tmp_path / "d", GEN, chunk_size=4, progress=False)
-    hotter = distill.GenerationConfig(**{**GEN.__dict__, "temperature": 1.2})
+    generation.run(model, tokenizer, conversations(4), tmp_path / "d", GEN, chunk_size=4, progress=False)
+    hotter = generation.GenerationConfig(**{**GEN.__dict__, "temperature": 1.2})
     with pytest.raises(ValueError, match="another recipe.*generation"):
-        distill.run(model, tokenizer, conversations(4), tmp_path / "d", hotter, chunk_size=4, progress=False)
+        generation.run(model, tokenizer, conversations(4), tmp_path / "d", hotter, chunk_size=4, progress=False)
     with pytest.raises(ValueError, match="another recipe.*num_conversations"):
-        distill.run(model, tokenizer, conversations(5), tmp_path / "d", GEN, chunk_size=4, progress=False)
-    # a finished dataset is checked too before training reuses it
-    distill.check_finished_recipe(tmp_path / "d", GEN, 4)
-    with pytest.raises(ValueError, match="another recipe.*generation"):
-        distill.check_finished_recipe(tmp_path / "d", hotter, 4)
-    with pytest.raises(ValueError, match="another recipe.*num_conversations"):
-        distill.check_finished_recipe(tmp_path / "d", GEN, 8)
+        generation.run(model, tokenizer, conversations(5), tmp_path / "d", GEN, chunk_size=4, progress=False)
+    # a finished dataset is checked the same way before training reuses it: the source and ids count too
+    same = recipe(model, conversations(4), "distilled", "", GEN.__dict__, 4, "")
+    check_recipe(tmp_path / "d", same)
+    with pytest.raises(ValueError, match="another recipe.*source"):
+        check_recipe(tmp_path / "d", {**same, "source": "B.jsonl"})
+    other_ids = [{**c, "id": c["id"] + "x"} for c in conversations(4)]
+    with pytest.raises(ValueError, match="another recipe.*conversation_ids_sha256"):
+        check_recipe(tmp_path / "d", recipe(model, other_ids, "distilled", "", GEN.__dict__, 4, ""))
 
 
 def test_all_turns_are_answered_on_the_regenerated_history(tmp_path, target):
     model, tokenizer = target
-    gen = distill.GenerationConfig(**{**GEN.__dict__, "turns": "all"})
-    distill.run(
+    gen = generation.GenerationConfig(**{**GEN.__dict__, "turns": "all"})
+    generation.run(
         model, tokenizer, conversations(8, turns=3), tmp_path / "d", gen, batch_size=4, chunk_size=8, progress=False
     )
-    rows = distill.load_distilled(tmp_path / "d").to_list()
+    rows = storage.load_distilled(tmp_path / "d").to_list()
     assert len(rows) == 8
     answered = []
     for row in rows:
@@ -182,7 +186,7 @@ def test_select_conversations_skips_long_prompts(tmp_path):
     records = [{"id": "long", "conversations": [{"from": "human", "value": "word " * 200}]}]
     records += [{"id": f"s{i}", "conversations": [{"from": "human", "value": f"short {i}"}]} for i in range(3)]
     (tmp_path / "c.jsonl").write_text("\n".join(json.dumps(r) for r in records))
-    picked = distill.select_conversations(str(tmp_path / "c.jsonl"), 2, tokenizer, GEN)
+    picked = generation.select_conversations(str(tmp_path / "c.jsonl"), 2, tokenizer, GEN)
     assert [c["id"] for c in picked] == ["s0", "s1"]
 
 
@@ -190,4 +194,25 @@ def test_a_tokenizer_without_chat_template_is_an_error():
     _, tokenizer = tiny_target("llama")
     tokenizer.chat_template = None
     with pytest.raises(ValueError, match="no chat template"):
-        distill.build_sample(tokenizer, [{"role": "user", "content": "hi"}], [])
+        masks.build_sample(tokenizer, [{"role": "user", "content": "hi"}], [])
+
+
+def test_original_recipe_keeps_the_conversations_own_answers(tmp_path, target):
+    model, tokenizer = target
+    convs = conversations(5, turns=2)
+    path = conversation_text.run(model, tokenizer, convs, tmp_path / "o", max_length=512, chunk_size=2, progress=False)
+    rows = storage.load_distilled(tmp_path / "o").to_list()
+    assert path == tmp_path / "o" / "dataset" and [r["id"] for r in rows] == [c["id"] for c in convs]
+    for row, conv in zip(rows, convs, strict=True):
+        ids, mask = masks.build_sample(tokenizer, conv["messages"], [True, True])
+        assert row["input_ids"] == ids and row["loss_mask"] == mask
+        assert len(segments(row["loss_mask"])) == 2  # both answers supervised
+    made = json.loads((tmp_path / "o" / "recipe.json").read_text())
+    assert made["recipe"] == "original" and made["generation"] == {"max_length": 512}
+
+
+def test_nothing_is_written_for_an_empty_source(tmp_path, target):
+    model, tokenizer = target
+    with pytest.raises(ValueError, match="no conversations"):
+        conversation_text.run(model, tokenizer, [], tmp_path / "e", max_length=64, progress=False)
+    assert not (tmp_path / "e").exists()

@@ -2,25 +2,27 @@
 losslessness 1.0, the loud failure path, the question sets, and a clear error for each bad input."""
 
 import json
+import tempfile
 from pathlib import Path
 
 import pytest
-from hydra import compose, initialize_config_dir
 
-from eval.common import load_model, question_set
 from eval.evaluate import METHODS, evaluate, exit_code
-from eval.report import PLOTS, markdown
-from medusa_like.export import TargetMismatchError, save_heads
-from medusa_like.heads import HeadsConfig, MedusaHeads
-from medusa_like.questions import (
+from medusa_like.drafters.base import DrafterMismatchError
+from medusa_like.drafters.medusa import HeadsConfig, MedusaHeads
+from medusa_like.evaluation.questions import (
     QuestionSetError,
     load_humaneval_questions,
     load_jsonl_questions,
     load_validation_questions,
 )
-from medusa_like.tiny_targets import tiny_target
+from medusa_like.evaluation.report import PLOTS, markdown
+from medusa_like.evaluation.setup import load_model, question_set
+from medusa_like.formats.heads_io import save_heads
+from medusa_like.tiny import tiny_target
 
-CONF_DIR = str(Path(__file__).resolve().parents[1] / "conf")
+from .conftest import compose_config
+
 QUESTIONS = [
     {"question_id": 1, "category": "writing", "turns": ["Write a haiku about rain.", "Now make it about snow."]},
     {"question_id": 2, "category": "math", "turns": ["What is 12 times 7?"]},
@@ -32,9 +34,10 @@ def write_jsonl(path: Path, records) -> Path:
     return path
 
 
-def eval_cfg(*overrides: str):
-    with initialize_config_dir(version_base="1.3", config_dir=CONF_DIR):
-        return compose("eval", overrides=["model=tiny_llama", *overrides])
+def eval_cfg(*overrides: str, out_dir: Path | None = None):
+    """The evaluation config on the tiny llama; reports go to `out_dir` (or a fresh temporary directory)."""
+    out_dir = out_dir or Path(tempfile.mkdtemp(prefix="eval-"))
+    return compose_config("eval", out_dir, "model=tiny_llama", *overrides)
 
 
 @pytest.fixture(scope="module")
@@ -74,8 +77,8 @@ def test_report_fields(report):
     assert set(report["speed"]["speedup"]) == {"hf_greedy", "hf_prompt_lookup"}
     assert [r["budget"] for r in report["tree_sweep"]] == [0, 2, 4]
     assert report["tree_sweep"][0]["tau"] == 1.0
-    assert report["tree_search"]["budget"] in (1, 2)
-    assert report["setup"]["tree"]["nodes"] == report["tree_search"]["budget"] + 1
+    assert report["tree_search"]["label"] in (1, 2)
+    assert report["setup"]["tree"]["nodes"] == report["tree_search"]["label"] + 1
     assert [(p["question_id"], p["turn"]) for p in report["prompts"]] == [("1", 1), ("1", 2), ("2", 1)]
     assert all(set(p["new_tokens"]) == set(METHODS) for p in report["prompts"])
     assert set(report["definitions"]) >= {"tau", "mean_accepted_draft", "speedup", "losslessness"}
@@ -153,9 +156,9 @@ def test_per_category_subset(tmp_path):
         tmp_path / "q.jsonl", [{"question_id": i, "category": "ab"[i % 2], "turns": ["x"]} for i in range(6)]
     )
     cfg = eval_cfg(f"data.path={path}", "data.per_category=2")
-    assert [q.question_id for q in question_set(cfg.data, cfg.data.validation)] == ["0", "1", "2", "3"]
+    assert [q.question_id for q in question_set(cfg.data, cfg.validation)] == ["0", "1", "2", "3"]
     cfg = eval_cfg(f"data.path={path}", "data.skip=1", "data.limit=2")
-    assert [q.question_id for q in question_set(cfg.data, cfg.data.validation)] == ["1", "2"]
+    assert [q.question_id for q in question_set(cfg.data, cfg.validation)] == ["1", "2"]
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -190,20 +193,20 @@ def test_missing_question_file(tmp_path):
 
 def test_missing_path_and_unknown_source(tmp_path):
     with pytest.raises(QuestionSetError, match="needs a path"):
-        question_set(eval_cfg().data, eval_cfg().data.validation)
+        question_set(eval_cfg().data, eval_cfg().validation)
     cfg = eval_cfg("data.source=sharegpt_v9")
     with pytest.raises(QuestionSetError, match="unknown question source 'sharegpt_v9'"):
-        question_set(cfg.data, cfg.data.validation)
+        question_set(cfg.data, cfg.validation)
 
 
 def test_heads_for_another_target(tmp_path):
     other, _ = tiny_target("llama", hidden_size=32, num_layers=1, num_attention_heads=2, num_key_value_heads=1)
     heads = MedusaHeads(HeadsConfig(32, other.config.vocab_size, 4), other.get_output_embeddings().weight)
     save_heads(heads, tmp_path / "heads", other, "tiny-other")
-    with pytest.raises(TargetMismatchError, match="hidden size 32, but target .* hidden size 64"):
-        load_model(eval_cfg(f"heads.path={tmp_path / 'heads'}"))
+    with pytest.raises(DrafterMismatchError, match="hidden size 32, but target .* hidden size 64"):
+        load_model(eval_cfg(f"drafter.path={tmp_path / 'heads'}"))
 
 
-def test_missing_heads(tmp_path):
-    with pytest.raises(FileNotFoundError, match="heads.path=.*does not exist"):
-        load_model(eval_cfg(f"heads.path={tmp_path / 'none'}"))
+def test_missing_drafter(tmp_path):
+    with pytest.raises(FileNotFoundError, match="drafter.path=.*does not exist"):
+        load_model(eval_cfg(f"drafter.path={tmp_path / 'none'}"))

@@ -9,51 +9,31 @@ from pathlib import Path
 
 import pytest
 import torch
-from hydra import compose, initialize_config_dir
 from safetensors.torch import load_file, save_file
-from transformers import AutoModelForCausalLM, LlamaConfig
 
-from medusa_like.export import (
-    HeadsFormatError,
-    TargetMismatchError,
+from medusa_like.drafters.base import DrafterMismatchError
+from medusa_like.drafters.medusa import MedusaHeads
+from medusa_like.formats.common import FormatError
+from medusa_like.formats.heads_io import (
     export_heads,
     heads_from_checkpoint,
     load_heads,
     read_heads,
     save_heads,
 )
-from medusa_like.heads import HeadsConfig, MedusaHeads
 from medusa_like.targets import target_fingerprint
 
-H, V, K = 32, 128, 3
-CONF_DIR = str(Path(__file__).resolve().parents[1] / "conf")
+from .conftest import HIDDEN, VOCAB, compose_config, random_heads, tiny_target
+
+H, V, K = HIDDEN, VOCAB, 3
+SMALL = dict(num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1, tie_word_embeddings=False)
 
 
-def tiny_target(seed: int = 0, **overrides) -> torch.nn.Module:
-    fields = dict(
-        vocab_size=V,
-        hidden_size=H,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        intermediate_size=64,
-        tie_word_embeddings=False,
-    )
-    fields.update(overrides)
-    torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(LlamaConfig(**fields)).eval()
+def llama(seed: int = 0, **overrides):
+    """The tests' tiny llama, one layer, untied lm_head (`overrides` change its config)."""
+    model = tiny_target("llama", seed, **{**SMALL, **overrides})
     model.config.name_or_path = f"tiny-llama-{seed}"
     return model
-
-
-def random_heads(num_layers: int = 1, shared: bool = True, seed: int = 1, hidden: int = H) -> MedusaHeads:
-    """Heads with every parameter random (zero-initialised blocks would make a broken export pass)."""
-    heads = MedusaHeads(HeadsConfig(hidden, V, K, num_layers, shared))
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in heads.parameters():
-            p.copy_(torch.randn(p.shape, generator=gen) * 0.1)
-    return heads.eval()
 
 
 def logits(heads: MedusaHeads, target) -> torch.Tensor:
@@ -68,7 +48,7 @@ def export(heads, tmp_path, fmt, target, name="out") -> Path:
 
 @pytest.fixture(scope="module")
 def target():
-    return tiny_target()
+    return llama()
 
 
 # ---- hand-written layouts (K=3 heads, H=32, V=128) ----
@@ -137,10 +117,10 @@ EXPECTED = {
 def test_round_trip_is_exact_and_layout_matches_spec(case, target, tmp_path):
     fmt, num_layers, shared = case
     weights_file, spec, config_subset = EXPECTED[case]
-    heads = random_heads(num_layers, shared)
+    heads = random_heads(K, num_layers, shared, seed=1)
     out = export(heads, tmp_path, fmt, target)
 
-    assert sorted(p.name for p in out.iterdir()) == sorted(["config.json", weights_file])
+    assert sorted(p.name for p in out.iterdir()) == sorted([".medusa_like_export", "config.json", weights_file])
     tensors = load_file(out / weights_file)
     assert {name: tuple(t.shape) for name, t in tensors.items()} == spec
     config = json.loads((out / "config.json").read_text())
@@ -157,7 +137,7 @@ def test_round_trip_is_exact_and_layout_matches_spec(case, target, tmp_path):
 
 
 def test_own_projections_equal_to_the_target_import_as_shared(target, tmp_path):
-    heads = random_heads(1, shared=False)
+    heads = random_heads(K, 1, shared=False, seed=1)
     heads.init_projections_from(target.lm_head.weight)
     for fmt in ("medusa", "vllm"):
         loaded = load_heads(export(heads, tmp_path, fmt, target, fmt), target)
@@ -168,7 +148,7 @@ def test_own_projections_equal_to_the_target_import_as_shared(target, tmp_path):
 
 
 def test_bf16_export_round_trips_in_bf16(target, tmp_path):
-    heads = random_heads(1, shared=True)
+    heads = random_heads(K, 1, shared=True, seed=1)
     out = export_heads(heads, tmp_path / "bf16", "vllm", target_model=target, target_name="t", dtype=torch.bfloat16)
     loaded = load_heads(out, target)  # the bf16 lm_head still counts as the fp32 target's
     assert next(loaded.parameters()).dtype == torch.bfloat16
@@ -184,38 +164,41 @@ def test_bf16_export_round_trips_in_bf16(target, tmp_path):
 )
 def test_tgi_refuses_heads_it_cannot_hold(num_layers, shared, reason, target, tmp_path):
     with pytest.raises(ValueError, match=reason):
-        export(random_heads(num_layers, shared), tmp_path, "tgi", target)
+        export(random_heads(K, num_layers, shared, seed=1), tmp_path, "tgi", target)
     assert not (tmp_path / "out").exists()
 
 
 def test_export_refuses_other_weight_files_and_unknown_format(target, tmp_path):
-    out = export(random_heads(), tmp_path, "native", target)
+    out = export(random_heads(K, seed=1), tmp_path, "native", target)
     with pytest.raises(FileExistsError, match="model.safetensors"):
-        export(random_heads(), tmp_path, "medusa", target)
-    export(random_heads(seed=5), tmp_path, "native", target)  # overwriting the same format is fine
-    assert torch.equal(logits(load_heads(out, target), target), logits(random_heads(seed=5), target))
+        export(random_heads(K, seed=1), tmp_path, "medusa", target)
+    with pytest.raises(FileExistsError, match="overwrite=true"):
+        export(random_heads(K, seed=5), tmp_path, "native", target)  # a previous export stays unless asked
+    export_heads(random_heads(K, seed=5), out, "native", target_model=target, target_name="tiny/base", overwrite=True)
+    assert torch.equal(logits(load_heads(out, target), target), logits(random_heads(K, seed=5), target))
     with pytest.raises(ValueError, match="'onnx'"):
-        export(random_heads(), tmp_path, "onnx", target, "x")
+        export(random_heads(K, seed=1), tmp_path, "onnx", target, "x")
 
 
 def test_export_refuses_heads_of_another_target(tmp_path):
-    with pytest.raises(TargetMismatchError, match="hidden size 16"):
-        export(random_heads(hidden=16), tmp_path, "native", tiny_target())
+    with pytest.raises(DrafterMismatchError, match="hidden size 16"):
+        export(random_heads(K, hidden=16, seed=1), tmp_path, "native", llama())
 
 
 def test_interrupted_write_leaves_the_previous_file(target, tmp_path, monkeypatch):
-    out = export(random_heads(seed=1), tmp_path, "native", target)
+    out = export(random_heads(K, seed=1), tmp_path, "native", target)
     before = (out / "model.safetensors").read_bytes()
 
     def crash(tensors, filename, metadata=None):
         Path(filename).write_bytes(b"partial")
         raise KeyboardInterrupt
 
-    monkeypatch.setattr("medusa_like.export.save_file", crash)
+    monkeypatch.setattr("medusa_like.formats.heads_io.save_file", crash)
     with pytest.raises(KeyboardInterrupt):
-        export(random_heads(seed=2), tmp_path, "native", target)
+        export_heads(random_heads(K, seed=2), out, "native", target_model=target, target_name="x", overwrite=True)
     assert (out / "model.safetensors").read_bytes() == before
-    assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors"]
+    assert sorted(p.name for p in out.iterdir()) == [".medusa_like_export", "config.json", "model.safetensors"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]  # no temporary left beside it
 
 
 # ---- broken files ----
@@ -223,14 +206,14 @@ def test_interrupted_write_leaves_the_previous_file(target, tmp_path, monkeypatc
 
 @pytest.mark.parametrize("fmt", ["native", "medusa", "vllm", "tgi"])
 def test_truncated_or_garbage_weights_are_named(fmt, target, tmp_path):
-    out = export(random_heads(), tmp_path, fmt, target)
+    out = export(random_heads(K, seed=1), tmp_path, fmt, target)
     weights = next(out.glob("*.safetensors"))
     data = weights.read_bytes()
     weights.write_bytes(data[: len(data) - 100])
-    with pytest.raises(HeadsFormatError, match=rf"{weights.name} is not a readable safetensors file"):
+    with pytest.raises(FormatError, match=rf"{weights.name} is not a readable safetensors file"):
         load_heads(out, target)
     weights.write_bytes(b"not a safetensors file at all")
-    with pytest.raises(HeadsFormatError, match="truncated or corrupted"):
+    with pytest.raises(FormatError, match="truncated or corrupted"):
         load_heads(out, target)
 
 
@@ -243,19 +226,19 @@ def rewrite(out: Path, edit) -> None:
 
 
 def test_missing_extra_and_misshapen_tensors_are_named(target, tmp_path):
-    out = export(random_heads(2, shared=False), tmp_path, "medusa", target)
+    out = export(random_heads(K, 2, shared=False, seed=1), tmp_path, "medusa", target)
     rewrite(out, lambda t: t.pop("1.1.linear.bias"))
-    with pytest.raises(HeadsFormatError, match=r"missing tensors '1\.1\.linear\.bias'"):
+    with pytest.raises(FormatError, match=r"missing tensors '1\.1\.linear\.bias'"):
         load_heads(out, target)
 
-    out = export(random_heads(1), tmp_path, "native", target, "extra")
+    out = export(random_heads(K, 1, seed=1), tmp_path, "native", target, "extra")
     rewrite(out, lambda t: t.update({"lm_heads.0.weight": torch.zeros(V, H)}))
-    with pytest.raises(HeadsFormatError, match=r"unexpected tensors 'lm_heads\.0\.weight'"):
+    with pytest.raises(FormatError, match=r"unexpected tensors 'lm_heads\.0\.weight'"):
         load_heads(out, target)
 
-    out = export(random_heads(1, shared=False), tmp_path, "vllm", target, "shape")
+    out = export(random_heads(K, 1, shared=False, seed=1), tmp_path, "vllm", target, "shape")
     rewrite(out, lambda t: t.update({"lm_heads.2.weight": torch.zeros(V - 1, H)}))
-    with pytest.raises(HeadsFormatError, match=r"'lm_heads\.2\.weight' has shape \(127, 32\), expected \(128, 32\)"):
+    with pytest.raises(FormatError, match=rf"'lm_heads\.2\.weight' has shape \({V - 1}, {H}\), expected \({V}, {H}\)"):
         load_heads(out, target)
 
 
@@ -269,15 +252,15 @@ def test_missing_extra_and_misshapen_tensors_are_named(target, tmp_path):
     ],
 )
 def test_config_head_count_disagreeing_with_weights(fmt, key, pattern, target, tmp_path):
-    out = export(random_heads(1), tmp_path, fmt, target)
+    out = export(random_heads(K, 1, seed=1), tmp_path, fmt, target)
     config = json.loads((out / "config.json").read_text())
     config[key] = 2
     (out / "config.json").write_text(json.dumps(config))
-    with pytest.raises(HeadsFormatError, match=pattern):
+    with pytest.raises(FormatError, match=pattern):
         load_heads(out, target)
     config[key] = 4
     (out / "config.json").write_text(json.dumps(config))
-    with pytest.raises(HeadsFormatError, match=r"missing tensors '(blocks\.)?3\."):
+    with pytest.raises(FormatError, match=r"missing tensors '(blocks\.)?3\."):
         load_heads(out, target)
 
 
@@ -286,24 +269,24 @@ def test_bad_paths_and_configs(target, tmp_path):
         load_heads(tmp_path / "nowhere", target)
     empty = tmp_path / "empty"
     empty.mkdir()
-    with pytest.raises(HeadsFormatError, match="no config.json"):
+    with pytest.raises(FormatError, match="no config.json"):
         load_heads(empty, target)
     (empty / "config.json").write_text("{not json")
-    with pytest.raises(HeadsFormatError, match="not valid JSON"):
+    with pytest.raises(FormatError, match="not valid JSON"):
         load_heads(empty, target)
     (empty / "config.json").write_text(json.dumps({"model_type": "llama"}))
-    with pytest.raises(HeadsFormatError, match="matches no known heads format"):
+    with pytest.raises(FormatError, match="matches no known heads format"):
         load_heads(empty, target)
     (empty / "config.json").write_text(json.dumps({"medusa_num_heads": 3, "medusa_num_layers": 1}))
     (empty / "medusa_lm_head.pt").write_bytes(b"pickle")
-    with pytest.raises(HeadsFormatError, match=r"medusa_lm_head.safetensors is missing.*convert them to safetensors"):
+    with pytest.raises(FormatError, match=r"medusa_lm_head.safetensors is missing.*convert them to safetensors"):
         load_heads(empty, target)
-    out = export(random_heads(), tmp_path, "native", target)
+    out = export(random_heads(K, seed=1), tmp_path, "native", target)
     config = json.loads((out / "config.json").read_text())
     (out / "config.json").write_text(json.dumps({**config, "num_layers": "1"}))
-    with pytest.raises(HeadsFormatError, match="field 'num_layers' is '1', expected a int"):
+    with pytest.raises(FormatError, match="field 'num_layers' is '1', expected a int"):
         load_heads(out, target)
-    with pytest.raises(HeadsFormatError, match="is a file"):
+    with pytest.raises(FormatError, match="is a file"):
         load_heads(out / "config.json", target)
 
 
@@ -312,26 +295,26 @@ def test_bad_paths_and_configs(target, tmp_path):
 
 @pytest.mark.parametrize("fmt", ["native", "medusa", "vllm", "tgi"])
 def test_target_with_another_hidden_size_or_vocabulary(fmt, target, tmp_path):
-    out = export(random_heads(), tmp_path, fmt, target)
-    with pytest.raises(TargetMismatchError, match=r"hidden size 32, but target 'tiny-llama-0' has hidden size 64"):
-        load_heads(out, tiny_target(hidden_size=64))
+    out = export(random_heads(K, seed=1), tmp_path, fmt, target)
+    with pytest.raises(DrafterMismatchError, match=r"hidden size 32, but target 'tiny-llama-0' has hidden size 64"):
+        load_heads(out, llama(hidden_size=64))
     if fmt == "tgi":  # TGI's compact form stores no projection, so no vocabulary to disagree with
-        assert load_heads(out, tiny_target(vocab_size=256)).config.vocab_size == 256
+        assert load_heads(out, llama(vocab_size=256)).config.vocab_size == 256
         return
-    with pytest.raises(TargetMismatchError, match=r"vocabulary size 128, but target .* has vocabulary size 256"):
-        load_heads(out, tiny_target(vocab_size=256))
+    with pytest.raises(DrafterMismatchError, match=rf"vocabulary size {V}, but target .* has vocabulary size 256"):
+        load_heads(out, llama(vocab_size=256))
 
 
 def test_target_with_another_fingerprint(target, tmp_path):
-    out = save_heads(random_heads(), tmp_path / "native", target, "tiny/base")
-    with pytest.raises(TargetMismatchError, match="fingerprint"):
-        load_heads(out, tiny_target(num_hidden_layers=2))
+    out = save_heads(random_heads(K, seed=1), tmp_path / "native", target, "tiny/base")
+    with pytest.raises(DrafterMismatchError, match="fingerprint"):
+        load_heads(out, llama(num_hidden_layers=2))
 
 
 def test_stored_lm_head_of_another_target(target, tmp_path):
-    out = export(random_heads(shared=True), tmp_path, "vllm", target)
-    with pytest.raises(TargetMismatchError, match=r"lm_heads\.0\.weight \(original_lm_head: true\) differs"):
-        load_heads(out, tiny_target(seed=3))
+    out = export(random_heads(K, shared=True, seed=1), tmp_path, "vllm", target)
+    with pytest.raises(DrafterMismatchError, match=r"lm_heads\.0\.weight \(original_lm_head: true\) differs"):
+        load_heads(out, llama(seed=3))
 
 
 # ---- training checkpoints ----
@@ -357,7 +340,7 @@ def write_checkpoint(path: Path, heads: MedusaHeads, target, fingerprint: str | 
 
 
 def test_checkpoint_to_every_format(target, tmp_path):
-    heads = random_heads(1, shared=True)
+    heads = random_heads(K, 1, shared=True, seed=1)
     ckpt = write_checkpoint(tmp_path / "last.ckpt", heads, target)
     from_ckpt, meta = heads_from_checkpoint(ckpt)
     assert meta["target"] == "tiny/base" and meta["global_step"] == 12
@@ -368,23 +351,23 @@ def test_checkpoint_to_every_format(target, tmp_path):
 
 
 def test_checkpoint_errors(target, tmp_path):
-    heads = random_heads(1)
+    heads = random_heads(K, 1, seed=1)
     ckpt = write_checkpoint(tmp_path / "other.ckpt", heads, target, fingerprint="0" * 16)
-    with pytest.raises(TargetMismatchError, match="fingerprint 0000000000000000"):
+    with pytest.raises(DrafterMismatchError, match="fingerprint 0000000000000000"):
         load_heads(ckpt, target)
     state = {"state_dict": {"heads.blocks.0.0.linear.weight": torch.zeros(H, H)}, "epoch": 0}
     torch.save(state, tmp_path / "plain.ckpt")
-    with pytest.raises(HeadsFormatError, match="not a medusa_like training checkpoint"):
+    with pytest.raises(FormatError, match="not a medusa_like training checkpoint"):
         heads_from_checkpoint(tmp_path / "plain.ckpt")
     good = write_checkpoint(tmp_path / "good.ckpt", heads, target).read_bytes()
     (tmp_path / "cut.ckpt").write_bytes(good[: len(good) // 2])
-    with pytest.raises(HeadsFormatError, match="not a readable torch checkpoint"):
+    with pytest.raises(FormatError, match="not a readable torch checkpoint"):
         heads_from_checkpoint(tmp_path / "cut.ckpt")
-    ckpt = write_checkpoint(tmp_path / "less.ckpt", random_heads(1), target)
+    ckpt = write_checkpoint(tmp_path / "less.ckpt", random_heads(K, 1, seed=1), target)
     checkpoint = torch.load(ckpt, weights_only=True)
     del checkpoint["state_dict"]["heads.blocks.1.0.linear.weight"]
     torch.save(checkpoint, ckpt)
-    with pytest.raises(HeadsFormatError, match=r"missing tensors 'blocks\.1\.0\.linear\.weight'"):
+    with pytest.raises(FormatError, match=r"missing tensors 'blocks\.1\.0\.linear\.weight'"):
         heads_from_checkpoint(ckpt)
 
 
@@ -396,7 +379,7 @@ def save_tiny_target(directory: Path) -> Path:
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    tiny_target().save_pretrained(directory)
+    llama().save_pretrained(directory)
     vocab = {f"w{i}": i for i in range(V - 1)} | {"[UNK]": V - 1}
     backend = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
     backend.pre_tokenizer = pre_tokenizers.Whitespace()
@@ -408,13 +391,17 @@ def test_hydra_entry_point_exports_a_checkpoint(target, tmp_path):
     from train.export import export as run_export
 
     target_dir = save_tiny_target(tmp_path / "target")
-    heads = random_heads(1, shared=True)
+    heads = random_heads(K, 1, shared=True, seed=1)
     ckpt = write_checkpoint(tmp_path / "last.ckpt", heads, target)
-    with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
-        cfg = compose(
-            config_name="export",
-            overrides=[f"heads.path={ckpt}", "format=vllm", f"out={tmp_path / 'vllm'}", f"model.target={target_dir}"],
-        )
+    cfg = compose_config(
+        "export",
+        tmp_path / "run",
+        "model=smollm2_135m",
+        f"model.name_or_path={target_dir}",
+        f"drafter.path={ckpt}",
+        "format=vllm",
+        f"out={tmp_path / 'vllm'}",
+    )
     out = run_export(cfg)
     config = json.loads((out / "config.json").read_text())
     assert config["original_lm_head"] is True
@@ -423,9 +410,9 @@ def test_hydra_entry_point_exports_a_checkpoint(target, tmp_path):
 
 def test_tied_embeddings_target(tmp_path):
     """A target whose lm_head is its input embedding (SmolLM2, Gemma): the stored lm_head is that shared matrix."""
-    tied = tiny_target(tie_word_embeddings=True)
+    tied = llama(tie_word_embeddings=True)
     assert tied.lm_head.weight is tied.get_input_embeddings().weight
-    heads = random_heads(1, shared=True)
+    heads = random_heads(K, 1, shared=True, seed=1)
     for fmt in ("native", "medusa", "vllm", "tgi"):
         loaded = load_heads(export(heads, tmp_path, fmt, tied, fmt), tied)
         assert loaded.config.shared_lm_head
@@ -433,7 +420,7 @@ def test_tied_embeddings_target(tmp_path):
 
 
 def test_vllm_blocks_without_bias_import_as_zero_bias(target, tmp_path):
-    heads = random_heads(2, shared=False)
+    heads = random_heads(K, 2, shared=False, seed=1)
     with torch.no_grad():
         for name, p in heads.named_parameters():
             if name.endswith(".bias"):

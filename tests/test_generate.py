@@ -3,20 +3,23 @@
 import pytest
 import torch
 
-from medusa_like.attention import tree_attention
-from medusa_like.generate import (
-    StopChecker,
-    VocabProjection,
-    accept_greedy,
-    build_candidates,
-    speculative_generate,
-    target_hidden,
-)
-from medusa_like.kv_cache import CacheOverflowError, TreeKVCache
+from medusa_like.decoding.attention import tree_attention
+from medusa_like.decoding.generate import StopChecker, accept_greedy, speculative_generate, target_forward
+from medusa_like.decoding.kv_cache import CacheOverflowError, TreeKVCache
+from medusa_like.decoding.projection import VocabProjection
+from medusa_like.decoding.tree import DynamicTreeSpec, TokenTree, resolve_tree
+from medusa_like.drafters.base import DrafterMismatchError
 from medusa_like.model import MedusaLikeModel
-from medusa_like.tree import TokenTree, resolve_tree
 
-from .conftest import VOCAB, greedy_reference, random_heads, random_prompts, tiny_target
+from .conftest import (
+    VOCAB,
+    OracleProposer,
+    ScriptedProposer,
+    greedy_reference,
+    random_heads,
+    random_prompts,
+    tiny_target,
+)
 
 BACKENDS = ["eager", "sdpa", "flash"]
 TREES = ["none", "chain", "small", "medusa"]
@@ -57,10 +60,12 @@ def test_every_tree_node_sees_exactly_its_path(family, backend, tree_name):
     tokens = torch.randint(0, VOCAB, (tree.num_nodes,), generator=g)
     cache = TreeKVCache.for_model(target, 64 + tree.num_nodes)
     with torch.no_grad(), tree_attention(target, backend):
-        target_hidden(target, prompt, torch.arange(11)[None], cache, None)
+        target_forward(target, prompt, torch.arange(11)[None], cache, None)
         cache.commit_all(11)
-        hidden = target_hidden(target, tokens[None], (11 + tree.depth)[None], cache, tree.attention_mask[None, None])
-        tree_logits = target.get_output_embeddings()(hidden)[0]  # [T, V]
+        hidden, _ = target_forward(
+            target, tokens[None], (11 + tree.depth)[None], cache, tree.attention_mask[None, None]
+        )
+        tree_logits = target.get_output_embeddings()(hidden)  # [T, V]
     for node in range(tree.num_nodes):
         ancestors = tree.attention_mask[node].nonzero().flatten()  # ascending = root to node
         sequence = torch.cat([prompt[0], tokens[ancestors]])[None]
@@ -79,14 +84,14 @@ def test_oracle_candidates_accept_full_depth_every_step(family, backend, tree_na
     truth = greedy_reference(target, prompt, 60).tolist()
     g = torch.Generator().manual_seed(0)
 
-    def oracle(_hidden, generated):
+    def oracle(generated):
         proposals = torch.randint(0, VOCAB, (4, tree.top_k), generator=g)
         for k in range(4):  # head k+1 guesses the token k+1 after the root
             proposals[k, 0] = truth[len(generated) + k] if len(generated) + k < len(truth) else 0
         # ranks > 0 must not repeat the right token, or a sibling could be accepted instead; harmless either way
         return proposals
 
-    out = speculative_generate(target, None, prompt, tree, max_new_tokens=40, backend=backend, proposer=oracle)
+    out = speculative_generate(target, ScriptedProposer(oracle), prompt, tree, max_new_tokens=40, backend=backend)
     assert out.new_tokens.tolist() == truth[:40]
     assert out.stats.accepted_draft == [tree.max_depth] * len(out.stats.accepted_draft)
     steps = len(out.stats.accepted_draft)
@@ -94,12 +99,24 @@ def test_oracle_candidates_accept_full_depth_every_step(family, backend, tree_na
     assert out.stats.tau == pytest.approx(40 / (steps + 1))
 
 
+@pytest.mark.parametrize("spec", [DynamicTreeSpec(4, 4, 12), DynamicTreeSpec(6, 2, 8), "small"])
+def test_oracle_drafter_accepts_full_depth_on_dynamic_trees(family, spec):
+    """A drafter that knows the continuation gets its whole chain accepted every step, static or dynamic tree."""
+    target, prompts, _ = references(family)
+    prompt = prompts[1]
+    truth = greedy_reference(target, prompt, 60).tolist()
+    tree = resolve_tree(spec, num_heads=None)
+    out = speculative_generate(target, OracleProposer(truth), prompt, tree, max_new_tokens=40)
+    assert out.new_tokens.tolist() == truth[:40]
+    assert out.stats.accepted_draft[:-1] == [tree.max_depth] * (len(out.stats.accepted_draft) - 1)
+
+
 def test_untrained_heads_are_lossless_and_reproduce_the_base_distribution():
     target = tiny_target("llama")
-    model = MedusaLikeModel.from_pretrained(target, heads=None, num_heads=3)
+    model = MedusaLikeModel.from_pretrained(target, drafter=None, num_heads=3)
     prompt = random_prompts(1, seed=5)[0]
     hidden = target.base_model(prompt).last_hidden_state[0, -1]
-    head_logits = model.heads(hidden, target.get_output_embeddings())  # [3, V]
+    head_logits = model.drafter(hidden, target.get_output_embeddings())  # [3, V]
     base_logits = target.get_output_embeddings()(hidden)
     for k in range(3):
         torch.testing.assert_close(head_logits[k], base_logits)
@@ -155,12 +172,6 @@ def test_accept_greedy_picks_the_longest_matching_path():
     assert accept_greedy(tokens, predictions, tree).tolist() == [0]
 
 
-def test_build_candidates_gathers_per_tree():
-    tree = TokenTree.from_paths([[0], [1], [0, 0], [0, 1]])
-    proposals = torch.tensor([[10, 11], [20, 21], [30, 31]])  # [K, top_k]
-    assert build_candidates(torch.tensor(5), proposals, tree).tolist() == [5, 10, 11, 20, 21]
-
-
 def test_stop_checker_cuts_at_eos_and_stop_strings():
     class CharTokenizer:
         def decode(self, ids):
@@ -188,7 +199,13 @@ def test_bad_requests_get_clear_errors():
         model.generate(prompt, max_new_tokens=50, max_cache_len=prompt.shape[1] + 10)
     with pytest.raises(ValueError, match="max_position_embeddings"):
         model.generate(prompt, max_new_tokens=600)
-    with pytest.raises(ValueError, match="do not fit the target"):
+    with pytest.raises(ValueError, match="empty"):
+        model.generate(torch.zeros(1, 0, dtype=torch.long), max_new_tokens=4)
+    with pytest.raises(ValueError, match=r"token ids must lie in \[0, 97\)"):
+        model.generate(torch.tensor([[3, VOCAB]]), max_new_tokens=4)
+    with pytest.raises(ValueError, match="top_k must be >= 0"):
+        model.generate(prompt, max_new_tokens=4, temperature=1.0, top_k=-1)
+    with pytest.raises(DrafterMismatchError, match="hidden size 32, but target .* hidden size 48"):
         MedusaLikeModel(tiny_target("llama", hidden_size=48, head_dim=12), None, random_heads())
 
 

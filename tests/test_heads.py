@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from medusa_like.heads import HeadsConfig, MedusaHeads
+from medusa_like.drafters.medusa import HeadsConfig, MedusaHeads
 
 from .conftest import random_heads
 

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from medusa_like.kv_cache import CacheOverflowError, TreeKVCache
+from medusa_like.decoding.kv_cache import CacheOverflowError, TreeKVCache
 
 
 def kv(length: int, start: float = 0.0):

@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from medusa_like import metrics
-from medusa_like.generate import DecodeStats
+from medusa_like.decoding.generate import DecodeStats
+from medusa_like.evaluation import metrics
 
 
 def stats(new_tokens, forwards, accepted):

@@ -3,12 +3,12 @@
 import pytest
 import torch
 
-from medusa_like.generate import speculative_generate
+from medusa_like.decoding.generate import speculative_generate
+from medusa_like.decoding.sampling import accept_sampling, warp_logits
+from medusa_like.decoding.tree import TokenTree, resolve_tree
 from medusa_like.model import MedusaLikeModel
-from medusa_like.sampling import accept_sampling, warp_logits
-from medusa_like.tree import TokenTree, resolve_tree
 
-from .conftest import VOCAB, greedy_reference, random_heads, random_prompts, tiny_target
+from .conftest import VOCAB, ScriptedProposer, greedy_reference, random_heads, random_prompts, tiny_target
 
 
 def test_acceptance_rule_emits_the_target_distribution():
@@ -70,7 +70,7 @@ def test_sampling_end_to_end_follows_the_target():
     always_top1 = p1 @ torch.nn.functional.one_hot(p2_given_1.argmax(-1), VOCAB).float()
     assert 0.5 * (always_top1 - exact).abs().sum() > 0.4
 
-    def likely_candidates(_hidden, generated):
+    def likely_candidates(generated):
         proposals = torch.randint(0, VOCAB, (4, tree.top_k))
         proposals[0] = p2_given_1[generated[-1]].topk(tree.top_k).indices
         return proposals
@@ -80,11 +80,10 @@ def test_sampling_end_to_end_follows_the_target():
     for seed in range(n):
         out = speculative_generate(
             target,
-            None,
+            ScriptedProposer(likely_candidates),
             prompt,
             tree,
             max_new_tokens=2,
-            proposer=likely_candidates,
             temperature=temperature,
             generator=torch.Generator().manual_seed(seed),
         )

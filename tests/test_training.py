@@ -11,37 +11,24 @@ import lightning as L
 import pytest
 import torch
 import torch.nn.functional as F
-from hydra import compose, initialize_config_dir
-from hydra.core.hydra_config import HydraConfig
 from hydra.utils import instantiate
 from lightning.pytorch.callbacks import Callback
-from omegaconf import open_dict
 from safetensors.torch import load_file, save_file
 
-from medusa_like import distill, targets
-from medusa_like.export import heads_from_checkpoint, load_heads
+from medusa_like import targets
+from medusa_like.data.storage import is_complete
+from medusa_like.formats.heads_io import heads_from_checkpoint, load_heads
 from medusa_like.training.losses import IGNORE, head_labels, head_losses, head_weights, topk_correct
+from train.train import build_module as build_drafter_module
 from train.train import train
 
+from .conftest import TINY_TRAIN, compose_config
+
 ROOT = Path(__file__).resolve().parents[1]
-CONF = str(ROOT / "conf")
 
 
 def compose_train(out_dir: Path, data_dir: Path, *overrides: str):
-    with initialize_config_dir(config_dir=CONF, version_base="1.3"):
-        cfg = compose(
-            "train",
-            return_hydra_config=True,
-            overrides=["model=tiny_llama", "data=tiny", "logger=none", "distill.progress=false", *overrides],
-        )
-    HydraConfig().set_config(cfg)
-    with open_dict(cfg):
-        cfg.paths.output_dir = str(out_dir)
-        cfg.paths.data_dir = str(data_dir)
-        cfg.trainer.enable_progress_bar = False
-        if cfg.get("callbacks"):
-            cfg.callbacks.pop("progress_bar", None)
-    return cfg
+    return compose_config("train", out_dir, *TINY_TRAIN, *overrides, data_dir=data_dir)
 
 
 @pytest.fixture(scope="module")
@@ -50,19 +37,16 @@ def data_dir(tmp_path_factory):
     root = tmp_path_factory.mktemp("data")
     cfg = compose_train(root / "run", root, "debug=fdr")
     train(cfg)
-    assert distill.is_complete(cfg.data.dir)
+    assert is_complete(cfg.data.dir)
     return root
 
 
 def build_module(data_dir: Path, tmp_path: Path, *overrides: str):
     cfg = compose_train(tmp_path, data_dir, *overrides)
     target, _ = instantiate(cfg.model.loader)
-    lm_head = target.get_output_embeddings().weight
-    heads_config = instantiate(cfg.heads, vocab_size=lm_head.shape[0], hidden_size=lm_head.shape[1])
-    module = instantiate(cfg.module, target=target, heads_config=heads_config, target_name="tiny", _convert_="object")
     datamodule = instantiate(cfg.data.module)
     datamodule.setup("fit")
-    return module, datamodule
+    return build_drafter_module(cfg, target), datamodule
 
 
 # ---- targets and losses --------------------------------------------------------------------------------------------
@@ -106,13 +90,13 @@ def test_losses_accuracies_and_weights():
 
 
 def test_fast_dev_run_trains_validates_and_exports(tmp_path, data_dir):
-    cfg = compose_train(tmp_path, data_dir, "debug=fdr", "export_heads=true", "model=tiny_qwen2")
+    cfg = compose_train(tmp_path, data_dir, "debug=fdr", "export_drafter=true", "model=tiny_qwen2")
     metrics = train(cfg)
     for k in range(1, 5):
         assert 0 <= metrics[f"val/acc_top1_head{k}"] <= metrics[f"val/acc_top5_head{k}"] <= 1
         assert metrics[f"val/loss_head{k}"] > 0
     target, _ = instantiate(cfg.model.loader)
-    heads = load_heads(tmp_path / "heads", target)
+    heads = load_heads(tmp_path / "drafter", target)
     assert heads.num_heads == 4 and any(p.abs().sum() > 0 for p in heads.parameters())  # trained away from zero init
     assert (tmp_path / "metrics.json").is_file()
 
@@ -141,10 +125,10 @@ def test_checkpoints_hold_heads_and_optimizer_only_and_resume_exactly(tmp_path, 
     assert meta["global_step"] == 1 and heads.num_heads == 4
     train(compose_train(tmp_path / "c", data_dir, *common, "trainer.max_steps=2", f"ckpt_path={ckpt_path}"))
     straight, resumed = (
-        load_file(tmp_path / "a/heads/model.safetensors"),
-        load_file(tmp_path / "c/heads/model.safetensors"),
+        load_file(tmp_path / "a/drafter/model.safetensors"),
+        load_file(tmp_path / "c/drafter/model.safetensors"),
     )
-    after_one = load_file(tmp_path / "b/heads/model.safetensors")
+    after_one = load_file(tmp_path / "b/drafter/model.safetensors")
     assert straight.keys() == resumed.keys()
     for name in straight:
         torch.testing.assert_close(resumed[name], straight[name], rtol=0, atol=0)
@@ -166,7 +150,7 @@ def test_non_finite_loss_and_empty_batches_stop_training(tmp_path, data_dir):
 
 def test_cached_hidden_states_give_the_same_loss(tmp_path, data_dir):
     module, datamodule = build_module(data_dir, tmp_path, f"module.hidden_cache_dir={tmp_path / 'cache'}")
-    plain, _ = build_module(data_dir, tmp_path, "module.kl_weight=0.0")
+    plain, _ = build_module(data_dir, tmp_path, "drafter.module.kl_weight=0.0")
     batch = next(iter(datamodule.train_dataloader()))
     first = module._forward(batch)[0]
     assert len(list((tmp_path / "cache").glob("*.safetensors"))) == batch["input_ids"].shape[0]
@@ -177,7 +161,7 @@ def test_cached_hidden_states_give_the_same_loss(tmp_path, data_dir):
 
 def test_soft_labels_change_the_loss(tmp_path, data_dir):
     hard, datamodule = build_module(data_dir, tmp_path)
-    soft, _ = build_module(data_dir, tmp_path, "module.kl_weight=0.5")
+    soft, _ = build_module(data_dir, tmp_path, "drafter.module.kl_weight=0.5")
     batch = next(iter(datamodule.train_dataloader()))
     loss_hard, loss_soft = hard._forward(batch)[0], soft._forward(batch)[0]
     assert torch.isfinite(loss_soft) and not torch.isclose(loss_hard, loss_soft)
@@ -185,7 +169,7 @@ def test_soft_labels_change_the_loss(tmp_path, data_dir):
 
 def test_wandb_offline_run_holds_the_per_head_metrics(tmp_path, data_dir, monkeypatch):
     monkeypatch.setenv("WANDB_SILENT", "true")
-    cfg = compose_train(tmp_path, data_dir, "logger=wandb", "trainer.max_epochs=1", "export_heads=false")
+    cfg = compose_train(tmp_path, data_dir, "logger=wandb", "trainer.max_epochs=1", "export_drafter=false")
     train(cfg)
     runs = list((tmp_path / "wandb").glob("offline-run-*/run-*.wandb"))
     assert len(runs) == 1
@@ -221,4 +205,4 @@ def test_two_process_ddp_on_cpu_ends_with_identical_heads(tmp_path, data_dir):
     for name in rank0:
         torch.testing.assert_close(rank0[name], rank1[name], rtol=0, atol=0)
     assert any(t.abs().sum() > 0 for t in rank0.values())  # they trained, away from the zero init
-    assert len(list(tmp_path.glob("runs/train/*/heads/model.safetensors"))) == 1  # rank 0 alone exported
+    assert len(list(tmp_path.glob("runs/train/*/drafter/model.safetensors"))) == 1  # rank 0 alone exported

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from medusa_like.tree import (
+from medusa_like.decoding.tree import (
     PRESETS,
     InvalidTreeError,
     TokenTree,

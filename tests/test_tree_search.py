@@ -3,16 +3,12 @@ head accuracy on a tiny target, and the tree-search app saving a tree that the e
 
 import itertools
 import json
-from pathlib import Path
 
 import pytest
 import torch
-from hydra import compose, initialize_config_dir
 
-from medusa_like.model import MedusaLikeModel
-from medusa_like.tiny_targets import tiny_target
-from medusa_like.tree import expected_acceptance, load_tree
-from medusa_like.tree_search import (
+from medusa_like.decoding.tree import expected_acceptance, load_tree
+from medusa_like.evaluation.tree_search import (
     fastest,
     head_rank_counts,
     head_topk_accuracy,
@@ -20,8 +16,10 @@ from medusa_like.tree_search import (
     time_trees,
     trees_for_budgets,
 )
+from medusa_like.model import MedusaLikeModel
+from medusa_like.tiny import tiny_target
 
-CONF_DIR = str(Path(__file__).resolve().parents[1] / "conf")
+from .conftest import compose_config
 
 # head 1: rank 0 right 60%, rank 1 20%, rank 2 15%; head 2: rank 0 50%, rank 1 20%
 TOPK = [[0.6, 0.8, 0.95], [0.5, 0.7, 0.7]]
@@ -75,9 +73,9 @@ def test_bad_budget():
 
 def test_fastest_prefers_speed_then_smaller_trees():
     rows = [
-        {"budget": 4, "tokens_per_second": 10.0},
-        {"budget": 8, "tokens_per_second": 12.0},
-        {"budget": 16, "tokens_per_second": 12.0},
+        {"budget": 4, "nodes": 5, "tokens_per_second": 10.0},
+        {"budget": 8, "nodes": 9, "tokens_per_second": 12.0},
+        {"budget": 16, "nodes": 17, "tokens_per_second": 12.0},
     ]
     assert fastest(rows)["budget"] == 8
     with pytest.raises(ValueError, match="no timed budgets"):
@@ -118,36 +116,33 @@ def test_tree_search_app_saves_a_tree_eval_uses(tmp_path):
         "\n".join(json.dumps({"question_id": i, "category": "c", "turns": [f"Say {i} words."]}) for i in range(2))
     )
     tree_path = tmp_path / "tree.json"
-    common = ["model=tiny_llama", "eval.max_new_tokens=6", f"out_dir={tmp_path / 'run'}"]
-    with initialize_config_dir(version_base="1.3", config_dir=CONF_DIR):
-        cfg = compose(
-            "eval",
-            overrides=[
-                *common,
-                "tree_search.calibration.source=jsonl",
-                f"tree_search.calibration.path={questions}",
-                "tree_search.budgets=[1,3]",
-                "tree_search.timing_prompts=1",
-                f"tree_search.out={tree_path}",
-            ],
-        )
-        result = tree_search(cfg)
-        assert result["budget"] in (1, 3)
-        assert {r["budget"] for r in result["timings"]} == {1, 3}
-        saved = json.loads(tree_path.read_text())
-        assert saved["budget"] == result["budget"] and len(saved["head_topk_accuracy"]) == 4
-        assert len(load_tree(tree_path)) == result["budget"]
+    common = ["model=tiny_llama", "eval.max_new_tokens=6"]
+    cfg = compose_config(
+        "eval",
+        tmp_path / "search",
+        *common,
+        "tree_search.calibration.source=jsonl",
+        f"tree_search.calibration.path={questions}",
+        "tree_search.budgets=[1,3]",
+        "tree_search.timing_prompts=1",
+        f"tree_search.out={tree_path}",
+    )
+    result = tree_search(cfg)
+    assert result["label"] in (1, 3)
+    assert {r["budget"] for r in result["timings"]} == {1, 3}
+    saved = json.loads(tree_path.read_text())
+    assert saved["budget"] == result["label"] and len(saved["head_topk_accuracy"]) == 4
+    assert len(load_tree(tree_path)) == result["label"]
 
-        cfg = compose(
-            "eval",
-            overrides=[
-                *common,
-                "data.source=jsonl",
-                f"data.path={questions}",
-                f"tree={tree_path}",
-                "eval.sweep.prompts=0",
-            ],
-        )
-        report = evaluate(cfg)
-    assert report["setup"]["tree"]["nodes"] == result["budget"] + 1
+    cfg = compose_config(
+        "eval",
+        tmp_path / "run",
+        *common,
+        "data.source=jsonl",
+        f"data.path={questions}",
+        f"tree={tree_path}",
+        "eval.sweep.prompts=0",
+    )
+    report = evaluate(cfg)
+    assert report["setup"]["tree"]["nodes"] == result["label"] + 1
     assert report["summary"]["losslessness"] == 1.0

@@ -1,9 +1,9 @@
-"""Export trained heads: `python -m train.export heads.path=<dir or .ckpt> format=medusa|vllm|tgi|native out=<dir>`.
+"""Export a trained drafter: `python -m train.export drafter.path=<dir or .ckpt> format=<format> out=<dir>`.
 
-The heads are loaded strictly and checked against the target (`model.target=...`): its hidden size, vocabulary and,
-for native directories and checkpoints, its architecture fingerprint. The target also supplies the lm_head that the
-Medusa and vLLM layouts store for shared-projection heads. `export(cfg)` is the importable entry point; `main` is the
-thin Hydra wrapper. Serving command lines for each format are in docs/serving.md.
+Medusa heads export as native, medusa, vllm or tgi; the EAGLE-3 drafter as native or eagle3 (vLLM and SGLang). The
+drafter is loaded strictly and checked against the target of the `model` group (hidden size, vocabulary and, where
+recorded, the architecture fingerprint); the target also supplies the lm_head that the Medusa and vLLM layouts store
+for shared-projection heads. `export(cfg)` is the importable entry point; `main` is the thin Hydra wrapper.
 """
 
 from pathlib import Path
@@ -12,31 +12,31 @@ import hydra
 import torch
 from omegaconf import DictConfig
 
-from medusa_like.export import export_heads, read_heads
-from medusa_like.formats import NATIVE
-from medusa_like.targets import load_target, resolve_target
+from medusa_like.data.prepare import load_model
+from medusa_like.formats import export_drafter, read_drafter
+from medusa_like.runs import resolved, save_config
+from medusa_like.targets import resolve_target
 
 
 def config_target_name(cfg: DictConfig) -> str:
     """The target name written into config.json: ours for native, one a serving engine can open for the others."""
     if cfg.get("base_model"):
         return str(cfg.base_model)
-    target = str(cfg.model.target)
-    return target if cfg.format == NATIVE else resolve_target(target)
+    target = str(cfg.model.name_or_path)
+    return target if cfg.format == "native" else resolve_target(target)
 
 
 def export(cfg: DictConfig) -> Path:
-    target, _ = load_target(str(cfg.model.target), dtype=cfg.model.get("dtype") or "float32", device="cpu")
-    heads, source = read_heads(cfg.heads.path, target)
+    save_config(resolved(cfg), Path(cfg.paths.output_dir))
+    overrides = {"dtype": cfg.target_dtype, "device": "cpu"} if "dtype" in cfg.model.loader else {}
+    target, _ = load_model(cfg.model, **overrides)
+    drafter, source = read_drafter(cfg.drafter.path, target)
     dtype = getattr(torch, cfg.dtype) if cfg.get("dtype") else None
-    out = export_heads(
-        heads, cfg.out, cfg.format, target_model=target, target_name=config_target_name(cfg), dtype=dtype
+    out = export_drafter(
+        drafter, cfg.out, cfg.format, target, config_target_name(cfg), dtype=dtype, overwrite=bool(cfg.overwrite)
     )
-    c = heads.config
-    print(
-        f"read {source['format']} heads from {cfg.heads.path}: {c.num_heads} heads x {c.num_layers} layers, "
-        f"{'shared' if c.shared_lm_head else 'own'} projection"
-    )
+    kind = type(drafter).__name__
+    print(f"read {source['format']} {kind} from {cfg.drafter.path}")
     print(f"wrote format={cfg.format} to {out}: {sorted(p.name for p in out.iterdir())}")
     return out
 

@@ -1,1 +1,2 @@
-"""Conversation sources, the train/validation split and the Lightning datamodule over self-distilled data."""
+"""Training data: conversation sources, the train/validation split, self-distilled or original rows, chunked storage
+with its recipe check, and the Lightning datamodule."""

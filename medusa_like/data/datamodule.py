@@ -12,7 +12,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from medusa_like.data.split import is_validation
-from medusa_like.distill import load_distilled
+from medusa_like.data.storage import load_distilled
 
 
 class DistilledDataModule(L.LightningDataModule):

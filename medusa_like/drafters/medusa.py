@@ -12,6 +12,11 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from medusa_like.decoding.draft_tree import DraftTree, grow_dynamic
+from medusa_like.decoding.projection import VocabProjection
+from medusa_like.decoding.tree import DynamicTreeSpec
+from medusa_like.drafters.vocab import DraftVocab
+
 
 @dataclass(frozen=True)
 class HeadsConfig:
@@ -92,3 +97,42 @@ class MedusaHeads(nn.Module):
                 raise ValueError("these heads share the target's lm_head: pass it as `lm_head`")
             return lm_head(feats)
         return torch.stack([proj(f) for proj, f in zip(self.lm_heads, feats, strict=False)])
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Inference: the heads' side of the decoding protocol
+
+
+class MedusaProposer:
+    """Proposes from the heads on the target's last hidden state at the last accepted token (see
+    `drafters/protocol.py`). Head d's top-k fills depth d; a dynamic tree ranks paths by the sum of the heads'
+    log-probabilities. With a `DraftVocab` the heads' projection is restricted to its rows."""
+
+    feature_layers = None  # the last hidden state
+
+    def __init__(self, heads: MedusaHeads, target, vocab: DraftVocab | None = None):
+        self.heads = heads
+        self.max_depth = heads.num_heads
+        self.projection = VocabProjection(target, None if vocab is None else vocab.token_ids)
+        self.token_ids = None if vocab is None else vocab.token_ids.to(target.device)
+
+    def begin(self, prompt_ids: torch.Tensor, features: torch.Tensor, root: torch.Tensor, capacity: int) -> None:
+        self.hidden, self.root = features[-1], root
+
+    def accept(self, tokens: torch.Tensor, features: torch.Tensor, bonus: torch.Tensor) -> None:
+        self.hidden, self.root = features[-1], bonus
+
+    def propose(self, spec) -> DraftTree:
+        if spec.max_depth == 0:
+            return DraftTree.from_static(spec, self.root.view(1))
+        logits = self.heads(self.hidden, self.projection, num_heads=spec.max_depth)  # [D, V]
+        dynamic = isinstance(spec, DynamicTreeSpec)
+        top = (logits.float().log_softmax(-1) if dynamic else logits).topk(spec.top_k, dim=-1)  # [D, k]
+        tokens = top.indices if self.token_ids is None else self.token_ids[top.indices]
+        if not dynamic:  # every node of a static tree is one of the heads' ranked tokens
+            return DraftTree.from_static(spec, torch.cat([self.root.view(1), tokens.flatten()[spec.candidate_index]]))
+
+        def expand(frontier, _tokens, _parents, depth):  # heads ignore the path: same children for every node
+            return tokens[depth - 1].expand(frontier.numel(), -1), top.values[depth - 1].expand(frontier.numel(), -1)
+
+        return grow_dynamic(spec, self.root, expand)

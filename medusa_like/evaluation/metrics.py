@@ -48,7 +48,18 @@ def summarize_decode(stats: Sequence[dict]) -> dict:
         "tree_steps": steps,
         "tau": tau(new_tokens, forwards),
         "mean_accepted_draft": accepted / steps if steps else 0.0,
+        "acceptance_by_depth": acceptance_by_depth(stats),
+        "draft_ms_per_step": 1000 * sum(s.get("draft_seconds", 0.0) for s in stats) / max(steps, 1),
+        "verify_ms_per_step": 1000 * sum(s.get("verify_seconds", 0.0) for s in stats) / max(steps, 1),
     }
+
+
+def acceptance_by_depth(stats: Sequence[dict]) -> list[float]:
+    """[d-1] = share of tree steps that accepted at least d draft tokens (the draft's depth-d acceptance rate)."""
+    values = [n for s in stats for n in s["accepted_draft"]]
+    if not values:
+        return []
+    return [sum(v >= d for v in values) / len(values) for d in range(1, max(values) + 1)]
 
 
 def accepted_histogram(stats: Sequence[dict], max_accepted: int | None = None) -> list[int]:

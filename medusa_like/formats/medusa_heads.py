@@ -20,7 +20,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .heads import HeadsConfig
+from medusa_like.drafters.medusa import HeadsConfig
+from medusa_like.formats.common import FormatError
 
 NATIVE, MEDUSA, VLLM, TGI = "native", "medusa", "vllm", "tgi"
 FORMATS = (NATIVE, MEDUSA, VLLM, TGI)
@@ -36,7 +37,7 @@ Spec = dict[str, tuple[int, ...]]  # tensor name -> shape
 Tensors = dict[str, torch.Tensor]
 
 
-class HeadsFormatError(ValueError):
+class HeadsFormatError(FormatError):
     """A heads directory, file or checkpoint that does not hold what its config says."""
 
 

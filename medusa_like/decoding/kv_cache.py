@@ -98,3 +98,10 @@ class TreeKVCache(Cache):
         """Keep the whole last forward (prefill): its entries already sit in the right slots."""
         for layer in self.layers:
             layer.length += num_tokens
+
+    def rewind(self, length: int) -> None:
+        """Forget every entry from slot `length` on (a drafter's scratch tree entries); nothing is erased."""
+        if not 0 <= length <= self.length:
+            raise ValueError(f"cannot rewind a cache of {self.length} committed tokens to {length}")
+        for layer in self.layers:
+            layer.length = length

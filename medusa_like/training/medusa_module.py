@@ -3,8 +3,8 @@
 The target runs in eval mode without gradients (bf16 on GPU, fp32 on CPU, as loaded); only `self.heads` trains. The
 loss is sum_k decay^k * loss_k over heads k = 1..K, each on assistant tokens only, with an optional KL term to the
 target's own distribution (see `losses.py`). Checkpoints hold the heads, the optimizer and the schedule, never the
-target: `state_dict` is the heads' alone (keys `heads.*`), and `checkpoint["medusa_like"]` records the heads config
-and the target's name and fingerprint for `medusa_like.export.heads_from_checkpoint`.
+target: `state_dict` is the heads' alone (keys `heads.*`), and `checkpoint[CHECKPOINT_KEY]` records the heads config
+and the target's name and fingerprint for `medusa_like.formats` (export and strict loading).
 """
 
 from collections.abc import Callable
@@ -15,7 +15,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torchmetrics import MeanMetric
 
-from medusa_like.heads import HeadsConfig, MedusaHeads
+from medusa_like.drafters.base import CHECKPOINT_KEY, check_fits
+from medusa_like.drafters.medusa import HeadsConfig, MedusaHeads
 from medusa_like.targets import freeze, target_fingerprint
 from medusa_like.training.hidden_cache import HiddenStateCache
 from medusa_like.training.losses import IGNORE, head_labels, head_losses, head_weights, shifted, topk_correct
@@ -40,12 +41,8 @@ class MedusaHeadsModule(L.LightningModule):
         if not 0 <= kl_weight <= 1 or not 0 < decay <= 1:
             raise ValueError(f"need 0 <= kl_weight <= 1 and 0 < decay <= 1, got kl_weight={kl_weight}, decay={decay}")
         self.target = freeze(target)
+        check_fits(heads_config.hidden_size, heads_config.vocab_size, target, source="being trained")
         lm_head = target.get_output_embeddings()
-        expected = (heads_config.vocab_size, heads_config.hidden_size)
-        if tuple(lm_head.weight.shape) != expected:
-            raise ValueError(
-                f"target projection has shape {tuple(lm_head.weight.shape)}, heads config expects {expected}"
-            )
         self.heads = MedusaHeads(heads_config, lm_head.weight.detach().float())
         self.target_name = target_name
         self.optimizer_factory = optimizer
@@ -61,6 +58,11 @@ class MedusaHeadsModule(L.LightningModule):
         )
         names = [f"{m}_head{k}" for k in range(1, heads_config.num_heads + 1) for m in ("loss", "acc_top1", "acc_top5")]
         self.val_metrics = nn.ModuleDict({name: MeanMetric() for name in [*names, "loss"]})
+
+    @property
+    def drafter(self) -> MedusaHeads:
+        """The trained drafter: the heads."""
+        return self.heads
 
     # ---- the frozen target stays frozen -------------------------------------------------------------------------
     def train(self, mode: bool = True):
@@ -80,7 +82,8 @@ class MedusaHeadsModule(L.LightningModule):
 
     def on_save_checkpoint(self, checkpoint: dict) -> None:
         checkpoint["state_dict"] = {k: v for k, v in checkpoint["state_dict"].items() if k.startswith("heads.")}
-        checkpoint["medusa_like"] = {
+        checkpoint[CHECKPOINT_KEY] = {
+            "kind": "medusa",
             "heads_config": self.heads.config.to_dict(),
             "target": self.target_name,
             "target_fingerprint": target_fingerprint(self.target.config),

@@ -1,9 +1,16 @@
-"""Calibrating the heads and choosing a tree: per-head top-k accuracy, best trees per node budget, timed budgets.
+"""Choosing a tree for a drafter on this machine.
+
+Medusa heads (static trees): calibrate each head's top-k accuracy, build the best tree of each node budget, time them.
 
     topk = head_topk_accuracy(model, sequences)           # teacher-forced over the target's own greedy answers
     trees = trees_for_budgets(topk, [4, 8, 16, 32])        # greedy best-first trees (`tree.greedy_tree`)
-    rows = time_trees(model, prompts, trees, 128)          # tau and tokens/s per budget, interleaved per prompt
-    best = fastest(rows)                                   # what `tree=auto` keeps
+
+EAGLE-3 (dynamic trees): the candidates are (depth, top_k, num_nodes) settings of EAGLE-2's tree.
+
+Both are then timed the same way, and the fastest is kept (`tree=auto`):
+
+    rows = time_trees(model, prompts, trees, 128)          # tau and tokens/s per tree, interleaved per prompt
+    best = fastest(rows)
 
 A budget counts candidate nodes, the root (the target's own next token) excluded: budget 0 is plain decoding.
 """
@@ -13,8 +20,16 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from .metrics import median, rank_accuracy, rank_counts, summarize_decode, target_ranks, topk_from_counts
-from .tree import TokenTree, expected_acceptance, greedy_tree
+from medusa_like.decoding.generate import tree_size
+from medusa_like.decoding.tree import DynamicTreeSpec, expected_acceptance, greedy_tree
+from medusa_like.evaluation.metrics import (
+    median,
+    rank_accuracy,
+    rank_counts,
+    summarize_decode,
+    target_ranks,
+    topk_from_counts,
+)
 
 Path_ = tuple[int, ...]
 
@@ -32,7 +47,7 @@ def head_rank_counts(
     From the target's last hidden state at position t (t >= prompt_len - 1), head k (1-based) should predict token
     t + 1 + k; positions whose target falls past the end are skipped.
     """
-    target, heads = model.target, model.heads
+    target, heads = model.target, model.drafter
     lm_head = target.get_output_embeddings()
     hidden = target.base_model(input_ids=sequence).last_hidden_state[0]  # [L, H]
     length = sequence.shape[1]
@@ -92,33 +107,42 @@ def time_call(fn: Callable[[], int]) -> tuple[int, float]:
     return n, time.perf_counter() - start
 
 
+def tree_label(spec) -> str:
+    """A short name for a tree spec: its node budget for static trees, d<depth>k<top_k>n<nodes> for dynamic ones."""
+    if isinstance(spec, DynamicTreeSpec):
+        return f"d{spec.depth}k{spec.top_k}n{spec.num_nodes}"
+    return str(spec)
+
+
 def time_trees(
     model,
     prompts: Sequence[torch.Tensor],
-    trees: dict[int, list[Path_]],
+    trees: dict,
     max_new_tokens: int,
     eos_token_id=None,
     progress: Callable[[], None] | None = None,
 ) -> list[dict]:
     """Run every tree on every prompt, interleaved per prompt after one warm-up pass on the first prompt.
 
-    Returns one row per budget: budget, nodes, measured tau and mean accepted draft tokens, median tokens/s.
+    `trees` maps a key (a node budget, or a label) to anything `model.resolve_tree` takes: rank paths or a
+    `DynamicTreeSpec`. Returns one row per tree: key, nodes, depth, measured tau, mean accepted draft tokens, median
+    tokens/s and the milliseconds per step spent drafting and verifying.
     """
     if not prompts:
         raise ValueError("timing trees needs at least one prompt")
 
-    compiled = {b: TokenTree.from_paths(paths, model.heads.num_heads) for b, paths in trees.items()}
+    compiled = {b: model.resolve_tree(spec) for b, spec in trees.items()}
 
     def run(ids, tree, limit=max_new_tokens):
         return model.generate(ids, max_new_tokens=limit, tree=tree, eos_token_id=eos_token_id)
 
     for tree in compiled.values():  # warm-up: allocator, kernels, thread pools
         run(prompts[0], tree, min(max_new_tokens, 8))
-    stats: dict[int, list[dict]] = {b: [] for b in trees}
-    speeds: dict[int, list[float]] = {b: [] for b in trees}
+    stats: dict = {b: [] for b in trees}
+    speeds: dict = {b: [] for b in trees}
     for i, ids in enumerate(prompts):
         order = list(trees)
-        order = order[i % len(order) :] + order[: i % len(order)]  # rotate so no budget always runs first
+        order = order[i % len(order) :] + order[: i % len(order)]  # rotate so no tree always runs first
         for b in order:
             out = None
 
@@ -133,16 +157,18 @@ def time_trees(
         if progress is not None:
             progress()
     rows = []
-    for b, paths in trees.items():
+    for b, tree in compiled.items():
         summary = summarize_decode(stats[b])
         rows.append(
             {
                 "budget": b,
-                "nodes": len(paths) + 1,
-                "depth": max((len(p) for p in paths), default=0),
+                "nodes": tree_size(tree),
+                "depth": tree.max_depth,
                 "tau": summary["tau"],
                 "mean_accepted_draft": summary["mean_accepted_draft"],
                 "tokens_per_second": median(speeds[b]),
+                "draft_ms_per_step": summary["draft_ms_per_step"],
+                "verify_ms_per_step": summary["verify_ms_per_step"],
             }
         )
     return rows
@@ -152,4 +178,65 @@ def fastest(rows: Sequence[dict]) -> dict:
     """The row with the highest median tokens/s (ties: the smaller budget)."""
     if not rows:
         raise ValueError("no timed budgets to choose from")
-    return max(rows, key=lambda r: (r["tokens_per_second"], -r["budget"]))
+    return max(rows, key=lambda r: (r["tokens_per_second"], -r["nodes"]))
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# The search
+
+
+def parse_budget(budget) -> int | str:
+    if budget == "auto":
+        return "auto"
+    if isinstance(budget, int) and not isinstance(budget, bool) and budget >= 0:
+        return budget
+    raise ValueError(f"tree_search.budget must be 'auto' or a number of nodes >= 0, got {budget!r}")
+
+
+def dynamic_candidates(grid) -> dict[str, DynamicTreeSpec]:
+    """`[[depth, top_k, num_nodes], ...]` -> labelled dynamic tree specs."""
+    specs = [DynamicTreeSpec(*map(int, row)) for row in grid]
+    if not specs:
+        raise ValueError("tree_search.dynamic needs at least one [depth, top_k, num_nodes] row")
+    return {tree_label(s): s for s in specs}
+
+
+def greedy_sequences(model, prompts, max_new_tokens: int) -> list[tuple[torch.Tensor, int]]:
+    """(prompt + the target's greedy answer [1, L], prompt length) for each prompt."""
+    out = []
+    for ids in prompts:
+        result = model.generate(ids, max_new_tokens=max_new_tokens, tree="none")
+        out.append((result.sequences, ids.shape[1]))
+    return out
+
+
+def search(model, prompts, timing_prompts: int, max_new_tokens: int, budget, budgets, dynamic_grid, k_max=10):
+    """The fastest tree for `model`'s drafter on `prompts` (dict: kind, tree spec, timings, calibration).
+
+    Medusa heads: static trees built from the heads' measured accuracies, one per budget (`budget` fixes one).
+    EAGLE-3: the dynamic settings of `dynamic_grid`, all timed.
+    """
+    timing = prompts[: max(timing_prompts, 1)]
+    if model.max_depth is None:  # a drafter of any depth: dynamic trees
+        trees = dynamic_candidates(dynamic_grid)
+        rows = time_trees(model, timing, trees, max_new_tokens)
+        best = fastest(rows)["budget"]
+        return {"kind": "dynamic", "label": best, "spec": trees[best], "timings": rows, "topk": None}
+    budget = parse_budget(budget)
+    topk = head_topk_accuracy(model, greedy_sequences(model, prompts, max_new_tokens), k_max)
+    trees = trees_for_budgets(topk, list(budgets) if budget == "auto" else [budget])
+    rows = []
+    if budget == "auto":
+        rows = time_trees(model, timing, trees, max_new_tokens)
+        for row in rows:
+            row["predicted_tau"] = predicted_tau(trees[row["budget"]], topk)
+        budget = fastest(rows)["budget"]
+    paths = trees[budget]
+    return {
+        "kind": "static",
+        "label": budget,
+        "spec": paths,
+        "timings": rows,
+        "topk": topk,
+        "predicted_tau": predicted_tau(paths, topk),
+    }

@@ -1,4 +1,5 @@
-"""Static token trees: validation, compilation into index buffers, presets and greedy construction.
+"""Tree specs: static token trees (validation, compilation into index buffers, presets, greedy construction) and the
+parameters of EAGLE-2's dynamic tree.
 
 A tree is a list of paths of top-k ranks (Medusa's "choices"): `[1, 0]` is the node reached by taking head 1's
 second-best token and then head 2's best token. Depth d uses head d. Node 0 is the root, the target's own next token;
@@ -8,6 +9,9 @@ nodes 1.. are the paths sorted by (depth, ranks). Compiling a tree once gives ev
     depth            [T]           0 for the root; position id of node i = committed length + depth[i]
     candidate_index  [T-1]         index of node i+1's token in the heads' flattened top-k [K * top_k]
     retrieve         [P, D+1]      node indices root -> leaf for each of the P leaves, padded with -1
+    parents, ranks   [T]           each node's parent (-1 for the root) and the rank of its own token
+
+A `TokenTree` is also the static tree spec that `draft_tree.grow_static` fills from any drafter.
 """
 
 import heapq
@@ -17,6 +21,8 @@ from functools import cached_property
 from pathlib import Path
 
 import torch
+
+from medusa_like.io import write_json
 
 Path_ = tuple[int, ...]
 
@@ -53,6 +59,30 @@ def validate_paths(paths, num_heads: int | None = None, top_k: int | None = None
     return out
 
 
+@dataclass(frozen=True)
+class DynamicTreeSpec:
+    """EAGLE-2's dynamic tree: `depth` drafter passes, `top_k` nodes expanded per depth, `num_nodes` verified."""
+
+    depth: int = 4
+    top_k: int = 4
+    num_nodes: int = 16  # drafted nodes verified, the root excluded
+
+    def __post_init__(self):
+        for name in ("depth", "top_k", "num_nodes"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"DynamicTreeSpec.{name} must be a positive integer, got {value!r}")
+
+    @property
+    def max_depth(self) -> int:
+        return self.depth
+
+    @property
+    def max_nodes(self) -> int:
+        """Nodes of the largest tree this spec verifies, the root included (sizes the KV cache)."""
+        return self.num_nodes + 1
+
+
 @dataclass
 class TokenTree:
     """A compiled tree. Build with `TokenTree.from_paths(paths)`; move with `.to(device)`."""
@@ -64,10 +94,16 @@ class TokenTree:
     retrieve: torch.Tensor  # [P, D+1] long, -1 padded
     top_k: int  # ranks needed from each head
     max_depth: int  # heads needed
+    parents: torch.Tensor  # [T] long, -1 for the root
+    ranks: torch.Tensor  # [T] long, the rank of each node's token among its parent's candidates (0 for the root)
 
     @property
     def num_nodes(self) -> int:
         return self.depth.numel()
+
+    def level(self, depth: int) -> torch.Tensor:
+        """Node indices at `depth` [n_d] (contiguous: nodes are sorted by depth)."""
+        return (self.depth == depth).nonzero().flatten()
 
     @cached_property
     def children(self) -> list[list[int]]:
@@ -91,20 +127,24 @@ class TokenTree:
         mask[:, 0] = True
         depth = torch.zeros(num_nodes, dtype=torch.long)
         candidate_index = torch.zeros(num_nodes - 1, dtype=torch.long)
+        parents = torch.full((num_nodes,), -1, dtype=torch.long)
+        ranks = torch.zeros(num_nodes, dtype=torch.long)
         for p, i in index.items():
             depth[i] = len(p)
+            parents[i] = index[p[:-1]] if len(p) > 1 else 0
+            ranks[i] = p[-1]
             candidate_index[i - 1] = (len(p) - 1) * top_k + p[-1]
             for d in range(1, len(p)):
                 mask[i, index[p[:d]]] = True
 
-        parents = {p[:-1] for p in paths}
-        leaves = [p for p in paths if p not in parents] or [()]
+        inner = {p[:-1] for p in paths}
+        leaves = [p for p in paths if p not in inner] or [()]
         retrieve = torch.full((len(leaves), max_depth + 1), -1, dtype=torch.long)
         for row, leaf in enumerate(leaves):
             retrieve[row, 0] = 0
             for d in range(1, len(leaf) + 1):
                 retrieve[row, d] = index[leaf[:d]]
-        return cls(paths, mask, depth, candidate_index, retrieve, top_k, max_depth)
+        return cls(paths, mask, depth, candidate_index, retrieve, top_k, max_depth, parents, ranks)
 
     def to(self, device) -> "TokenTree":
         return TokenTree(
@@ -115,6 +155,8 @@ class TokenTree:
             self.retrieve.to(device),
             self.top_k,
             self.max_depth,
+            self.parents.to(device),
+            self.ranks.to(device),
         )
 
 
@@ -163,6 +205,8 @@ def expected_acceptance(paths, rank_accuracy: list[list[float]]) -> float:
 # Medusa-1 heads (top-1 about 0.6 for head 1, lower for later heads).
 _PRIOR = [[0.60 * 0.55**r for r in range(10)], *[[(0.45 - 0.08 * d) * 0.6**r for r in range(10)] for d in range(4)]]
 
+DEFAULT_DEPTH = 4  # static presets for a drafter of any depth
+
 PRESETS = {
     "chain": lambda num_heads: chain(num_heads),
     "small": lambda num_heads: greedy_tree(_PRIOR[: max(num_heads, 1)], 15),
@@ -172,14 +216,11 @@ PRESETS = {
 
 def save_tree(paths, path, **meta) -> Path:
     """Write a tree as JSON: {"paths": [[0], [1], [0, 0], ...], **meta}."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps({"paths": [list(p) for p in paths], **meta}, indent=1))
-    return path
+    return write_json(path, {"paths": [list(p) for p in paths], **meta})
 
 
-def load_tree(path) -> list[Path_]:
-    """Read a tree written by `save_tree` (or a bare JSON list of paths)."""
+def load_tree(path) -> "list[Path_] | DynamicTreeSpec":
+    """Read a tree written by `save_tree` (a static tree, or a dynamic one under "dynamic"; or a bare list of paths)."""
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"tree file {str(path)!r} does not exist")
@@ -187,25 +228,44 @@ def load_tree(path) -> list[Path_]:
         data = json.loads(path.read_text())
     except json.JSONDecodeError as err:
         raise InvalidTreeError(f"tree file {str(path)!r} is not valid JSON: {err}") from err
+    if isinstance(data, dict) and "dynamic" in data:
+        try:
+            return DynamicTreeSpec(**data["dynamic"])
+        except TypeError as err:
+            raise InvalidTreeError(f"tree file {str(path)!r}: bad dynamic tree {data['dynamic']!r}: {err}") from err
     paths = data["paths"] if isinstance(data, dict) and "paths" in data else data
     return validate_paths(paths)
 
 
-def resolve_tree(tree, num_heads: int) -> TokenTree:
-    """A TokenTree from a preset name ('chain', 'small', 'medusa', 'none'), a JSON tree file, a list of paths, or a
-    TokenTree."""
-    if isinstance(tree, TokenTree):
-        if tree.max_depth > num_heads:
-            raise InvalidTreeError(f"tree has depth {tree.max_depth} but there are only {num_heads} heads")
-        return tree
-    if tree is None or tree == "none":
+def resolve_tree(tree, num_heads: int | None) -> "TokenTree | DynamicTreeSpec":
+    """A tree spec from a preset name ('dynamic', 'chain', 'small', 'medusa', 'none'), a JSON tree file (a static
+    tree or `{"dynamic": {...}}`), a list of rank paths, a dict of `DynamicTreeSpec` fields, or a spec itself.
+
+    `num_heads` bounds static trees (Medusa's heads); None means a drafter of any depth (EAGLE-3), for which the
+    static presets are built `DEFAULT_DEPTH` deep.
+    """
+    depth = num_heads if num_heads is not None else DEFAULT_DEPTH
+    if isinstance(tree, DynamicTreeSpec):
+        spec = tree
+    elif isinstance(tree, dict):
+        spec = DynamicTreeSpec(**tree)
+    elif tree == "dynamic":
+        spec = DynamicTreeSpec(depth=min(DynamicTreeSpec.depth, depth))
+    elif isinstance(tree, TokenTree):
+        spec = tree
+    elif tree is None or tree == "none":
         return TokenTree.from_paths([], num_heads)
-    if isinstance(tree, (str, Path)) and str(tree).endswith(".json"):
-        return TokenTree.from_paths(load_tree(tree), num_heads)
-    if isinstance(tree, str):
+    elif isinstance(tree, (str, Path)) and str(tree).endswith(".json"):
+        return resolve_tree(load_tree(tree), num_heads)
+    elif isinstance(tree, str):
         if tree not in PRESETS:
             raise InvalidTreeError(
-                f"unknown tree preset {tree!r}; choose from {sorted(PRESETS)} or pass a list of paths"
+                f"unknown tree preset {tree!r}; choose from {sorted([*PRESETS, 'dynamic', 'none'])} or pass a list "
+                "of paths"
             )
-        return TokenTree.from_paths(PRESETS[tree](num_heads), num_heads)
-    return TokenTree.from_paths([list(p) for p in tree], num_heads)
+        return TokenTree.from_paths(PRESETS[tree](depth), num_heads)
+    else:
+        return TokenTree.from_paths([list(p) for p in tree], num_heads)
+    if num_heads is not None and spec.max_depth > num_heads:
+        raise InvalidTreeError(f"tree has depth {spec.max_depth} but there are only {num_heads} heads")
+    return spec

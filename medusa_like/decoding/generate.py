@@ -1,17 +1,19 @@
 """The speculative decoding loop: prefill, propose, verify a whole tree in one target forward, accept, commit.
 
-One step, for a compiled `TokenTree` of T nodes (node 0 is the root, the target's own last prediction):
+One step, for whatever drafter stands behind the `Proposer` protocol (`drafters/protocol.py`):
 
-    candidates  root + the heads' top-k tokens gathered per the tree                  [T]
-    verify      one target forward over all T nodes, tree mask, depth positions       -> argmax [T]
-    accept      the longest root-to-leaf path whose every token equals the target's
-                argmax at its parent; the argmax at its last node is the bonus token
-    commit      accepted nodes' KV move to contiguous cache slots; the heads' next
-                proposals come from the hidden state at the last accepted node (no extra forward)
+    propose     the drafter's candidate tree for this step, rooted at the target's own next token   DraftTree [T]
+    verify      one target forward over all T nodes, tree mask, depth positions               -> logits [T, V]
+    accept      the longest root-to-leaf path whose every token equals the target's argmax at its
+                parent (or, when sampling, SpecInfer's multi-candidate rule); the target's token
+                after its last node is the bonus token
+    commit      accepted nodes' KV move to contiguous cache slots; the drafter takes in the accepted
+                tokens and the target's features at them (no extra forward)
 
 At temperature 0 the output is the target's own greedy output, token for token: every committed token is the
-target's argmax given the committed prefix. tau = generated tokens / target forwards, the prefill included, so plain
-decoding has tau = 1 exactly and the bonus token counts (as in Medusa, EAGLE and Spec-Bench).
+target's argmax given the committed prefix, whatever the drafter proposed. tau = generated tokens / target forwards,
+the prefill included, so plain decoding has tau = 1 exactly and the bonus token counts (as in Medusa, EAGLE and
+Spec-Bench).
 """
 
 import time
@@ -21,10 +23,10 @@ from dataclasses import dataclass, field
 import torch
 
 from .attention import tree_attention
-from .heads import MedusaHeads
+from .draft_tree import DraftTree
 from .kv_cache import CacheOverflowError, TreeKVCache
+from .projection import VocabProjection
 from .sampling import accept_sampling, warp_logits
-from .tree import TokenTree
 
 
 @dataclass
@@ -34,6 +36,8 @@ class DecodeStats:
     accepted_draft: list[int] = field(default_factory=list)  # draft tokens accepted per tree step (bonus excluded)
     prefill_seconds: float = 0.0
     decode_seconds: float = 0.0
+    draft_seconds: float = 0.0  # of decode_seconds: the drafter proposing trees
+    verify_seconds: float = 0.0  # of decode_seconds: target forwards, acceptance and commits
 
     @property
     def tau(self) -> float:
@@ -57,6 +61,8 @@ class DecodeStats:
             "accepted_draft": list(self.accepted_draft),
             "prefill_seconds": self.prefill_seconds,
             "decode_seconds": self.decode_seconds,
+            "draft_seconds": self.draft_seconds,
+            "verify_seconds": self.verify_seconds,
             "tokens_per_second": self.tokens_per_second,
         }
 
@@ -70,59 +76,30 @@ class GenerateOutput:
 
 
 # ---------------------------------------------------------------------------------------------------------------------
-# The four tensor functions of a step
+# The tensor functions of a step
 
 
-def target_hidden(target, input_ids, position_ids, cache: TreeKVCache, tree_mask: torch.Tensor | None) -> torch.Tensor:
-    """The target's last hidden state [1, T, H] for new tokens, writing their KV into `cache`."""
+def target_forward(target, input_ids, position_ids, cache: TreeKVCache, tree_mask, feature_layers=None):
+    """New tokens [1, T] through the target, writing their KV into `cache`.
+
+    Returns (last hidden state [T, H], drafter features [T, F]): the concatenated `hidden_states[i]` for i in
+    `feature_layers`, or the last hidden state itself when None.
+    """
     out = target.base_model(
         input_ids=input_ids,
         position_ids=position_ids,
         attention_mask=tree_mask,
         past_key_values=cache,
         use_cache=True,
+        output_hidden_states=feature_layers is not None,
     )
-    return out.last_hidden_state
+    hidden = out.last_hidden_state[0]  # [T, H]
+    if feature_layers is None:
+        return hidden, hidden
+    return hidden, torch.cat([out.hidden_states[i][0] for i in feature_layers], dim=-1)  # [T, n * H]
 
 
-class VocabProjection:
-    """The target's output projection (and final logit soft-capping, e.g. Gemma's), as `logits = W @ h^T`.
-
-    Same numbers as calling `lm_head`, computed with the weight as the left operand: for the few rows of a tree step
-    or of the heads, BLAS on CPUs runs this orientation 2-5x faster than `F.linear`'s `h @ W^T` (measured with
-    MKL on 2 cores: 2.4 ms instead of 14 ms for 2 rows of SmolLM2's 49152 x 576 projection).
-    """
-
-    def __init__(self, target):
-        output = target.get_output_embeddings()
-        self.weight = output.weight  # [V, H]
-        self.bias = getattr(output, "bias", None)
-        self.softcap = getattr(target.config.get_text_config(), "final_logit_softcapping", None)
-
-    def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden [..., H] -> logits [..., V]."""
-        flat = hidden.reshape(-1, hidden.shape[-1])  # [N, H]
-        logits = torch.mm(self.weight, flat.t()).t()  # [N, V]
-        if self.bias is not None:
-            logits = logits + self.bias
-        if self.softcap:
-            logits = torch.tanh(logits / self.softcap) * self.softcap
-        return logits.reshape(*hidden.shape[:-1], -1)
-
-
-def propose(heads: MedusaHeads, hidden: torch.Tensor, lm_head, top_k: int, depth: int) -> torch.Tensor:
-    """hidden [H] -> the top-k tokens [depth, top_k] of the first `depth` heads (the ones the tree uses)."""
-    return heads(hidden, lm_head, num_heads=depth).topk(top_k, dim=-1).indices
-
-
-def build_candidates(root: torch.Tensor, proposals: torch.Tensor | None, tree: TokenTree) -> torch.Tensor:
-    """root [] + proposals [K, top_k] -> the token of every tree node [T]."""
-    if tree.num_nodes == 1:
-        return root.view(1)
-    return torch.cat([root.view(1), proposals[: tree.max_depth].flatten()[tree.candidate_index]])
-
-
-def accept_greedy(tokens: torch.Tensor, predictions: torch.Tensor, tree: TokenTree) -> torch.Tensor:
+def accept_greedy(tokens: torch.Tensor, predictions: torch.Tensor, tree) -> torch.Tensor:
     """The accepted nodes, root first [n + 1]: the longest path whose tokens equal the target's argmax at the parent.
 
     tokens, predictions [T]: node tokens and the target's argmax after each node.
@@ -170,18 +147,56 @@ def _emit(streamer, tokens: list[int]) -> None:
         streamer(tokens)
 
 
+def tree_size(spec) -> int:
+    """Nodes, root included, of the largest tree a spec (static `TokenTree` or `DynamicTreeSpec`) verifies."""
+    return spec.max_nodes if hasattr(spec, "max_nodes") else spec.num_nodes
+
+
+def check_inputs(target, proposer, input_ids, spec, max_new_tokens: int, max_cache_len: int | None) -> int:
+    """Refuse, before anything runs, what cannot work; return the KV cache capacity."""
+    if input_ids.dim() != 2 or input_ids.shape[0] != 1:
+        raise ValueError(f"speculative decoding takes one sequence, input_ids [1, T]; got {tuple(input_ids.shape)}")
+    if input_ids.shape[1] == 0:
+        raise ValueError("the prompt is empty: give at least one token")
+    vocab = target.config.get_text_config().vocab_size
+    if int(input_ids.min()) < 0 or int(input_ids.max()) >= vocab:
+        raise ValueError(
+            f"prompt token ids must lie in [0, {vocab}) (the target's vocabulary), got {int(input_ids.min())}.."
+            f"{int(input_ids.max())}"
+        )
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    limit = getattr(proposer, "max_depth", None)
+    if limit is not None and spec.max_depth > limit:
+        raise ValueError(f"tree of depth {spec.max_depth} needs {spec.max_depth} heads, have {limit}")
+    prompt_len = input_ids.shape[1]
+    needed = prompt_len + max_new_tokens + tree_size(spec)
+    capacity = max_cache_len if max_cache_len is not None else needed
+    if needed > capacity:
+        raise CacheOverflowError(
+            f"KV cache of {capacity} tokens is too small for a {prompt_len}-token prompt, {max_new_tokens} new tokens "
+            f"and a {tree_size(spec)}-node tree (needs {needed})"
+        )
+    max_positions = getattr(target.config.get_text_config(), "max_position_embeddings", None)
+    if max_positions is not None and prompt_len + max_new_tokens + spec.max_depth > max_positions:
+        raise ValueError(
+            f"prompt ({prompt_len}) + max_new_tokens ({max_new_tokens}) exceeds the target's "
+            f"max_position_embeddings ({max_positions})"
+        )
+    return capacity
+
+
 @torch.inference_mode()
 def speculative_generate(
     target,
-    heads: MedusaHeads | None,
+    proposer,
     input_ids: torch.Tensor,
-    tree: TokenTree,
+    tree,
     max_new_tokens: int,
     backend: str = "sdpa",
     stop: StopChecker | None = None,
     streamer: Callable | None = None,
     max_cache_len: int | None = None,
-    proposer: Callable | None = None,
     temperature: float = 0.0,
     top_k: int = 0,
     top_p: float = 1.0,
@@ -190,42 +205,22 @@ def speculative_generate(
     """Tree speculative decoding of one sequence, lossless: at temperature 0 the output is the target's greedy output
     token for token; above it, every token is drawn from the target's own (temperature, top-k, top-p) distribution.
 
-    `proposer(last_hidden [H], generated: list[int]) -> [K, top_k]` replaces the heads' proposals when given (an
-    oracle in tests, or another drafter); verification and acceptance stay the same, so the output does too.
+    `proposer` follows `medusa_like.drafters.Proposer` (Medusa heads, the EAGLE-3 drafter, an oracle in tests);
+    `tree` is a static `TokenTree` of rank paths or a `DynamicTreeSpec` (EAGLE-2). Verification and acceptance are
+    the same for every drafter and tree, so the output is too.
     """
-    if input_ids.dim() != 2 or input_ids.shape[0] != 1:
-        raise ValueError(f"speculative decoding takes one sequence, input_ids [1, T]; got {tuple(input_ids.shape)}")
-    if max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-    if proposer is None and tree.num_nodes > 1 and (heads is None or heads.num_heads < tree.max_depth):
-        have = 0 if heads is None else heads.num_heads
-        raise ValueError(f"tree of depth {tree.max_depth} needs {tree.max_depth} heads, have {have}")
+    capacity = check_inputs(target, proposer, input_ids, tree, max_new_tokens, max_cache_len)
+    if top_k < 0:
+        raise ValueError(f"top_k must be >= 0 (0 disables it), got {top_k}")
     device = input_ids.device
     prompt_len = input_ids.shape[1]
-    needed = prompt_len + max_new_tokens + tree.num_nodes
-    capacity = max_cache_len if max_cache_len is not None else needed
-    if needed > capacity:
-        raise CacheOverflowError(
-            f"KV cache of {capacity} tokens is too small for a {prompt_len}-token prompt, {max_new_tokens} new tokens "
-            f"and a {tree.num_nodes}-node tree (needs {needed})"
-        )
-    max_positions = getattr(target.config.get_text_config(), "max_position_embeddings", None)
-    if max_positions is not None and prompt_len + max_new_tokens + tree.max_depth > max_positions:
-        raise ValueError(
-            f"prompt ({prompt_len}) + max_new_tokens ({max_new_tokens}) exceeds the target's "
-            f"max_position_embeddings ({max_positions})"
-        )
     stop = stop or StopChecker()
-    tree = tree.to(device)
+    if hasattr(tree, "to"):
+        tree = tree.to(device)
     lm_head = VocabProjection(target)
-    if proposer is None:
-
-        def proposer(hidden, _generated):
-            return propose(heads, hidden, lm_head, tree.top_k, tree.max_depth)
-
+    layers = proposer.feature_layers
     cache = TreeKVCache.for_model(target, capacity)
     stats = DecodeStats()
-    tree_mask = tree.attention_mask[None, None]  # [1, 1, T, T]
 
     def next_token(logits):  # [V] -> []
         if temperature == 0:
@@ -234,10 +229,11 @@ def speculative_generate(
 
     with tree_attention(target, backend):
         start = time.perf_counter()
-        hidden = target_hidden(target, input_ids, torch.arange(prompt_len, device=device)[None], cache, None)
+        positions = torch.arange(prompt_len, device=device)[None]
+        hidden, features = target_forward(target, input_ids, positions, cache, None, layers)  # [P, H], [P, F]
         cache.commit_all(prompt_len)
-        last_hidden = hidden[0, -1]  # [H]
-        root = next_token(lm_head(last_hidden))
+        root = next_token(lm_head(hidden[-1]))
+        proposer.begin(input_ids[0], features, root, capacity)
         stats.target_forwards = 1
         generated = [int(root)]
         stats.prefill_seconds = time.perf_counter() - start
@@ -246,24 +242,28 @@ def speculative_generate(
 
         start = time.perf_counter()
         while finish is None and len(generated) < max_new_tokens:
-            proposals = proposer(last_hidden, generated) if tree.num_nodes > 1 else None
-            tokens = build_candidates(root, proposals, tree)  # [T]
+            step_start = time.perf_counter()
+            draft: DraftTree = proposer.propose(tree)
+            stats.draft_seconds += time.perf_counter() - step_start
+            step_start = time.perf_counter()
+            tokens = draft.tokens  # [T]
             prefix = cache.length
-            cache.check_room(tree.num_nodes)
-            hidden = target_hidden(target, tokens[None], (prefix + tree.depth)[None], cache, tree_mask)[0]  # [T, H]
+            cache.check_room(draft.num_nodes)
+            mask = draft.attention_mask[None, None]  # [1, 1, T, T]
+            hidden, features = target_forward(target, tokens[None], (prefix + draft.depth)[None], cache, mask, layers)
             logits = lm_head(hidden)  # [T, V]
             if temperature == 0:
                 predictions = logits.argmax(-1)  # [T]
-                nodes = accept_greedy(tokens, predictions, tree)  # [n + 1]
+                nodes = accept_greedy(tokens, predictions, draft)  # [n + 1]
                 root = predictions[nodes[-1]]
             else:
                 probs = warp_logits(logits, temperature, top_k, top_p)  # [T, V]
-                nodes, root = accept_sampling(tokens, probs, tree, generator)
+                nodes, root = accept_sampling(tokens, probs, draft, generator)
             cache.commit(prefix + nodes)
+            proposer.accept(tokens[nodes], features[nodes], root)
             stats.target_forwards += 1
             stats.accepted_draft.append(nodes.numel() - 1)
 
-            last_hidden = hidden[nodes[-1]]
             new = tokens[nodes[1:]].tolist() + [int(root)]
             first_new = len(generated)
             generated.extend(new)
@@ -272,6 +272,7 @@ def speculative_generate(
             if finish is not None:
                 del generated[finish[0] :]
             _emit(streamer, generated[first_new:])
+            stats.verify_seconds += time.perf_counter() - step_start
         stats.decode_seconds = time.perf_counter() - start
 
     if streamer is not None and hasattr(streamer, "end"):

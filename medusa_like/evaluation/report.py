@@ -4,7 +4,6 @@ The report is the dict built by `eval.evaluate.evaluate`; nothing here measures 
 below 1 opens report.md and the console output with a red warning.
 """
 
-import json
 from pathlib import Path
 
 import matplotlib
@@ -15,10 +14,12 @@ from rich.console import Console  # noqa: E402
 from rich.panel import Panel  # noqa: E402
 from rich.table import Table  # noqa: E402
 
+from medusa_like.io import write_json, write_text  # noqa: E402
+
 METHOD_LABELS = {
     "hf_greedy": "(a) transformers greedy",
     "hf_prompt_lookup": "(b) transformers prompt lookup",
-    "plain_loop": "(c) our loop, no heads",
+    "plain_loop": "(c) our loop, no drafter",
     "speculative": "(d) speculative",
 }
 PLOTS = {
@@ -45,10 +46,8 @@ def mismatch_warning(report: dict) -> str | None:
 # Files
 
 
-def write_json(report: dict, out_dir: Path) -> Path:
-    path = out_dir / "report.json"
-    path.write_text(json.dumps(report, indent=1) + "\n")
-    return path
+def write_report_json(report: dict, out_dir: Path) -> Path:
+    return write_json(out_dir / "report.json", report)
 
 
 def write_plots(report: dict, out_dir: Path) -> dict[str, str]:
@@ -112,7 +111,8 @@ def markdown(report: dict) -> str:
         parts.append(f"> [!CAUTION]\n> **🔴 {warning}**")  # GitHub renders a CAUTION alert in red
     parts.append("# Evaluation report")
     parts.append(
-        f"Target `{setup['target']}`, heads `{setup['heads']}` ({setup['num_heads']} heads), tree `{setup['tree']['name']}` "
+        f"Target `{setup['target']}`, {setup['drafter_kind']} drafter `{setup['drafter']}` "
+        f"({setup['drafter_parameters'] / 1e6:.1f}M parameters), tree `{setup['tree']['name']}` "
         f"({setup['tree']['nodes']} nodes, depth {setup['tree']['depth']}); {setup['data']['source']} "
         f"({setup['data']['questions']} questions, {report['losslessness']['prompts']} prompts), "
         f"max_new_tokens {setup['max_new_tokens']}; {setup['dtype']} on {setup['device']} ({setup['threads']} threads), "
@@ -120,18 +120,36 @@ def markdown(report: dict) -> str:
     )
     parts.append(
         _table(
-            ["tau", "mean accepted draft", "speedup vs (a)", "speedup vs (b)", "losslessness"],
+            [
+                "tau",
+                "mean accepted draft",
+                "speedup vs (a)",
+                "speedup vs (b)",
+                "draft ms/step",
+                "verify ms/step",
+                "losslessness",
+            ],
             [
                 [
                     f"{s['tau']:.3f}",
                     f"{s['mean_accepted_draft']:.3f}",
                     f"{s['speedup_vs_hf_greedy']:.2f}x",
                     f"{s['speedup_vs_hf_prompt_lookup']:.2f}x",
+                    f"{s['draft_ms_per_step']:.1f}",
+                    f"{s['verify_ms_per_step']:.1f}",
                     f"{s['losslessness']:.3f}",
                 ]
             ],
         )
     )
+    by_depth = report["acceptance"].get("acceptance_by_depth") or []
+    if by_depth:
+        parts.append(
+            "Acceptance by depth (share of steps accepting at least d draft tokens): "
+            + ", ".join(f"d{d}: {a:.2f}" for d, a in enumerate(by_depth, 1))
+        )
+    if report.get("skipped"):
+        parts.append(f"Skipped prompts (too long for the target): {len(report['skipped'])}")
     parts.append("## Speed (median over prompts)")
     rows = []
     for m, label in METHOD_LABELS.items():
@@ -168,7 +186,7 @@ def markdown(report: dict) -> str:
     parts.append("## tau and speed against tree size")
     parts.append(
         _table(
-            ["budget", "nodes", "depth", "predicted tau", "tau", "tokens/s"],
+            ["tree", "nodes", "depth", "predicted tau", "tau", "tokens/s"],
             [
                 [
                     r["budget"],
@@ -190,10 +208,8 @@ def markdown(report: dict) -> str:
 
 
 def write_markdown(report: dict, out_dir: Path) -> Path:
-    write_json(report, out_dir)
-    path = out_dir / "report.md"
-    path.write_text(markdown(report))
-    return path
+    write_report_json(report, out_dir)
+    return write_text(out_dir / "report.md", markdown(report))
 
 
 # ---------------------------------------------------------------------------------------------------------------------

@@ -1,0 +1,167 @@
+"""Self-distillation: the frozen target answers the user turns of a conversation set with its own chat template.
+
+Drafters learn what the target will say, so they can be trained on the target's own answers rather than on the
+original ones (Medusa-2's self-distillation). The work is cut into chunks of `chunk_size` conversations; each chunk
+samples from its own seed and is stored atomically (`storage.py`), so an interrupted and resumed run writes exactly what
+an uninterrupted one writes. `shard` / `num_shards` give every process a disjoint set of chunks.
+"""
+
+import hashlib
+import logging
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from medusa_like.data.masks import build_sample, render
+from medusa_like.data.sources import load_conversations, user_turns
+from medusa_like.data.storage import build_chunks, recipe
+from medusa_like.targets import eos_token_ids
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class GenerationConfig:
+    temperature: float = 0.3  # Medusa's self-distillation temperature; 0 = greedy
+    top_p: float = 0.9
+    top_k: int = 0  # 0 disables top-k (transformers would otherwise apply its default of 50)
+    max_new_tokens: int = 256
+    turns: str = "first"  # "first": answer the first user turn; "all": every turn, on the regenerated history
+    max_prompt_tokens: int = 512  # conversations whose first prompt is longer are not selected
+    max_length: int = 2048  # later turns stop once prompt + answer could exceed this
+    seed: int = 0
+
+    def __post_init__(self):
+        if self.turns not in ("first", "all"):
+            raise ValueError(f"turns must be 'first' or 'all', got {self.turns!r}")
+        if self.temperature < 0 or not 0 < self.top_p <= 1 or self.max_new_tokens < 1:
+            raise ValueError(
+                f"need temperature >= 0, 0 < top_p <= 1, max_new_tokens >= 1; got {self.temperature}, {self.top_p}, "
+                f"{self.max_new_tokens}"
+            )
+
+
+def select_conversations(source: str, num_conversations: int | None, tokenizer, gen: GenerationConfig, split="train"):
+    """The first `num_conversations` conversations of `source` whose first prompt fits `gen.max_prompt_tokens`."""
+    selected = []
+    for conv in load_conversations(source, split=split):
+        system, users = user_turns(conv)
+        prompt = render(tokenizer, [*system, {"role": "user", "content": users[0]}], add_generation_prompt=True)
+        if len(tokenizer(prompt, add_special_tokens=False)["input_ids"]) <= gen.max_prompt_tokens:
+            selected.append(conv)
+        if num_conversations is not None and len(selected) >= num_conversations:
+            break
+    if num_conversations is not None and len(selected) < num_conversations:
+        log.warning("%s: only %d conversations fit max_prompt_tokens=%d", source, len(selected), gen.max_prompt_tokens)
+    return selected
+
+
+def run(
+    model,
+    tokenizer,
+    conversations: list[dict],
+    out_dir: str | Path,
+    gen: GenerationConfig,
+    batch_size: int = 32,
+    chunk_size: int = 256,
+    shard: int = 0,
+    num_shards: int = 1,
+    max_chunks: int | None = None,  # stop after writing this many new chunks (time-boxed runs); the rest resumes later
+    target_name: str = "",
+    source: str = "",
+    progress: bool = True,
+) -> Path | None:
+    """Distil this shard's missing chunks; combine when every chunk exists. Returns the dataset path or None."""
+    made_of = recipe(model, conversations, "distilled", source, asdict(gen), chunk_size, target_name)
+    turns = {conv["id"]: _num_turns(conv, gen) for conv in conversations}
+
+    def rows(chunk: list[dict], index: int, bar) -> list[dict]:
+        return distil_chunk(model, tokenizer, chunk, gen, batch_size, index, bar)
+
+    return build_chunks(
+        out_dir, conversations, chunk_size, made_of, rows, shard, num_shards, max_chunks, progress, "answer", turns
+    )
+
+
+def distil_chunk(model, tokenizer, conversations, gen: GenerationConfig, batch_size: int, chunk_index: int, bar=None):
+    """Answer the conversations of one chunk, turn by turn; returns the dataset rows."""
+    torch.manual_seed(_chunk_seed(gen.seed, chunk_index))
+    eos_ids = eos_token_ids(model, tokenizer)
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos_ids[0]
+    states = []
+    for conv in conversations:
+        system, users = user_turns(conv)
+        states.append({"conv": conv, "users": users, "messages": list(system), "finished": [], "alive": True})
+    max_turns = max((len(s["users"]) for s in states), default=0) if gen.turns == "all" else 1
+    started = time.perf_counter()
+    generated = 0
+    for turn in range(max_turns):
+        todo = [s for s in states if s["alive"] and turn < len(s["users"])]
+        prompts = []
+        for s in todo:
+            text = render(tokenizer, [*s["messages"], {"role": "user", "content": s["users"][turn]}], True)
+            ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+            if turn > 0 and len(ids) + gen.max_new_tokens > gen.max_length:
+                _stop(s, turn, gen, bar)
+            else:
+                prompts.append((len(ids), text, s))
+        prompts.sort(key=lambda p: p[0])  # similar lengths per batch: less padding
+        for b in range(0, len(prompts), batch_size):
+            batch = prompts[b : b + batch_size]
+            answers = _generate(model, tokenizer, [text for _, text, _ in batch], gen, eos_ids, pad_id)
+            for (_, _, s), (text, finished, n_tokens) in zip(batch, answers, strict=True):
+                s["messages"] += [{"role": "user", "content": s["users"][turn]}, {"role": "assistant", "content": text}]
+                s["finished"].append(finished)
+                generated += n_tokens
+                if not finished:  # a cut-off answer is no history to continue from
+                    _stop(s, turn + 1, gen, bar)
+            if bar is not None:
+                bar.update(len(batch))
+                bar.set_postfix(tok_s=f"{generated / (time.perf_counter() - started):.0f}", chunk=chunk_index)
+    rows = []
+    for s in states:
+        if s["finished"]:
+            input_ids, loss_mask = build_sample(tokenizer, s["messages"], s["finished"])
+            rows.append(
+                {"id": s["conv"]["id"], "group": s["conv"]["group"], "input_ids": input_ids, "loss_mask": loss_mask}
+            )
+    return rows
+
+
+def _generate(model, tokenizer, prompts: list[str], gen: GenerationConfig, eos_ids: list[int], pad_id: int):
+    enc = tokenizer(prompts, add_special_tokens=False, padding=True, padding_side="left", return_tensors="pt")
+    sampling = {"do_sample": False}
+    if gen.temperature > 0:
+        sampling = {"do_sample": True, "temperature": gen.temperature, "top_p": gen.top_p, "top_k": gen.top_k}
+    with torch.no_grad():
+        out = model.generate(
+            input_ids=enc["input_ids"].to(model.device),  # [B, P]
+            attention_mask=enc["attention_mask"].to(model.device),  # [B, P]
+            max_new_tokens=gen.max_new_tokens,
+            eos_token_id=eos_ids,
+            pad_token_id=pad_id,
+            **sampling,
+        )
+    answers = []
+    for row in out[:, enc["input_ids"].shape[1] :].tolist():  # [B, new]
+        stop = next((i for i, t in enumerate(row) if t in eos_ids), None)
+        content = row if stop is None else row[:stop]
+        text = tokenizer.decode(content, skip_special_tokens=True)
+        answers.append((text, stop is not None, len(content) + (stop is not None)))
+    return answers
+
+
+def _stop(state: dict, next_turn: int, gen: GenerationConfig, bar) -> None:
+    if state["alive"] and bar is not None and gen.turns == "all":
+        bar.update(len(state["users"]) - next_turn)
+    state["alive"] = False
+
+
+def _num_turns(conv: dict, gen: GenerationConfig) -> int:
+    return len(user_turns(conv)[1]) if gen.turns == "all" else 1
+
+
+def _chunk_seed(seed: int, chunk_index: int) -> int:
+    return int.from_bytes(hashlib.sha256(f"{seed}:{chunk_index}".encode()).digest()[:4], "big")

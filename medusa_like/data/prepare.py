@@ -1,0 +1,100 @@
+"""From a Hydra config to what training needs: the frozen target, and its training rows on disk.
+
+Shared by the `train.distill` and `train.train` entry points (and by evaluation for the model): the rule for which
+rows a data config means lives here, once. A data directory records its recipe (`storage.recipe`: the source, the
+conversation ids, the target's fingerprint, the generation settings); asking for different data in the same
+directory is refused before anything is trained or written.
+"""
+
+import logging
+from dataclasses import asdict
+from pathlib import Path
+
+from hydra.utils import instantiate
+from omegaconf import DictConfig, OmegaConf
+
+from medusa_like.data import conversation_text, generation
+from medusa_like.data.storage import check_recipe, is_complete, load_distilled, recipe
+
+log = logging.getLogger(__name__)
+
+
+def load_model(model_cfg: DictConfig, **overrides):
+    """(frozen target, tokenizer) from a `model/` config, with the config's chat template if it sets one.
+
+    `overrides` replace arguments of the config's loader (e.g. dtype=...)."""
+    target, tokenizer = instantiate(model_cfg.loader, **overrides)
+    if model_cfg.get("chat_template"):
+        tokenizer.chat_template = model_cfg.chat_template
+    return target, tokenizer
+
+
+def _generation_config(data: DictConfig) -> generation.GenerationConfig:
+    return generation.GenerationConfig(**OmegaConf.to_container(data.generation, resolve=True))
+
+
+def build_dataset(cfg: DictConfig, target, tokenizer, shard: int = 0, num_shards: int = 1, max_chunks=None):
+    """Build (or resume building) the rows `cfg.data` describes into `cfg.data.dir`; the dataset path, or None while
+    other shards' chunks are missing."""
+    data = cfg.data
+    common = dict(chunk_size=data.chunk_size, target_name=cfg.model.name_or_path, source=str(data.source))
+    if data.recipe == "original":
+        conversations = conversation_text.select(data.source, data.num_conversations, split=data.split)
+        log.info("reading %d conversations from %s into %s", len(conversations), data.source, data.dir)
+        return conversation_text.run(
+            target,
+            tokenizer,
+            conversations,
+            data.dir,
+            data.generation.max_length,
+            progress=cfg.distill.progress,
+            **common,
+        )
+    if data.recipe != "distilled":
+        raise ValueError(f"data.recipe must be 'distilled' or 'original', got {data.recipe!r}")
+    gen = _generation_config(data)
+    conversations = generation.select_conversations(data.source, data.num_conversations, tokenizer, gen, data.split)
+    log.info("distilling %d conversations from %s into %s", len(conversations), data.source, data.dir)
+    return generation.run(
+        target,
+        tokenizer,
+        conversations,
+        data.dir,
+        gen,
+        batch_size=cfg.distill.batch_size,
+        shard=shard,
+        num_shards=num_shards,
+        max_chunks=max_chunks,
+        progress=cfg.distill.progress,
+        **common,
+    )
+
+
+def ensure_dataset(cfg: DictConfig, target, tokenizer) -> Path:
+    """The training rows of `cfg.data`: checked against what `cfg.data.dir` was made from, built if missing (when
+    `cfg.distill_if_missing`)."""
+    data = cfg.data
+    if is_complete(data.dir):
+        if data.recipe == "original":
+            conversations = conversation_text.select(data.source, data.num_conversations, split=data.split)
+            made_of = {"max_length": data.generation.max_length}
+        else:
+            gen = _generation_config(data)
+            conversations = generation.select_conversations(
+                data.source, data.num_conversations, tokenizer, gen, data.split
+            )
+            made_of = asdict(gen)
+        check_recipe(
+            Path(data.dir),
+            recipe(
+                target, conversations, data.recipe, str(data.source), made_of, data.chunk_size, cfg.model.name_or_path
+            ),
+        )
+        return Path(data.dir) / "dataset"
+    if not cfg.get("distill_if_missing", True):
+        load_distilled(data.dir)  # raises with the command to run
+    path = build_dataset(cfg, target, tokenizer)
+    if path is None:
+        raise RuntimeError(f"{data.dir}: the dataset is incomplete (other shards' chunks are missing)")
+    log.info("dataset complete: %s (%d rows)", path, len(load_distilled(data.dir)))
+    return path

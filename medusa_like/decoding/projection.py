@@ -1,0 +1,33 @@
+"""The target's output projection as a fast function of a few hidden states, optionally restricted to some rows."""
+
+import torch
+
+
+class VocabProjection:
+    """The target's output projection (and final logit soft-capping, e.g. Gemma's), as `logits = W @ h^T`.
+
+    Same numbers as calling `lm_head`, computed with the weight as the left operand: for the few rows of a tree step
+    or of the heads, BLAS on CPUs runs this orientation 2-5x faster than `F.linear`'s `h @ W^T` (measured with
+    MKL on 2 cores: 2.4 ms instead of 14 ms for 2 rows of SmolLM2's 49152 x 576 projection). `rows` [N] restricts it
+    to those token ids (a draft vocabulary): logits [..., N] in that order.
+    """
+
+    def __init__(self, target, rows: torch.Tensor | None = None):
+        output = target.get_output_embeddings()
+        weight, bias = output.weight, getattr(output, "bias", None)  # [V, H], [V]
+        if rows is not None:
+            rows = rows.to(weight.device)
+            weight = weight[rows].contiguous()
+            bias = bias[rows] if bias is not None else None
+        self.weight, self.bias = weight, bias
+        self.softcap = getattr(target.config.get_text_config(), "final_logit_softcapping", None)
+
+    def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [..., H] -> logits [..., V] (or [..., N] for restricted rows)."""
+        flat = hidden.reshape(-1, hidden.shape[-1])  # [N, H]
+        logits = torch.mm(self.weight, flat.t()).t()  # [N, V]
+        if self.bias is not None:
+            logits = logits + self.bias
+        if self.softcap:
+            logits = torch.tanh(logits / self.softcap) * self.softcap
+        return logits.reshape(*hidden.shape[:-1], -1)

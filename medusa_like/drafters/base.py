@@ -1,0 +1,48 @@
+"""The one rule for "does this drafter fit this target?", shared by loading, export and training.
+
+A drafter fits a target when it reads hidden states of the target's width and proposes tokens of the target's
+vocabulary; when the drafter records the target's architecture fingerprint (native files, training checkpoints),
+that must match too. Anything else is a `DrafterMismatchError` naming both values.
+"""
+
+from medusa_like.targets import target_fingerprint
+
+CHECKPOINT_KEY = "medusa_like"  # the training module's entry in a Lightning checkpoint
+
+
+class DrafterMismatchError(ValueError):
+    """A drafter that does not fit the target it is loaded onto, exported for or trained with."""
+
+
+def target_name(target) -> str:
+    return getattr(target.config, "name_or_path", None) or type(target).__name__
+
+
+def check_fits(hidden_size: int, vocab_size: int, target, fingerprint: str | None = None, source: str = "") -> None:
+    """Raise DrafterMismatchError naming what differs: hidden size, vocabulary or the architecture fingerprint.
+
+    `source` completes "drafter ... has": e.g. "from runs/x/drafter" or "being exported".
+    """
+    config = target.config.get_text_config()
+    name = target_name(target)
+    what = f"drafter {source}".strip()
+    if hidden_size != config.hidden_size:
+        raise DrafterMismatchError(
+            f"{what} reads hidden size {hidden_size}, but target {name!r} has hidden size {config.hidden_size}"
+        )
+    if vocab_size != config.vocab_size:
+        raise DrafterMismatchError(
+            f"{what} has vocabulary size {vocab_size}, but target {name!r} has vocabulary size {config.vocab_size}"
+        )
+    actual = target_fingerprint(target.config)
+    if fingerprint is not None and fingerprint != actual:
+        raise DrafterMismatchError(
+            f"{what} was trained on a target with fingerprint {fingerprint}, but target {name!r} has fingerprint "
+            f"{actual}: same hidden size and vocabulary, another architecture (layers, attention heads or MLP size)"
+        )
+
+
+def drafter_dims(drafter) -> tuple[int, int]:
+    """(target hidden size it reads, target vocabulary it proposes) of any drafter."""
+    config = drafter.config
+    return getattr(config, "target_hidden_size", None) or config.hidden_size, config.vocab_size

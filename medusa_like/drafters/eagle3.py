@@ -1,0 +1,263 @@
+"""An EAGLE-3-style draft model: one decoder layer of the target's own family, drafting at the feature level.
+
+Input at position t: the target's residual streams entering a low, a middle and a high layer (by default layers 2,
+L/2 and L-3, read from the model's public `hidden_states`), fused by `fc` (3h -> h), together with the embedding of
+token t + 1 (the target's frozen embeddings). The layer's attention sees both (q/k/v take [embedding; feature], 2h
+wide), then the MLP, a final norm and a projection over the reduced draft vocabulary. Its output state at t predicts
+token t + 2; the next draft step feeds that state back in place of the target's fused feature.
+
+    residual = feature                                          # [B, T, h]
+    x = cat(input_layernorm(embedding), hidden_norm(feature))   # [B, T, 2h]
+    h = residual + self_attn(x)                                 # the family's attention module, rotary at t
+    state = h + mlp(post_attention_layernorm(h))                # fed back at later draft steps
+    logits = lm_head(norm(state))                               # [B, T, N_draft]
+
+The attention, MLP and norms are built by transformers from the target's config (a one-layer model of the same
+family, `AutoModel.from_config`), so every family the core supports gets a drafter without copied modeling code; only
+q/k/v are widened to 2h. Attention goes through transformers' SDPA with explicit boolean masks, over the drafter's
+own `TreeKVCache` at inference.
+"""
+
+import copy
+from dataclasses import asdict, dataclass, field
+
+import torch
+import torch.nn as nn
+from transformers import AutoConfig, AutoModel, PretrainedConfig
+
+from ..decoding.draft_tree import DraftTree, grow_dynamic, grow_static
+from ..decoding.kv_cache import TreeKVCache
+from ..decoding.tree import DynamicTreeSpec
+from .protocol import tree_entries
+from .vocab import DraftVocab
+
+# Config fields that describe a target family's decoder layer; anything else (token ids, dtype, names) is dropped.
+_DROPPED_FIELDS = ("architectures", "auto_map", "name_or_path", "_name_or_path", "transformers_version", "dtype")
+
+
+def default_aux_layers(num_layers: int) -> tuple[int, int, int]:
+    """Indices into `hidden_states` (0 = embeddings, i = input of layer i): layers 2, L/2 and L-3."""
+    return (min(2, num_layers - 1), num_layers // 2, max(num_layers - 3, 0))
+
+
+@dataclass(frozen=True)
+class Eagle3Config:
+    target_hidden_size: int
+    vocab_size: int  # the target's
+    draft_vocab_size: int
+    aux_layer_ids: tuple[int, ...]  # hidden_states indices fused by fc
+    layer: dict = field(repr=False)  # the target family's text config (model_type + fields), for one layer
+
+    def __post_init__(self):
+        object.__setattr__(self, "aux_layer_ids", tuple(int(i) for i in self.aux_layer_ids))
+        if not 0 < self.draft_vocab_size <= self.vocab_size:
+            raise ValueError(f"draft_vocab_size must be in [1, {self.vocab_size}], got {self.draft_vocab_size}")
+        if not self.aux_layer_ids:
+            raise ValueError("aux_layer_ids must name at least one target layer")
+        if "model_type" not in self.layer:
+            raise ValueError("Eagle3Config.layer must hold the target family's config with its model_type")
+
+    @property
+    def hidden_size(self) -> int:
+        return int(self.layer["hidden_size"])
+
+    @classmethod
+    def for_target(cls, target_config: PretrainedConfig, draft_vocab_size: int, aux_layer_ids=None) -> "Eagle3Config":
+        text = target_config.get_text_config()
+        aux = tuple(aux_layer_ids) if aux_layer_ids else default_aux_layers(text.num_hidden_layers)
+        if any(not 0 <= i <= text.num_hidden_layers for i in aux):
+            raise ValueError(f"aux_layer_ids {list(aux)} must lie in [0, {text.num_hidden_layers}] for this target")
+        layer = {k: v for k, v in text.to_dict().items() if k not in _DROPPED_FIELDS}
+        return cls(text.hidden_size, text.vocab_size, min(draft_vocab_size, text.vocab_size), aux, layer)
+
+    def to_dict(self) -> dict:
+        return {**asdict(self), "aux_layer_ids": list(self.aux_layer_ids)}
+
+    def layer_config(self) -> PretrainedConfig:
+        """The family's config for the drafter's single full-attention layer."""
+        fields = {**self.layer, "num_hidden_layers": 1, "vocab_size": 1}
+        fields.update(pad_token_id=None, bos_token_id=None, eos_token_id=None)  # no embeddings: no special ids
+        if "layer_types" in fields:
+            fields["layer_types"] = ["full_attention"]
+        fields["use_sliding_window"] = False
+        fields["sliding_window"] = None
+        config = AutoConfig.for_model(**fields)
+        config._attn_implementation = "sdpa"
+        return config
+
+
+class Eagle3Drafter(nn.Module):
+    """The draft model's weights and its one-step forward; `Eagle3Proposer` drives it at inference."""
+
+    def __init__(self, config: Eagle3Config, vocab: DraftVocab | None = None):
+        super().__init__()
+        self.config = config
+        family = AutoModel.from_config(config.layer_config())  # one layer of the target's family, random init
+        layer, hidden = family.layers[0], config.hidden_size
+        self.fc = nn.Linear(len(config.aux_layer_ids) * config.target_hidden_size, hidden, bias=False)
+        self.self_attn = layer.self_attn
+        for name in ("q_proj", "k_proj", "v_proj"):  # attention reads [embedding; feature]
+            old = getattr(self.self_attn, name)
+            setattr(self.self_attn, name, nn.Linear(2 * hidden, old.out_features, bias=old.bias is not None))
+        self.mlp = layer.mlp
+        self.input_layernorm = layer.input_layernorm
+        self.hidden_norm = copy.deepcopy(layer.input_layernorm)
+        self.post_attention_layernorm = layer.post_attention_layernorm
+        self.norm = family.norm
+        self.rotary_emb = family.rotary_emb
+        self.lm_head = nn.Linear(hidden, config.draft_vocab_size, bias=False)
+        vocab = vocab or DraftVocab.full(config.vocab_size)
+        if vocab.size != config.draft_vocab_size or vocab.target_vocab_size != config.vocab_size:
+            raise ValueError(
+                f"draft vocabulary of {vocab.size} tokens over {vocab.target_vocab_size} does not match the config "
+                f"({config.draft_vocab_size} over {config.vocab_size})"
+            )
+        self.register_buffer("token_ids", vocab.token_ids.clone(), persistent=False)
+        self._rotary_layer_type = "full_attention" if hasattr(self.rotary_emb, "layer_types") else None
+
+    @property
+    def vocab(self) -> DraftVocab:
+        return DraftVocab(self.token_ids.cpu(), self.config.vocab_size)
+
+    @torch.no_grad()
+    def init_from_target(self, target) -> None:
+        """Start the projection from the target's own rows (and its final norm): the drafter's output space is the
+        target's, so this is a better start than random for a short training run."""
+        weight = target.get_output_embeddings().weight
+        self.lm_head.weight.copy_(weight[self.token_ids.to(weight.device)].to(self.lm_head.weight))
+        target_norm = target.base_model.norm
+        if target_norm.weight.shape == self.norm.weight.shape:
+            self.norm.weight.copy_(target_norm.weight)
+
+    def fuse(self, aux_hidden: torch.Tensor) -> torch.Tensor:
+        """The target's concatenated aux hidden states [..., n * h_target] -> the drafter's input feature [..., h]."""
+        return self.fc(aux_hidden.to(self.fc.weight.dtype))
+
+    def forward(
+        self,
+        feature: torch.Tensor,
+        embeds: torch.Tensor,
+        position_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        past_key_values=None,
+    ) -> torch.Tensor:
+        """feature, embeds [B, T, h], position_ids [B, T], attention_mask [B, 1, T, S] bool -> state [B, T, h].
+
+        Without a mask the T entries attend causally among themselves (and to nothing else).
+        """
+        residual = feature
+        x = torch.cat([self.input_layernorm(embeds.to(feature.dtype)), self.hidden_norm(feature)], dim=-1)
+        if self._rotary_layer_type:
+            position_embeddings = self.rotary_emb(feature, position_ids, self._rotary_layer_type)
+        else:
+            position_embeddings = self.rotary_emb(feature, position_ids)
+        attn, _ = self.self_attn(
+            hidden_states=x,
+            position_embeddings=position_embeddings,
+            attention_mask=attention_mask,
+            past_key_values=past_key_values,
+            is_causal=attention_mask is None,
+        )
+        hidden = residual + attn
+        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+
+    def logits(self, state: torch.Tensor) -> torch.Tensor:
+        """state [..., h] -> draft-vocabulary logits [..., N_draft]."""
+        return self.lm_head(self.norm(state))
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Inference: the drafter's side of the decoding protocol
+
+
+class Eagle3Proposer:
+    """Drafts trees with an `Eagle3Drafter` over its own KV cache (see `drafters/protocol.py`).
+
+    Entry t of the drafter's cache holds (feature at t, token t + 1) at position t. Real entries (target features of
+    committed tokens) are committed; a step's tree entries are written after them and dropped when the step ends. A
+    tree node at depth d >= 1 is the entry (its parent's output state, its own token) at position n + d, where n is
+    the last committed entry, and it attends to every committed entry, its ancestors' entries and itself.
+    """
+
+    def __init__(self, drafter: Eagle3Drafter, target):
+        self.drafter = drafter
+        self.embed = target.get_input_embeddings()
+        self.feature_layers = drafter.config.aux_layer_ids
+
+    def begin(self, prompt_ids: torch.Tensor, features: torch.Tensor, root: torch.Tensor, capacity: int) -> None:
+        self.capacity, self.cache = capacity, None  # sized at the first proposal, when the tree's size is known
+        self.pending_features = features  # [a, F]: target features not yet in the drafter's cache
+        self.pending_tokens = torch.cat([prompt_ids[1:], root.view(1)])  # [a]: the token after each of them
+        self.root = root
+
+    def accept(self, tokens: torch.Tensor, features: torch.Tensor, bonus: torch.Tensor) -> None:
+        self.pending_features = features
+        self.pending_tokens = torch.cat([tokens[1:], bonus.view(1)])
+        self.root = bonus
+
+    def propose(self, spec) -> DraftTree:
+        if self.cache is None:
+            self.cache = TreeKVCache(1, self.capacity + tree_entries(spec))
+        root_state = self._commit_pending()  # [1, h]
+        self.committed = self.cache.length
+        max_nodes = 1 + spec.depth * spec.top_k**2 if isinstance(spec, DynamicTreeSpec) else spec.num_nodes
+        self.states = root_state.new_empty(max_nodes, root_state.shape[-1])  # [nodes, h]: output state per node
+        self.states[0] = root_state[0]
+        self.slot_nodes = []  # node id of each tree entry, in cache-slot order after the committed ones
+        self._top_k = spec.top_k
+        grow = grow_dynamic if isinstance(spec, DynamicTreeSpec) else grow_static
+        tree = grow(spec, self.root, self._expand)
+        self.cache.rewind(self.committed)  # tree entries are scratch: the next step overwrites them
+        return tree
+
+    def _expand(self, frontier, tokens, parents, depth):
+        if depth == 1:
+            state = self.states[:1]  # [1, h]: the root's
+        else:
+            state = self._tree_entries(frontier, tokens, parents, depth - 1)  # [F, h]
+        logp = self.drafter.logits(state).float().log_softmax(-1)  # [F, N_draft]
+        top = logp.topk(min(self._top_k, logp.shape[-1]), dim=-1)
+        return self.drafter.token_ids[top.indices], top.values
+
+    def _commit_pending(self) -> torch.Tensor:
+        """Run the real entries not yet in the cache (causal among themselves) and commit them; the last one's
+        output state [1, h] is the root's."""
+        past, new = self.cache.length, self.pending_tokens.numel()
+        self.cache.check_room(new)
+        device = self.pending_tokens.device
+        mask = torch.ones(new, past + new, dtype=torch.bool, device=device)
+        mask[:, past:] = torch.ones(new, new, dtype=torch.bool, device=device).tril()
+        feature = self.drafter.fuse(self.pending_features)[None]  # [1, a, h]
+        embeds = self.embed(self.pending_tokens)[None]
+        positions = torch.arange(past, past + new, device=device)[None]
+        out = self.drafter(feature, embeds, positions, mask[None, None], self.cache)  # [1, a, h]
+        self.cache.commit_all(new)
+        return out[0, -1:]
+
+    def _tree_entries(self, frontier, tokens, parents, node_depth: int) -> torch.Tensor:
+        """Entries for the frontier nodes (all at `node_depth`): parent's state, own token -> their states [F, h]."""
+        device = frontier.device
+        written = torch.tensor(self.slot_nodes, dtype=torch.long, device=device)  # [m]
+        visible_tree = torch.zeros(frontier.numel(), written.numel(), dtype=torch.bool, device=device)  # [F, m]
+        hop = parents[frontier]
+        while bool((hop > 0).any()):  # ancestors below the root (the root's entry is committed)
+            visible_tree |= (written[None, :] == hop[:, None]) & (hop[:, None] > 0)
+            hop = torch.where(hop > 0, parents[hop.clamp(min=0)], hop)
+        count = frontier.numel()
+        self.cache.check_room(count)
+        mask = torch.cat(
+            [
+                torch.ones(count, self.committed, dtype=torch.bool, device=device),
+                visible_tree,
+                torch.eye(count, dtype=torch.bool, device=device),
+            ],
+            dim=1,
+        )  # [F, committed + m + F]
+        feature = self.states[parents[frontier]][None]  # [1, F, h]
+        embeds = self.embed(tokens[frontier])[None]
+        positions = torch.full((1, count), self.committed - 1 + node_depth, device=device)
+        out = self.drafter(feature, embeds, positions, mask[None, None], self.cache)[0]  # [F, h]
+        self.cache.commit_all(count)
+        self.slot_nodes.extend(frontier.tolist())
+        self.states[frontier] = out
+        return out

@@ -1,0 +1,1 @@
+"""Evaluation: metrics and their definitions, question sets, tree search and the report."""

@@ -1,0 +1,115 @@
+"""Files written whole or not at all, and JSON Lines read with errors that name the line.
+
+Every file or directory this package writes goes through `atomic_file` or `atomic_directory`: the content is written
+under a temporary name next to its destination (`.<name>.tmp-<pid>`) and renamed into place, so an interrupted run
+leaves the previous content or nothing, never half of it. Temporaries of a killed run are recognisable by that
+name and are removed by `remove_stale_temporaries`.
+"""
+
+import json
+import os
+import shutil
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+TMP_MARK = ".tmp-"
+
+
+def temporary_name(path: Path) -> Path:
+    return path.with_name(f".{path.name}{TMP_MARK}{os.getpid()}")
+
+
+def atomic_file(path: str | Path, write: Callable[[Path], None], mode: int = 0o644) -> Path:
+    """Run `write(tmp)` and rename tmp to `path` (readable by others: `mode`)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = temporary_name(path)
+    try:
+        write(tmp)
+        os.chmod(tmp, mode)
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+    return path
+
+
+def write_json(path: str | Path, data) -> Path:
+    return atomic_file(path, lambda tmp: tmp.write_text(json.dumps(data, indent=2) + "\n"))
+
+
+def write_text(path: str | Path, text: str) -> Path:
+    return atomic_file(path, lambda tmp: tmp.write_text(text))
+
+
+@contextmanager
+def atomic_directory(path: str | Path, exist_ok: bool = False) -> Iterator[Path]:
+    """Yield an empty temporary directory next to `path`; on success it becomes `path`.
+
+    If `path` appeared meanwhile (another process finished the same work first) it is kept and the temporary one is
+    dropped when `exist_ok`, else FileExistsError.
+    """
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = temporary_name(path)
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    try:
+        yield tmp
+        if path.exists():
+            if not exist_ok:
+                raise FileExistsError(f"{path} appeared while it was being written; the new copy was dropped")
+        else:
+            tmp.rename(path)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def remove_stale_temporaries(directory: str | Path) -> list[str]:
+    """Remove the temporaries that killed writers left in `directory` (not those of live processes)."""
+    removed = []
+    directory = Path(directory)
+    if not directory.is_dir():
+        return removed
+    for entry in directory.iterdir():
+        if not entry.name.startswith(".") or TMP_MARK not in entry.name:
+            continue
+        pid = entry.name.rsplit(TMP_MARK, 1)[1]
+        if pid.isdigit() and _alive(int(pid)) and int(pid) != os.getpid():
+            continue
+        shutil.rmtree(entry, ignore_errors=True) if entry.is_dir() else entry.unlink(missing_ok=True)
+        removed.append(entry.name)
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+class JsonLinesError(ValueError):
+    """A JSON Lines file that cannot be read: the message names the file and the line."""
+
+
+def read_jsonl(path: str | Path, opener=open) -> Iterator[tuple[int, object]]:
+    """(line number, decoded JSON) for each non-blank line of a UTF-8 JSON Lines file."""
+    path = Path(path)
+    with opener(path, "rb") as f:
+        for lineno, raw in enumerate(f, 1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as err:
+                raise JsonLinesError(f"{path}:{lineno}: not UTF-8 text ({err.reason} at byte {err.start})") from err
+            if not line.strip():
+                continue
+            try:
+                yield lineno, json.loads(line)
+            except json.JSONDecodeError as err:
+                raise JsonLinesError(
+                    f"{path}:{lineno}: malformed JSON line ({err.msg}): {line.strip()[:80]!r}"
+                ) from err

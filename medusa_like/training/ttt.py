@@ -1,0 +1,54 @@
+"""EAGLE-3's training-time test: the drafting loop unrolled over whole sequences, as pure tensor functions.
+
+Step 0 reads the target's fused features: entry t = (feature at t, token t + 1) at position t, predicting token t + 2.
+Step j >= 1 feeds back step j-1's output state at row t with token t + 1 + j at position t + j, predicting token
+t + 2 + j: exactly what the drafter sees at depth j + 1 when it drafts after a prefix ending at t. So the attention of
+step j at row t covers step 0's entries 0..t (the committed prefix) and the entries of steps 1..j at row t (the
+drafted path), which is the mask `unrolled_mask` builds over the concatenated keys of all steps.
+
+The label of step j at row t is the target's own distribution after token t + 1 + j, restricted to the draft
+vocabulary; rows whose predicted token is not an assistant token, or whose target argmax lies outside the draft
+vocabulary, are left out (EAGLE-3's recipe).
+"""
+
+import torch
+import torch.nn.functional as F
+
+
+def shift_left(x: torch.Tensor, k: int, fill=0) -> torch.Tensor:
+    """x [B, T, ...] -> out[:, t] = x[:, t + k], `fill` past the end."""
+    if k == 0:
+        return x
+    pad = torch.full_like(x[:, :k], fill)
+    return torch.cat([x[:, k:], pad], dim=1)
+
+
+def unrolled_mask(attention_mask: torch.Tensor, step: int) -> torch.Tensor:
+    """attention_mask [B, T] (1 = real token) -> bool [B, 1, T, (step + 1) * T] over the keys of steps 0..step."""
+    batch, width = attention_mask.shape
+    real = attention_mask.bool()
+    causal = torch.ones(width, width, dtype=torch.bool, device=real.device).tril()  # [T, T]
+    blocks = [causal[None] & real[:, None, :]]  # step 0: the committed prefix, no padding
+    diagonal = torch.eye(width, dtype=torch.bool, device=real.device)[None].expand(batch, -1, -1)
+    blocks += [diagonal] * step  # steps 1..step: the row's own drafted entries
+    return torch.cat(blocks, dim=-1)[:, None]
+
+
+def supervised_rows(loss_mask: torch.Tensor, attention_mask: torch.Tensor, in_vocab: torch.Tensor) -> torch.Tensor:
+    """[B, T] bool: position s has a label (the target's distribution after token s, for token s + 1) iff token s + 1
+    is a real assistant token and the target's argmax at s is in the draft vocabulary."""
+    next_supervised = shift_left(loss_mask.bool() & attention_mask.bool(), 1, fill=False)
+    return next_supervised & in_vocab
+
+
+def soft_cross_entropy(logits: torch.Tensor, teacher_logp: torch.Tensor) -> torch.Tensor:
+    """Mean over rows of -sum p_teacher * log q; logits, teacher_logp [n, N] -> [] (0 for no rows)."""
+    if logits.shape[0] == 0:
+        return logits.sum() * 0.0
+    logq = F.log_softmax(logits.float(), dim=-1)
+    return -(teacher_logp.exp() * logq).sum(-1).mean()
+
+
+def step_weights(steps: int, decay: float, device=None) -> torch.Tensor:
+    """[steps]: decay ** j for step j = 0..steps-1 (a draft stops at its first miss: later steps matter less)."""
+    return decay ** torch.arange(steps, dtype=torch.float32, device=device)

@@ -1,0 +1,163 @@
+"""The EAGLE-3-style drafter: lossless decoding on every family and backend with static and dynamic trees, its tree
+attention against sequential drafting, the reduced vocabulary, and the training-time-test loss."""
+
+import pytest
+import torch
+
+from medusa_like.decoding.generate import speculative_generate
+from medusa_like.decoding.tree import DynamicTreeSpec, resolve_tree
+from medusa_like.drafters.eagle3 import Eagle3Config, Eagle3Drafter, Eagle3Proposer
+from medusa_like.drafters.vocab import DraftVocab, DraftVocabError, count_tokens
+from medusa_like.training.ttt import unrolled_mask
+
+from .conftest import VOCAB, greedy_reference, random_prompts, tiny_target
+
+BACKENDS = ["eager", "sdpa", "flash"]
+TREES = {"small": "small", "dynamic": DynamicTreeSpec(depth=4, top_k=3, num_nodes=10)}
+NEW_TOKENS = 20
+
+_references: dict = {}
+
+
+def random_drafter(target, vocab: DraftVocab | None = None, seed: int = 0) -> Eagle3Drafter:
+    """A drafter with random weights large enough that its guesses vary (and are sometimes right)."""
+    torch.manual_seed(seed)
+    size = vocab.size if vocab is not None else VOCAB
+    drafter = Eagle3Drafter(Eagle3Config.for_target(target.config, size), vocab)
+    for p in drafter.parameters():
+        torch.nn.init.normal_(p, std=0.3)
+    return drafter.eval()
+
+
+def references(family: str) -> tuple:
+    if family not in _references:
+        target = tiny_target(family)
+        prompts = random_prompts(10, seed=5, min_len=1, max_len=30)
+        _references[family] = target, prompts, [greedy_reference(target, p, NEW_TOKENS) for p in prompts]
+    return _references[family]
+
+
+def tree_spec(name: str):
+    spec = TREES[name]
+    return resolve_tree(spec, num_heads=8) if isinstance(spec, str) else spec
+
+
+@pytest.mark.parametrize("tree_name", sorted(TREES))
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_eagle3_greedy_equals_target_greedy(family, backend, tree_name):
+    target, prompts, expected = references(family)
+    proposer = Eagle3Proposer(random_drafter(target), target)
+    for prompt, reference in zip(prompts, expected, strict=True):
+        out = speculative_generate(target, proposer, prompt, tree_spec(tree_name), NEW_TOKENS, backend=backend)
+        assert out.new_tokens.tolist() == reference.tolist(), f"prompt of length {prompt.shape[1]}"
+        assert out.stats.target_forwards == 1 + len(out.stats.accepted_draft)
+
+
+def test_a_drafter_trained_on_the_target_is_accepted():
+    """A drafter whose projection is the target's own and whose layer passes the target's last features through
+    accepts tokens (tau > 1), which a broken cache, mask or position would prevent."""
+    target, prompts, expected = references("llama")
+    drafter = random_drafter(target)
+    with torch.no_grad():
+        for p in drafter.parameters():
+            p.zero_()
+        size = target.config.hidden_size
+        layer = drafter.config.aux_layer_ids.index(max(drafter.config.aux_layer_ids))
+        drafter.fc.weight[:, layer * size : (layer + 1) * size] = torch.eye(size)
+        drafter.init_from_target(target)
+    proposer = Eagle3Proposer(drafter.eval(), target)
+    out = speculative_generate(target, proposer, prompts[0], tree_spec("dynamic"), NEW_TOKENS)
+    assert out.new_tokens.tolist() == expected[0].tolist()
+
+
+def test_tree_node_states_equal_sequential_drafting():
+    """The drafter's state at every node of a dynamic tree equals running the drafter causally over the committed
+    entries followed by that node's path, one entry at a time: the drafter's tree mask, positions and cache are exact."""
+    target = tiny_target("qwen2")
+    drafter = random_drafter(target, seed=3)
+    proposer = Eagle3Proposer(drafter, target)
+    prompt = random_prompts(1, seed=9, min_len=7, max_len=7)[0][0]
+    features = torch.randn(7, 3 * target.config.hidden_size)
+    root = torch.tensor(5)
+    with torch.no_grad():
+        proposer.begin(prompt, features, root, capacity=64)
+        tree = proposer.propose(DynamicTreeSpec(depth=3, top_k=3, num_nodes=12))
+        checked = 0
+        for node in range(1, tree.num_nodes):
+            path = []
+            walk = node
+            while walk > 0:
+                path.append(walk)
+                walk = int(tree.parents[walk])
+            path = path[::-1]  # depth-1 node first
+            # sequentially: prompt entries, then each path node's entry fed with the previous entry's state
+            feature = drafter.fuse(features)[None]
+            embeds = proposer.embed(torch.cat([prompt[1:], root.view(1)]))[None]
+            positions = torch.arange(prompt.numel())[None]
+            states = drafter(feature, embeds, positions)[0]  # causal, no cache
+            state = states[-1]
+            keys_so_far = (feature, embeds, positions)
+            for depth, _ in enumerate(path, start=1):
+                feature = torch.cat([keys_so_far[0], state.view(1, 1, -1)], dim=1)
+                embeds = torch.cat([keys_so_far[1], proposer.embed(tree.tokens[path[depth - 1]]).view(1, 1, -1)], dim=1)
+                positions = torch.cat([keys_so_far[2], torch.tensor([[prompt.numel() - 1 + depth]])], dim=1)
+                state = drafter(feature, embeds, positions)[0, -1]
+                keys_so_far = (feature, embeds, positions)
+            children = tree.children[node]
+            if not children:  # a node without kept children may never have been expanded
+                continue
+            checked += 1
+            # its children were drafted from this state: they are among its top tokens
+            top = drafter.token_ids[drafter.logits(state).topk(3).indices].tolist()
+            assert {int(tree.tokens[c]) for c in children} <= set(top), f"node {node}"
+            grown_id = int(tree.node_ids[node])  # the tree is relabelled after its best nodes are chosen
+            torch.testing.assert_close(proposer.states[grown_id], state, atol=1e-5, rtol=1e-4)
+    assert checked >= 2
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma3"])
+def test_reduced_vocabulary_is_never_left_and_stays_lossless(family):
+    target = tiny_target(family)
+    vocab = DraftVocab(torch.arange(0, VOCAB, 3), VOCAB)  # every third token
+    proposer = Eagle3Proposer(random_drafter(target, vocab), target)
+    allowed = set(vocab.token_ids.tolist())
+    proposed: list[int] = []
+    propose = proposer.propose
+
+    def recording(spec):
+        tree = propose(spec)
+        proposed.extend(tree.tokens[1:].tolist())
+        return tree
+
+    proposer.propose = recording
+    for prompt in random_prompts(4, seed=11):
+        out = speculative_generate(target, proposer, prompt, tree_spec("dynamic"), NEW_TOKENS)
+        assert out.new_tokens.tolist() == greedy_reference(target, prompt, NEW_TOKENS).tolist()
+    assert proposed and set(proposed) <= allowed
+
+
+def test_draft_vocabulary_maps_round_trip():
+    counts = torch.tensor([5, 0, 9, 9, 1, 7, 0, 3])
+    vocab = DraftVocab.from_counts(counts, 4)
+    assert vocab.token_ids.tolist() == [0, 2, 3, 5]  # the four most frequent, in id order
+    assert vocab.d2t.tolist() == [0, 1, 1, 2]  # target id = i + d2t[i]
+    assert vocab.t2d.tolist() == [True, False, True, True, False, True, False, False]
+    again = DraftVocab.from_maps(vocab.d2t, vocab.t2d)
+    assert torch.equal(again.token_ids, vocab.token_ids)
+    assert vocab.to_target(torch.tensor([3, 0])).tolist() == [5, 0]
+    broken = vocab.t2d.clone()
+    broken[2] = False
+    with pytest.raises(DraftVocabError, match="disagree"):
+        DraftVocab.from_maps(vocab.d2t, broken)
+    with pytest.raises(DraftVocabError, match="increasing"):
+        DraftVocab(torch.tensor([3, 1]), 8)
+    assert count_tokens([([1, 2, 2, 3], [0, 1, 1, 0])], 5).tolist() == [0, 0, 2, 0, 0]
+
+
+def test_unrolled_mask_sees_the_prefix_and_the_rows_own_drafts():
+    mask = unrolled_mask(torch.tensor([[1, 1, 1, 0]]), step=2)[0, 0]  # [T, 3T]
+    assert mask.shape == (4, 12)
+    assert mask[2, :4].tolist() == [True, True, True, False]  # step 0: causal prefix
+    assert mask[2, 4:8].tolist() == [False, False, True, False]  # step 1: the row's own entry
+    assert mask[2, 8:].tolist() == [False, False, True, False]  # step 2 likewise
+    assert not mask[1, 2]  # never the future
