@@ -33,6 +33,7 @@ import transformers
 from omegaconf import DictConfig, OmegaConf
 from tqdm.auto import tqdm
 
+from medusa_like.cli import EVAL_CHECKS, check_config, one_line_errors
 from medusa_like.decoding.generate import tree_size
 from medusa_like.evaluation import metrics
 from medusa_like.evaluation.questions import Question
@@ -326,7 +327,8 @@ def choose_tree(cfg: DictConfig, model, out_dir) -> tuple[object, str, dict | No
     if cfg.tree == "auto":
         result = run_search(cfg, model, out_dir / "tree.json")
         return model.resolve_tree(result["path"]), f"auto ({result['path']})", jsonable(result)
-    return model.resolve_tree(cfg.tree), str(cfg.tree), None
+    tree = OmegaConf.to_container(cfg.tree) if OmegaConf.is_config(cfg.tree) else cfg.tree
+    return model.resolve_tree(tree), str(tree), None
 
 
 def jsonable(result: dict) -> dict:
@@ -337,6 +339,7 @@ def jsonable(result: dict) -> dict:
 
 def evaluate(cfg: DictConfig) -> dict:
     """Run the whole evaluation of `cfg` (conf/eval.yaml); write the reports; return report.json's content."""
+    check_config(cfg, EVAL_CHECKS)
     set_threads(cfg.eval.threads)
     torch.manual_seed(cfg.seed)
     out_dir = run_dir(cfg)
@@ -404,7 +407,8 @@ def exit_code(report: dict, fail_on_mismatch: bool) -> int:
 @hydra.main(version_base="1.3", config_path="../conf", config_name="eval")
 def main(cfg: DictConfig) -> None:
     log.info("config:\n%s", OmegaConf.to_yaml(cfg))
-    report = evaluate(cfg)
+    with one_line_errors():
+        report = evaluate(cfg)
     code = exit_code(report, cfg.eval.fail_on_mismatch)
     if code:
         sys.exit(code)

@@ -19,6 +19,7 @@ from omegaconf import DictConfig, OmegaConf
 from rich.console import Console
 from rich.table import Table
 
+from medusa_like.cli import EVAL_CHECKS, check_config, one_line_errors
 from medusa_like.evaluation.setup import load_model, run_dir, run_search, set_threads
 
 log = logging.getLogger(__name__)
@@ -60,6 +61,7 @@ def print_search(result: dict, console: Console | None = None) -> None:
 
 def tree_search(cfg: DictConfig) -> dict:
     """The importable entry point: load the model, search, save and print; returns `search`'s result."""
+    check_config(cfg, EVAL_CHECKS)
     set_threads(cfg.eval.threads)
     torch.manual_seed(cfg.seed)
     model = load_model(cfg)
@@ -72,7 +74,8 @@ def tree_search(cfg: DictConfig) -> dict:
 @hydra.main(version_base="1.3", config_path="../conf", config_name="eval")
 def main(cfg: DictConfig) -> None:
     log.info("config:\n%s", OmegaConf.to_yaml(cfg))
-    tree_search(cfg)
+    with one_line_errors():
+        tree_search(cfg)
 
 
 if __name__ == "__main__":

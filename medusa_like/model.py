@@ -20,6 +20,7 @@ from medusa_like.drafters.base import check_fits, drafter_dims
 from medusa_like.drafters.eagle3 import Eagle3Drafter, Eagle3Proposer
 from medusa_like.drafters.medusa import HeadsConfig, MedusaHeads, MedusaProposer
 from medusa_like.drafters.vocab import DraftVocab
+from medusa_like.formats import load_drafter
 from medusa_like.targets import DEFAULT_TARGET, chat_input_ids, eos_token_ids, freeze, load_target
 
 
@@ -75,9 +76,7 @@ class MedusaLikeModel:
                 target.get_output_embeddings().weight,
             )
         elif isinstance(drafter, (str, Path)):
-            from medusa_like.formats.heads_io import load_heads
-
-            drafter = load_heads(drafter, target)
+            drafter = load_drafter(drafter, target)
         return cls(target, tokenizer, drafter, backend=backend, target_name=target_name, draft_vocab=draft_vocab)
 
     @property

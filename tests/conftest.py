@@ -8,6 +8,7 @@ from hydra import compose, initialize_config_dir
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import open_dict
 
+from medusa_like.cli import register_resolvers
 from medusa_like.decoding.draft_tree import DraftTree, grow_dynamic, grow_static
 from medusa_like.decoding.tree import DynamicTreeSpec
 from medusa_like.drafters.medusa import HeadsConfig, MedusaHeads
@@ -50,6 +51,7 @@ CONF = Path(__file__).resolve().parents[1] / "conf"
 
 def compose_config(name: str, out_dir: Path, *overrides: str, data_dir: Path | None = None):
     """`conf/<name>.yaml` with `overrides`, its run directory `out_dir` and its data under `data_dir`."""
+    register_resolvers()
     with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
         cfg = compose(name, return_hydra_config=True, overrides=list(overrides))
     HydraConfig().set_config(cfg)

@@ -87,6 +87,12 @@ def test_bad_sources_fail_with_what_was_expected(tmp_path):
     (tmp_path / "cut.json").write_text(json.dumps([sharegpt_record(0), sharegpt_record(1)])[:-30])
     with pytest.raises(ValueError, match="ends inside element 2"):
         list(load_conversations(str(tmp_path / "cut.json")))
+    whole = json.dumps([sharegpt_record(0), sharegpt_record(1), sharegpt_record(2)])
+    broken = whole.replace('"question 1.0"', '"question 1.0",,', 1)  # a malformed second element, not a cut file
+    (tmp_path / "broken.json").write_text(broken)
+    with pytest.raises(ValueError, match=r"element 2 is not valid JSON") as err:
+        list(load_conversations(str(tmp_path / "broken.json")))
+    assert "ends inside" not in str(err.value)
     (tmp_path / "t.txt").write_text("hello")
     with pytest.raises(ValueError, match="expected a .json or .jsonl"):
         list(load_conversations(str(tmp_path / "t.txt")))

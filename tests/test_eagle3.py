@@ -161,3 +161,27 @@ def test_unrolled_mask_sees_the_prefix_and_the_rows_own_drafts():
     assert mask[2, 4:8].tolist() == [False, False, True, False]  # step 1: the row's own entry
     assert mask[2, 8:].tolist() == [False, False, True, False]  # step 2 likewise
     assert not mask[1, 2]  # never the future
+
+
+def test_native_format_round_trips_and_is_checked_against_the_target(tmp_path):
+    from medusa_like import DrafterMismatchError, MedusaLikeModel, load_drafter, save_drafter
+
+    target = tiny_target("gemma3")  # a family whose layer is not Llama's: native keeps its extra tensors
+    vocab = DraftVocab(torch.arange(0, VOCAB, 2), VOCAB)
+    drafter = random_drafter(target, vocab, seed=4)
+    out = save_drafter(drafter, tmp_path / "drafter", target, "tiny_gemma3")
+    loaded = load_drafter(out, target)
+    feature, embeds = torch.randn(1, 5, 96), torch.randn(1, 5, 32)
+    with torch.no_grad():
+        expected = drafter.logits(drafter(drafter.fuse(feature), embeds, torch.arange(5)[None]))
+        got = loaded.logits(loaded(loaded.fuse(feature), embeds, torch.arange(5)[None]))
+    torch.testing.assert_close(got, expected, rtol=0, atol=0)
+    assert torch.equal(loaded.token_ids, vocab.token_ids)
+    model = MedusaLikeModel.from_pretrained(target, drafter=out)
+    prompt = random_prompts(1, seed=2)[0]
+    out_tokens = model.generate(prompt, max_new_tokens=12, tree="dynamic", eos_token_id=[]).new_tokens
+    assert out_tokens.tolist() == greedy_reference(target, prompt, 12).tolist()
+    with pytest.raises(DrafterMismatchError, match="fingerprint"):
+        load_drafter(out, tiny_target("gemma3", intermediate_size=48))
+    with pytest.raises(DrafterMismatchError, match="hidden size"):
+        load_drafter(out, tiny_target("gemma3", hidden_size=48))

@@ -430,3 +430,28 @@ def test_vllm_blocks_without_bias_import_as_zero_bias(target, tmp_path):
     config = json.loads((out / "config.json").read_text())
     (out / "config.json").write_text(json.dumps({**config, "medusa_fc_bias": False}))
     assert torch.equal(logits(load_heads(out, target), target), logits(heads, target))
+
+
+def test_export_never_overwrites_what_it_did_not_write(target, tmp_path):
+    model_dir = tmp_path / "model"
+    llama().save_pretrained(model_dir)  # another model's weights and config
+    before = {p.name: p.read_bytes() for p in model_dir.iterdir()}
+    for overwrite in (False, True):
+        with pytest.raises(FileExistsError, match="not a previous export"):
+            export_heads(
+                random_heads(K, seed=1), model_dir, "native", target_model=target, target_name="x", overwrite=overwrite
+            )
+    assert {p.name: p.read_bytes() for p in model_dir.iterdir()} == before
+    out = export(random_heads(K, seed=1), tmp_path, "vllm", target)
+    (out / "notes.txt").write_text("mine")
+    with pytest.raises(FileExistsError, match=r"files no export wrote \(\['notes.txt'\]\)"):
+        export_heads(random_heads(K, seed=2), out, "vllm", target_model=target, target_name="x", overwrite=True)
+
+
+def test_temporaries_of_a_killed_export_are_cleaned_up(target, tmp_path):
+    dead = tmp_path / ".out.tmp-999999999"  # no such process
+    dead.mkdir()
+    (dead / "model.safetensors").write_bytes(b"half of a big file")
+    out = export(random_heads(K, seed=1), tmp_path, "native", target)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
+    assert sorted(p.name for p in out.iterdir()) == [".medusa_like_export", "config.json", "model.safetensors"]

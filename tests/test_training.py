@@ -3,6 +3,7 @@ the NaN guard, the hidden-state cache, W&B offline logging and 2-process DDP on 
 
 import csv
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -206,3 +207,48 @@ def test_two_process_ddp_on_cpu_ends_with_identical_heads(tmp_path, data_dir):
         torch.testing.assert_close(rank0[name], rank1[name], rtol=0, atol=0)
     assert any(t.abs().sum() > 0 for t in rank0.values())  # they trained, away from the zero init
     assert len(list(tmp_path.glob("runs/train/*/drafter/model.safetensors"))) == 1  # rank 0 alone exported
+
+
+class KillAtStep(Callback):
+    """SIGKILLs its own process after optimizer step `step`: a real interruption, nothing is cleaned up."""
+
+    def __init__(self, step: int):
+        self.step = step
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if trainer.global_step == self.step:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+
+def run_train(tmp_path: Path, data_dir: Path, run: str, *overrides: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    command = [
+        sys.executable, "-m", "train.train", *TINY_TRAIN, "~callbacks.progress_bar", "+trainer.enable_progress_bar=false",
+        f"paths.data_dir={data_dir}", f"hydra.run.dir={tmp_path / run}", "trainer.max_steps=6", "trainer.max_epochs=10",
+        "callbacks.last_checkpoint.every_n_train_steps=1", *overrides,
+    ]  # fmt: skip
+    return subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+
+
+@pytest.mark.slow
+def test_a_killed_run_resumes_from_last_to_the_same_weights(tmp_path, data_dir):
+    whole = run_train(tmp_path, data_dir, "whole")
+    assert whole.returncode == 0, whole.stderr[-2000:]
+    killed = run_train(
+        tmp_path,
+        data_dir,
+        "killed",
+        "+callbacks.kill._target_=tests.test_training.KillAtStep",
+        "+callbacks.kill.step=4",
+    )
+    assert killed.returncode == -signal.SIGKILL
+    last = tmp_path / "killed" / "checkpoints" / "last.ckpt"
+    state = torch.load(last, weights_only=False)
+    assert state["global_step"] == 3  # written after step 3; step 4 died first
+    assert not state["loops"]["fit_loop"]["epoch_loop.batch_progress"]["is_last_batch"]  # mid-epoch
+    resumed = run_train(tmp_path, data_dir, "killed", "ckpt_path=last")
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    assert torch.load(last, weights_only=False)["global_step"] == 6
+    a = load_file(tmp_path / "whole" / "drafter" / "model.safetensors")
+    b = load_file(tmp_path / "killed" / "drafter" / "model.safetensors")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)

@@ -13,6 +13,7 @@ from pathlib import Path
 import hydra
 from omegaconf import DictConfig
 
+from medusa_like.cli import DISTILL_CHECKS, check_config, one_line_errors
 from medusa_like.data.prepare import build_dataset, load_model
 from medusa_like.runs import resolved, save_config
 
@@ -20,6 +21,7 @@ log = logging.getLogger(__name__)
 
 
 def distill(cfg: DictConfig) -> Path | None:
+    check_config(cfg, DISTILL_CHECKS)
     save_config(resolved(cfg), Path(cfg.paths.output_dir))
     target, tokenizer = load_model(cfg.model)
     path = build_dataset(
@@ -32,7 +34,8 @@ def distill(cfg: DictConfig) -> Path | None:
 
 @hydra.main(version_base="1.3", config_path="../conf", config_name="distill")
 def main(cfg: DictConfig) -> None:
-    distill(cfg)
+    with one_line_errors():
+        distill(cfg)
 
 
 if __name__ == "__main__":

@@ -12,6 +12,7 @@ import hydra
 import torch
 from omegaconf import DictConfig
 
+from medusa_like.cli import one_line_errors
 from medusa_like.data.prepare import load_model
 from medusa_like.formats import export_drafter, read_drafter
 from medusa_like.runs import resolved, save_config
@@ -43,7 +44,8 @@ def export(cfg: DictConfig) -> Path:
 
 @hydra.main(version_base="1.3", config_path="../conf", config_name="export")
 def main(cfg: DictConfig) -> None:
-    export(cfg)
+    with one_line_errors():
+        export(cfg)
 
 
 if __name__ == "__main__":

@@ -18,6 +18,7 @@ import lightning as L
 from hydra.utils import instantiate
 from omegaconf import DictConfig
 
+from medusa_like.cli import TRAIN_CHECKS, check_config, one_line_errors
 from medusa_like.data.prepare import ensure_dataset, load_model
 from medusa_like.data.storage import load_distilled
 from medusa_like.drafters.vocab import DraftVocab, count_tokens
@@ -49,8 +50,15 @@ def build_module(cfg: DictConfig, target):
     raise ValueError(f"drafter.kind must be 'medusa' or 'eagle3', got {cfg.drafter.kind!r}")
 
 
+def instantiate_all(group: DictConfig | None) -> list:
+    """The objects of a callbacks/logger group; entries without `_target_` (an experiment's settings for a logger
+    that was switched off, say) are left out."""
+    return [instantiate(c) for c in (group or {}).values() if "_target_" in c]
+
+
 def train(cfg: DictConfig) -> dict[str, float]:
     """Build the data if needed, fit, export; returns the final metrics (also written to <run dir>/metrics.json)."""
+    check_config(cfg, TRAIN_CHECKS)
     L.seed_everything(cfg.seed, workers=True)
     out_dir = Path(cfg.paths.output_dir)
     run_config = resolved(cfg)
@@ -59,8 +67,8 @@ def train(cfg: DictConfig) -> dict[str, float]:
     ensure_dataset(cfg, target, tokenizer)
     datamodule = instantiate(cfg.data.module)
     module = build_module(cfg, target)
-    callbacks = [instantiate(c) for c in (cfg.get("callbacks") or {}).values()]
-    loggers = [instantiate(c) for c in (cfg.get("logger") or {}).values()]
+    callbacks = instantiate_all(cfg.get("callbacks"))
+    loggers = instantiate_all(cfg.get("logger"))
     trainer: L.Trainer = instantiate(cfg.trainer, callbacks=callbacks, logger=loggers or False)
     for logger in trainer.loggers:
         logger.log_hyperparams(run_config)
@@ -88,7 +96,8 @@ def _finish_wandb() -> None:
 
 @hydra.main(version_base="1.3", config_path="../conf", config_name="train")
 def main(cfg: DictConfig) -> None:
-    train(cfg)
+    with one_line_errors():
+        train(cfg)
 
 
 if __name__ == "__main__":

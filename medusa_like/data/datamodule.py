@@ -9,7 +9,7 @@ from pathlib import Path
 
 import lightning as L
 import torch
-from torch.utils.data import DataLoader
+from torchdata.stateful_dataloader import StatefulDataLoader
 
 from medusa_like.data.split import is_validation
 from medusa_like.data.storage import load_distilled
@@ -56,14 +56,16 @@ class DistilledDataModule(L.LightningDataModule):
                 f"{self.dataset_dir}: no training rows left after the split (val_fraction={self.val_fraction})"
             )
 
-    def train_dataloader(self) -> DataLoader:
+    def train_dataloader(self) -> StatefulDataLoader:
         return self._loader(self.train_set, shuffle=self.shuffle)
 
-    def val_dataloader(self) -> DataLoader:
+    def val_dataloader(self) -> StatefulDataLoader:
         return self._loader(self.val_set, shuffle=False)
 
-    def _loader(self, dataset, shuffle: bool) -> DataLoader:
-        return DataLoader(
+    def _loader(self, dataset, shuffle: bool) -> StatefulDataLoader:
+        """A loader whose position (sampler order and batches already served) Lightning saves in its checkpoints, so a
+        run resumed from a mid-epoch checkpoint continues with the next batch rather than restarting the epoch."""
+        return StatefulDataLoader(
             dataset,
             batch_size=self.batch_size,
             shuffle=shuffle,

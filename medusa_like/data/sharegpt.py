@@ -55,6 +55,11 @@ def iter_json_array(path: str | Path, stats: ReadStats | None = None, allow_trun
                     raise json.JSONDecodeError("need more data", buf, pos)
                 item, end = decoder.raw_decode(buf, pos)
             except json.JSONDecodeError as err:
+                if not _may_continue(buf, err, eof):  # a mistake in the text, not text that stops early
+                    raise ValueError(
+                        f"{path}: element {stats.complete + 1} is not valid JSON ({err.msg}): "
+                        f"{buf[err.pos : err.pos + 40]!r}"
+                    ) from err
                 if eof:
                     stats.truncated = True
                     stats.dropped_chars = len(buf) - pos
@@ -75,6 +80,14 @@ def iter_json_array(path: str | Path, stats: ReadStats | None = None, allow_trun
             stats.complete += 1
             yield item
             pos = end
+
+
+def _may_continue(buf: str, err: json.JSONDecodeError, eof: bool) -> bool:
+    """Whether decoding failed only because the text stops: inside a string never closed, or at the end of the text
+    (before the end of the file, within a few characters of it: a token may be cut by the read)."""
+    if err.msg.startswith("Unterminated string"):
+        return True
+    return not buf[err.pos :].strip() if eof else err.pos >= len(buf) - 64
 
 
 def _skip(buf: str, pos: int, chars: str) -> int:

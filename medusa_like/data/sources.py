@@ -17,6 +17,7 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 from medusa_like.data.sharegpt import ReadStats, iter_json_array, sharegpt_path
+from medusa_like.io import read_jsonl
 
 log = logging.getLogger(__name__)
 
@@ -139,14 +140,8 @@ def _json_records(path: Path) -> Iterable[dict]:
 
 
 def _jsonl_records(path: Path) -> Iterator[dict]:
-    with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                yield json.loads(line)
-            except json.JSONDecodeError as err:
-                raise ValueError(f"{path}:{lineno}: not a JSON object: {err}") from err
+    for _, record in read_jsonl(path):
+        yield record
 
 
 def _disk_records(path: Path, split: str) -> Iterable[dict]:

@@ -11,10 +11,10 @@ Bad inputs raise `QuestionSetError` naming the file, the line and what was expec
 """
 
 import gzip
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
+from medusa_like.io import JsonLinesError, read_jsonl
 from medusa_like.package_data import package_file
 
 
@@ -50,20 +50,12 @@ def parse_question(record, where: str) -> Question:
     return Question(str(record["question_id"]), str(record.get("category", "default")), tuple(turns))
 
 
-def read_jsonl(path: Path, opener=open) -> list[tuple[int, object]]:
-    """(line number, decoded JSON) for each non-blank line; a malformed line is an error naming it."""
-    out = []
-    with opener(path, "rt", encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                out.append((lineno, json.loads(line)))
-            except json.JSONDecodeError as err:
-                raise QuestionSetError(
-                    f"{path}:{lineno}: malformed JSON line ({err.msg}): {line.strip()[:80]!r}"
-                ) from err
-    return out
+def read_records(path: Path, opener=open) -> list[tuple[int, object]]:
+    """(line number, decoded JSON) of each non-blank line; a malformed or non-UTF-8 line is an error naming it."""
+    try:
+        return list(read_jsonl(path, opener))
+    except JsonLinesError as err:
+        raise QuestionSetError(str(err)) from err
 
 
 def load_jsonl_questions(path: str | Path) -> list[Question]:
@@ -71,7 +63,7 @@ def load_jsonl_questions(path: str | Path) -> list[Question]:
     path = Path(path)
     if not path.is_file():
         raise QuestionSetError(f"question file {str(path)!r} does not exist (expected MT-Bench-form JSONL)")
-    questions = [parse_question(record, f"{path}:{lineno}") for lineno, record in read_jsonl(path)]
+    questions = [parse_question(record, f"{path}:{lineno}") for lineno, record in read_records(path)]
     if not questions:
         raise QuestionSetError(f"question file {str(path)!r} holds no questions")
     seen: set[str] = set()
@@ -95,7 +87,7 @@ def load_humaneval_questions(path: str | Path | None = None) -> list[Question]:
     path = Path(path) if path is not None else humaneval_path()
     opener = gzip.open if path.suffix == ".gz" else open
     questions = []
-    for lineno, record in read_jsonl(path, opener):
+    for lineno, record in read_records(path, opener):
         if not isinstance(record, dict) or not isinstance(record.get("prompt"), str) or "task_id" not in record:
             raise QuestionSetError(f"{path}:{lineno}: expected an object with 'task_id' and a string 'prompt'")
         turn = HUMANEVAL_INSTRUCTION.format(prompt=record["prompt"])

@@ -6,7 +6,9 @@ import torch
 from omegaconf import DictConfig
 
 from medusa_like.data.prepare import load_model as load_target_model
+from medusa_like.data.storage import load_distilled
 from medusa_like.decoding.tree import save_tree
+from medusa_like.drafters.vocab import DraftVocab, count_tokens
 from medusa_like.evaluation.questions import Question, load_questions, select
 from medusa_like.evaluation.tree_search import search
 from medusa_like.model import MedusaLikeModel
@@ -27,13 +29,26 @@ def load_model(cfg: DictConfig) -> MedusaLikeModel:
     )
     if dtype:
         target = target.to(getattr(torch, dtype))
-    return MedusaLikeModel.from_pretrained(
+    model = MedusaLikeModel.from_pretrained(
         target,
         drafter=cfg.drafter.path,
         tokenizer=tokenizer,
         num_heads=cfg.drafter.num_heads,
         backend=cfg.target.backend,
     )
+    size = cfg.drafter.get("draft_vocab_size")
+    if size and model.drafter_kind == "medusa":  # restrict the heads' projection to the training data's top tokens
+        model.draft_vocab = medusa_draft_vocab(cfg.drafter.vocab_data, size, target.config.get_text_config().vocab_size)
+    return model
+
+
+def medusa_draft_vocab(data_dir: str, size: int, vocab_size: int) -> DraftVocab:
+    """The `size` most frequent assistant tokens of a training dataset (`data.dir`), for Medusa heads."""
+    if not data_dir:
+        raise ValueError("drafter.draft_vocab_size for Medusa heads needs drafter.vocab_data=<the training data.dir>")
+    rows = load_distilled(data_dir).select_columns(["input_ids", "loss_mask"])
+    counts = count_tokens(zip(rows["input_ids"], rows["loss_mask"], strict=True), vocab_size)
+    return DraftVocab.from_counts(counts, int(size))
 
 
 def question_set(data: DictConfig, validation: DictConfig) -> list[Question]:

@@ -4,7 +4,7 @@
     export_drafter(drafter, "exports/vllm", "vllm", target, "HuggingFaceTB/SmolLM2-135M-Instruct")
 
 Medusa heads: native, medusa, vllm, tgi (`heads_io.py`, layouts in `medusa_heads.py`); the EAGLE-3 drafter: native
-and eagle3, the layout vLLM and SGLang read (`eagle3.py`). Loading is strict everywhere and checks the drafter against
+eagle3 (vLLM) and eagle3_sglang, the layout vLLM and SGLang read (`eagle3.py`). Loading is strict everywhere and checks the drafter against
 the target (`drafters.base.check_fits`).
 """
 
@@ -21,7 +21,7 @@ from medusa_like.formats import eagle3, heads_io
 from medusa_like.formats.common import FormatError, read_config
 
 HEADS_FORMATS = heads_io.FORMATS
-EAGLE3_FORMATS = ("native", "eagle3")
+EAGLE3_FORMATS = eagle3.FORMATS
 
 
 def read_drafter(path: str | Path, target) -> tuple[MedusaHeads | Eagle3Drafter, dict]:

@@ -15,8 +15,11 @@ Tensors (h: the drafter's width, h_t: the target's, N: draft vocabulary, V: the 
 `medusa_like` section (the full layer config, the target's name and fingerprint), so every family round-trips.
 Reading is strict: names, shapes, dtypes, the vocabulary maps and the fit to the target are all checked.
 
-The aux layer ids are indices into the target's `hidden_states` (i: the residual stream entering layer i), which is
-what vLLM's `eagle_aux_hidden_state_layer_ids` captures; the default (2, L/2, L-3) is also vLLM's and SGLang's.
+The aux layer ids are indices into the target's `hidden_states` (i: the residual stream entering layer i). vLLM's
+`eagle_aux_hidden_state_layer_ids` use the same convention; SGLang's name layer outputs (it captures the residual
+entering layer id + 1), so `format="eagle3_sglang"` writes each id minus one. Both engines default to the streams
+entering layers 2, L/2 and L-3, this package's default too. A config without our `medusa_like` section is read in
+vLLM's convention.
 """
 
 import json
@@ -31,6 +34,7 @@ from medusa_like.drafters.vocab import DraftVocab, DraftVocabError
 from medusa_like.formats.common import FormatError, read_config, read_safetensors, write_export
 from medusa_like.targets import target_fingerprint
 
+FORMATS = ("native", "eagle3", "eagle3_sglang")
 WEIGHTS = "model.safetensors"
 ARCHITECTURE = "LlamaForCausalLMEagle3"
 _LAYER_PARTS = ("self_attn.", "mlp.", "input_layernorm.", "hidden_norm.", "post_attention_layernorm.")
@@ -100,8 +104,14 @@ def llama_refusal(drafter: Eagle3Drafter) -> str | None:
     return None
 
 
-def engine_config(drafter: Eagle3Drafter, dtype: torch.dtype) -> dict:
+def engine_config(drafter: Eagle3Drafter, dtype: torch.dtype, shift: int = 0) -> dict:
+    """The engines' config.json; `shift` is subtracted from the aux layer ids (1 for SGLang's convention)."""
     layer, config = drafter.config.layer, drafter.config
+    aux = [i - shift for i in config.aux_layer_ids]
+    if min(aux) < 0:
+        raise FormatError(
+            f"aux layer ids {list(config.aux_layer_ids)} include the embeddings, which SGLang cannot name"
+        )
     fields = {key: layer[key] for key in _LLAMA_FIELDS if layer.get(key) is not None}
     fields.setdefault("head_dim", layer["hidden_size"] // layer["num_attention_heads"])
     if "rope_theta" not in fields:
@@ -115,7 +125,7 @@ def engine_config(drafter: Eagle3Drafter, dtype: torch.dtype) -> dict:
         "vocab_size": config.vocab_size,
         "draft_vocab_size": config.draft_vocab_size,
         "target_hidden_size": config.target_hidden_size,
-        "eagle_config": {"use_aux_hidden_state": True, "eagle_aux_hidden_state_layer_ids": list(config.aux_layer_ids)},
+        "eagle_config": {"use_aux_hidden_state": True, "eagle_aux_hidden_state_layer_ids": aux},
         "torch_dtype": str(dtype).removeprefix("torch."),
     }
 
@@ -129,18 +139,21 @@ def write_eagle3(
     dtype: torch.dtype | None = None,
     overwrite: bool = False,
 ) -> Path:
-    """Write `drafter` as `fmt` ("native" or "eagle3") into `out_dir`, as one unit (`common.write_export`); returns the directory."""
-    if fmt not in ("native", "eagle3"):
-        raise ValueError(f"an EAGLE-3 drafter exports as 'native' or 'eagle3', not {fmt!r}")
+    """Write `drafter` as `fmt` ("native", "eagle3" for vLLM, "eagle3_sglang") into `out_dir`, as one unit (`common.write_export`); returns the directory."""
+    if fmt not in FORMATS:
+        raise ValueError(f"an EAGLE-3 drafter exports as one of {FORMATS}, not {fmt!r}")
     check_fits(drafter.config.target_hidden_size, drafter.config.vocab_size, target, source="being exported")
-    if fmt == "eagle3" and (reason := llama_refusal(drafter)):
+    if fmt != "native" and (reason := llama_refusal(drafter)):
         raise FormatError(
-            f"cannot export this drafter as format=eagle3 for vLLM/SGLang: {reason}; format=native keeps it usable "
+            f"cannot export this drafter as format={fmt} for vLLM/SGLang: {reason}; format=native keeps it usable "
             "with this framework"
         )
     dtype = dtype or next(drafter.parameters()).dtype
     tensors = eagle3_tensors(drafter, dtype)
-    config = engine_config(drafter, dtype) if fmt == "eagle3" else {"architectures": [ARCHITECTURE]}
+    if fmt == "native":
+        config = {"architectures": [ARCHITECTURE]}
+    else:
+        config = engine_config(drafter, dtype, shift=1 if fmt == "eagle3_sglang" else 0)
     config["medusa_like"] = {
         "kind": "eagle3",
         "config": drafter.config.to_dict(),

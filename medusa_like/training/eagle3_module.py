@@ -21,6 +21,7 @@ from medusa_like.drafters.eagle3 import Eagle3Config, Eagle3Drafter
 from medusa_like.drafters.vocab import DraftVocab
 from medusa_like.targets import freeze, target_fingerprint
 from medusa_like.training.hidden_cache import HiddenStateCache
+from medusa_like.training.schedule import total_optimizer_steps
 from medusa_like.training.ttt import shift_left, soft_cross_entropy, step_weights, supervised_rows, unrolled_mask
 
 _PROJECTION_ROWS = 1024  # positions per chunk of the target's full projection (bounds memory: 1024 x V floats)
@@ -197,7 +198,7 @@ class Eagle3Module(L.LightningModule):
         optimizer = self.optimizer_factory([p for p in self.drafter.parameters() if p.requires_grad])
         if self.scheduler_factory is None:
             return optimizer
-        scheduler = self.scheduler_factory(optimizer, total_steps=int(self.trainer.estimated_stepping_batches))
+        scheduler = self.scheduler_factory(optimizer, total_steps=total_optimizer_steps(self.trainer))
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
     def on_fit_end(self) -> None:

@@ -20,6 +20,7 @@ from medusa_like.drafters.medusa import HeadsConfig, MedusaHeads
 from medusa_like.targets import freeze, target_fingerprint
 from medusa_like.training.hidden_cache import HiddenStateCache
 from medusa_like.training.losses import IGNORE, head_labels, head_losses, head_weights, shifted, topk_correct
+from medusa_like.training.schedule import total_optimizer_steps
 
 TOPK = (1, 5)
 
@@ -171,7 +172,7 @@ class MedusaHeadsModule(L.LightningModule):
         optimizer = self.optimizer_factory([p for p in self.heads.parameters() if p.requires_grad])
         if self.scheduler_factory is None:
             return optimizer
-        scheduler = self.scheduler_factory(optimizer, total_steps=int(self.trainer.estimated_stepping_batches))
+        scheduler = self.scheduler_factory(optimizer, total_steps=total_optimizer_steps(self.trainer))
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
     def on_fit_end(self) -> None:

@@ -23,3 +23,27 @@ def cosine_with_warmup(
         return min_lr_ratio + (1 - min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
 
     return LambdaLR(optimizer, factor)
+
+
+def total_optimizer_steps(trainer) -> int:
+    """The optimizer steps of the whole run, counted as `trainer.estimated_stepping_batches` counts them.
+
+    `estimated_stepping_batches` sets up the fit loop's training dataloader while `configure_optimizers` runs, before
+    Lightning restores a checkpoint, and Lightning restores a resumable dataloader's position only into a dataloader
+    it sets up afterwards: a mid-epoch resume would then restart the epoch's batches. So the training batches per rank
+    are counted on a loader of their own.
+    """
+    datamodule = trainer.datamodule
+    if datamodule is None:
+        return int(trainer.estimated_stepping_batches)
+    loader = datamodule.train_dataloader()
+    samples_per_rank = math.ceil(len(loader.dataset) / trainer.world_size)  # DistributedSampler pads to equal shares
+    batches = math.ceil(samples_per_rank / loader.batch_size)
+    limit = trainer.limit_train_batches
+    batches = int(batches * limit) if isinstance(limit, float) else min(batches, limit)
+    if trainer.max_epochs in (None, -1):  # epochs unbounded: max_steps alone ends the run
+        if trainer.max_steps == -1:
+            raise ValueError("a learning-rate schedule needs trainer.max_epochs or trainer.max_steps")
+        return trainer.max_steps
+    steps = math.ceil(batches / trainer.accumulate_grad_batches) * trainer.max_epochs
+    return min(steps, trainer.max_steps) if trainer.max_steps != -1 else steps

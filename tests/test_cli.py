@@ -1,0 +1,78 @@
+"""The entry points' shared behaviour: config values checked when composed, one-line errors, data directories."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from medusa_like.cli import EVAL_CHECKS, TRAIN_CHECKS, ConfigError, check_config, source_name
+from tests.conftest import TINY_TRAIN, compose_config
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.parametrize(
+    ("override", "pattern"),
+    [
+        ("trainer.max_epochs=abc", r"trainer.max_epochs: expected an integer >= -1 or null, got 'abc'"),
+        ("data.module.batch_size=0", r"data.module.batch_size: expected an integer >= 1, got 0"),
+        ("module.optimizer.lr=fast", r"module.optimizer.lr: expected a number >= 0.0, got 'fast'"),
+        ("trainer.max_steps=1.5", r"trainer.max_steps: expected an integer >= -1, got 1.5"),
+    ],
+)
+def test_bad_train_values_name_the_key_before_anything_runs(override, pattern, tmp_path):
+    from train.train import train
+
+    cfg = compose_config("train", tmp_path, *TINY_TRAIN, override)
+    with pytest.raises(ConfigError, match=pattern):
+        train(cfg)
+    assert not any(tmp_path.iterdir())  # nothing built, nothing written
+
+
+def test_bad_eval_values_and_good_defaults(tmp_path):
+    check_config(compose_config("eval", tmp_path, "model=tiny_llama"), EVAL_CHECKS)
+    for drafter in ("medusa", "eagle3"):
+        check_config(compose_config("train", tmp_path, *TINY_TRAIN, f"drafter={drafter}"), TRAIN_CHECKS)
+    with pytest.raises(ConfigError, match=r"eval.max_new_tokens: expected an integer >= 1, got -3"):
+        check_config(compose_config("eval", tmp_path, "eval.max_new_tokens=-3"), EVAL_CHECKS)
+    with pytest.raises(ConfigError, match=r"data.limit: expected an integer >= 1 or null, got 'all'"):
+        check_config(compose_config("eval", tmp_path, "data.limit=all"), EVAL_CHECKS)
+
+
+def run(module: str, *overrides: str, **env: str) -> subprocess.CompletedProcess:
+    environ = {k: v for k, v in os.environ.items() if k != "HYDRA_FULL_ERROR"}
+    environ.update(PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", **env)
+    command = [sys.executable, "-m", module, *overrides]
+    return subprocess.run(command, cwd=ROOT, env=environ, capture_output=True, text=True, timeout=300)
+
+
+@pytest.mark.slow
+def test_expected_failures_print_one_line_and_full_error_keeps_the_traceback(tmp_path):
+    bad_value = run("train.train", *TINY_TRAIN, "trainer.max_epochs=abc", f"hydra.run.dir={tmp_path / 'a'}")
+    assert bad_value.returncode == 1
+    assert "error: config key trainer.max_epochs: expected an integer" in bad_value.stderr
+    assert "Traceback" not in bad_value.stderr
+
+    missing = tmp_path / "no_such_drafter"
+    args = ("model=tiny_llama", f"drafter.path={missing}", f"out={tmp_path / 'out'}", f"hydra.run.dir={tmp_path / 'b'}")
+    export = run("train.export", *args)
+    assert export.returncode == 1 and "Traceback" not in export.stderr
+    assert "error: " in export.stderr and str(missing) in export.stderr
+    assert not (tmp_path / "out").exists()
+
+    verbose = run("train.export", *args, HYDRA_FULL_ERROR="1")
+    assert verbose.returncode == 1 and "Traceback" in verbose.stderr
+
+
+def test_different_local_sources_get_different_data_directories(tmp_path):
+    a, b = tmp_path / "A.jsonl", tmp_path / "sub" / "A.jsonl"
+    b.parent.mkdir()
+    a.write_text("{}\n")
+    b.write_text("{}\n")
+    dirs = {
+        compose_config("train", tmp_path, "model=tiny_llama", "data=local", f"data.source={s}").data.dir for s in (a, b)
+    }
+    assert len(dirs) == 2 and all("/local-A-" in d for d in dirs)
+    assert source_name(str(a)) == source_name(str(a)) and source_name("sharegpt") == "sharegpt"

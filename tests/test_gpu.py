@@ -1,0 +1,80 @@
+"""The CUDA paths: lossless decoding with both drafters on the GPU (fp32 and bf16 targets, static and dynamic trees)
+and a bf16 training run of each drafter. Skipped without CUDA (CI never has a GPU)."""
+
+import json
+
+import pytest
+import torch
+
+from medusa_like.decoding.tree import DynamicTreeSpec
+from medusa_like.drafters.eagle3 import Eagle3Config, Eagle3Drafter
+from medusa_like.model import MedusaLikeModel
+
+from .conftest import TINY_TRAIN, compose_config, random_heads, random_prompts, tiny_target
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+
+
+def cuda_greedy(target, prompt, n: int) -> list[int]:
+    out = target.generate(
+        prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=n, min_new_tokens=n, do_sample=False
+    )
+    return out[0, prompt.shape[1] :].tolist()
+
+
+def eagle3_drafter(target, seed: int = 0) -> Eagle3Drafter:
+    torch.manual_seed(seed)
+    drafter = Eagle3Drafter(Eagle3Config.for_target(target.config, target.config.vocab_size))
+    for p in drafter.parameters():
+        torch.nn.init.normal_(p, std=0.3)
+    return drafter
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("family", ["llama", "qwen2", "gemma3"])
+@pytest.mark.parametrize("kind", ["medusa", "eagle3"])
+def test_lossless_on_cuda(family, kind, dtype):
+    target = tiny_target(family).to("cuda", dtype)
+    drafter = random_heads() if kind == "medusa" else eagle3_drafter(target)
+    model = MedusaLikeModel(target, None, drafter, backend="sdpa")
+    for prompt in random_prompts(6, seed=3):
+        prompt = prompt.cuda()
+        expected = cuda_greedy(target, prompt, 20)
+        for tree in ("small", DynamicTreeSpec(4, 3, 10)):
+            out = model.generate(prompt, max_new_tokens=20, tree=tree, eos_token_id=[])
+            assert out.new_tokens.tolist() == expected, (family, kind, dtype, tree)
+
+
+@pytest.mark.parametrize("drafter", ["medusa", "eagle3"])
+def test_bf16_training_on_cuda(drafter, tmp_path):
+    from train.train import train
+
+    chats = tmp_path / "chats.jsonl"
+    rows = [
+        {
+            "id": str(i),
+            "messages": [
+                {"role": "user", "content": f"Count to {i}."},
+                {"role": "assistant", "content": " ".join(map(str, range(i + 3)))},
+            ],
+        }
+        for i in range(24)
+    ]
+    chats.write_text("\n".join(json.dumps(r) for r in rows))
+    cfg = compose_config(
+        "train",
+        tmp_path,
+        *TINY_TRAIN,
+        "data=local",
+        f"data.source={chats}",
+        "data.recipe=original",
+        "data.val_fraction=0.25",
+        f"drafter={drafter}",
+        "trainer=gpu",
+        "trainer.precision=bf16-mixed",
+        "trainer.max_epochs=2",
+        data_dir=tmp_path / "data",
+    )
+    metrics = train(cfg)
+    assert (tmp_path / "drafter" / "model.safetensors").is_file()
+    assert all(torch.isfinite(torch.tensor(v)) for v in metrics.values())
