@@ -9,8 +9,8 @@ from datasets import Dataset, DatasetDict
 from medusa_like.data.datamodule import DistilledDataModule
 from medusa_like.data.sharegpt import ReadStats, iter_json_array, sharegpt_path
 from medusa_like.data.sources import load_conversations, user_turns
-from medusa_like.data.split import is_validation
-from medusa_like.data.storage import FEATURES
+from medusa_like.data.split import is_validation, split_token_counts
+from medusa_like.data.storage import FEATURES, save_dataset
 
 
 def sharegpt_record(i: int, turns: int = 1) -> dict:
@@ -153,3 +153,20 @@ def test_datamodule_keeps_validation_groups_out_of_training(tmp_path):
     assert (batch["loss_mask"] <= batch["attention_mask"]).all()
     first = rows[batch["index"][0]]
     assert batch["input_ids"][0, : lengths[0]].tolist() == first["input_ids"][:8]
+
+
+def test_draft_vocabulary_counts_come_from_the_training_split_alone(tmp_path):
+    groups = [f"conv{i}" for i in range(40)]
+    held_out = {g for g in groups if is_validation(g, 0.25)}
+    assert 0 < len(held_out) < len(groups)
+    rows = [
+        {"id": g, "group": g, "input_ids": [i % 5, 5 + i % 5, 7], "loss_mask": [0, 1, 1]} for i, g in enumerate(groups)
+    ]
+    save_dataset(rows, tmp_path / "dataset")
+    train, validation = split_token_counts(tmp_path, 12, 0.25)
+    expected_train, expected_validation = torch.zeros(12), torch.zeros(12)
+    for i, g in enumerate(groups):
+        counts = expected_validation if g in held_out else expected_train
+        counts[5 + i % 5] += 1
+        counts[7] += 1
+    assert train.tolist() == expected_train.tolist() and validation.tolist() == expected_validation.tolist()

@@ -184,6 +184,9 @@ def test_sglang_names_layer_outputs(target, tmp_path):
     drafter = drafter_for(big)
     vllm = export_drafter(drafter, tmp_path / "v", "eagle3", big, "t")
     sglang = export_drafter(drafter, tmp_path / "s", "eagle3_sglang", big, "t")
-    ids = [json.loads((d / "config.json").read_text())["eagle_config"]["eagle_aux_hidden_state_layer_ids"] for d in (vllm, sglang)]
+    ids = [
+        json.loads((d / "config.json").read_text())["eagle_config"]["eagle_aux_hidden_state_layer_ids"]
+        for d in (vllm, sglang)
+    ]
     assert ids == [[2, 4, 5], [1, 3, 4]]  # vLLM: the stream entering layer i; SGLang: the output of layer i
     assert load_file(vllm / "model.safetensors").keys() == load_file(sglang / "model.safetensors").keys()

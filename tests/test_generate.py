@@ -9,6 +9,7 @@ from medusa_like.decoding.kv_cache import CacheOverflowError, TreeKVCache
 from medusa_like.decoding.projection import VocabProjection
 from medusa_like.decoding.tree import DynamicTreeSpec, TokenTree, resolve_tree
 from medusa_like.drafters.base import DrafterMismatchError
+from medusa_like.drafters.vocab import DraftVocab
 from medusa_like.model import MedusaLikeModel
 
 from .conftest import (
@@ -228,3 +229,35 @@ def test_vocab_projection_gives_the_targets_own_logits(family):
         hidden = target.base_model(prompt).last_hidden_state
         expected = target(prompt).logits
     torch.testing.assert_close(VocabProjection(target)(hidden), expected, atol=1e-5, rtol=1e-5)
+
+
+class RecordingProposer:
+    """Passes everything to `inner` and records the tokens of every proposed tree (the root excluded)."""
+
+    def __init__(self, inner):
+        self.inner, self.proposed = inner, set()
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def propose(self, spec):
+        tree = self.inner.propose(spec)
+        self.proposed |= set(tree.tokens[1:].tolist())
+        return tree
+
+
+@pytest.mark.parametrize("tree_name", ["small", "dynamic"])
+def test_heads_on_a_reduced_vocabulary_propose_only_its_tokens_and_stay_lossless(family, tree_name):
+    """Medusa heads restricted to a draft vocabulary (FR-Spec) never propose a token outside it, and the output is still
+    the target's own greedy output (verification always scores the full vocabulary)."""
+    target, prompts, expected = references(family)
+    vocab = DraftVocab(torch.arange(0, VOCAB, 3), VOCAB)
+    model = MedusaLikeModel(target, None, random_heads(), backend="sdpa", draft_vocab=vocab)
+    tree = model.resolve_tree(tree_name)
+    proposed = set()
+    for prompt, reference in zip(prompts[:8], expected[:8], strict=True):
+        proposer = RecordingProposer(model.proposer())
+        out = speculative_generate(target, proposer, prompt, tree, NEW_TOKENS, backend="sdpa")
+        assert out.new_tokens.tolist() == reference.tolist()
+        proposed |= proposer.proposed
+    assert proposed and proposed <= set(vocab.token_ids.tolist())

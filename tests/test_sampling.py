@@ -3,9 +3,10 @@
 import pytest
 import torch
 
+from medusa_like.decoding.draft_tree import grow_dynamic
 from medusa_like.decoding.generate import speculative_generate
 from medusa_like.decoding.sampling import accept_sampling, warp_logits
-from medusa_like.decoding.tree import TokenTree, resolve_tree
+from medusa_like.decoding.tree import DynamicTreeSpec, TokenTree, resolve_tree
 from medusa_like.model import MedusaLikeModel
 
 from .conftest import VOCAB, ScriptedProposer, greedy_reference, random_heads, random_prompts, tiny_target
@@ -88,6 +89,60 @@ def test_sampling_end_to_end_follows_the_target():
             generator=torch.Generator().manual_seed(seed),
         )
         counts[out.new_tokens[1]] += 1
+    total_variation = 0.5 * (counts / n - exact).abs().sum().item()
+    assert total_variation < 0.2, total_variation
+
+
+class LikelyDynamicProposer:
+    """Grows EAGLE-2 dynamic trees whose root children are the target's `top_k` likeliest next tokens (scored by the
+    target's own probabilities) and whose deeper nodes are random: the tree's shape changes from step to step."""
+
+    feature_layers = None
+    max_depth = None
+
+    def __init__(self, next_probs: torch.Tensor, seed: int):
+        self.next_probs, self.generator = next_probs, torch.Generator().manual_seed(seed)  # [V, V]
+
+    def begin(self, prompt_ids, features, root, capacity):
+        self.root = root
+
+    def accept(self, tokens, features, bonus):
+        self.root = bonus
+
+    def propose(self, spec):
+        return grow_dynamic(spec, self.root, self._expand)
+
+    def _expand(self, frontier, tokens, parents, depth):
+        probs = torch.rand(frontier.numel(), VOCAB, generator=self.generator).softmax(-1)  # [F, V]
+        if depth == 1:  # the root's children
+            probs[0] = self.next_probs[int(tokens[0])]
+        top = probs.topk(3, dim=-1)
+        return top.indices, top.values.log()
+
+
+def test_sampling_on_dynamic_trees_follows_the_target():
+    """As above, with dynamic trees (EAGLE-2's top-k expansion and best-N selection) instead of a static one."""
+    target = tiny_target("qwen2")
+    spec = DynamicTreeSpec(depth=3, top_k=3, num_nodes=5)
+    prompt = random_prompts(1, seed=6, min_len=5, max_len=5)[0]
+    temperature = 0.05
+    with torch.no_grad():
+        p1 = warp_logits(target(prompt).logits[0, -1], temperature)  # [V]
+        extended = torch.cat([prompt.expand(VOCAB, -1), torch.arange(VOCAB)[:, None]], dim=1)
+        p2_given_1 = warp_logits(target(extended).logits[:, -1], temperature)  # [V, V]
+    exact = p1 @ p2_given_1  # [V]
+    always_top1 = p1 @ torch.nn.functional.one_hot(p2_given_1.argmax(-1), VOCAB).float()
+    assert 0.5 * (always_top1 - exact).abs().sum() > 0.3
+
+    n, accepted = 500, 0
+    counts = torch.zeros_like(exact)
+    for seed in range(n):
+        proposer = LikelyDynamicProposer(p2_given_1, seed)
+        generator = torch.Generator().manual_seed(seed)
+        out = speculative_generate(target, proposer, prompt, spec, 2, temperature=temperature, generator=generator)
+        counts[out.new_tokens[1]] += 1
+        accepted += out.stats.accepted_draft[0]
+    assert accepted > n // 4  # the trees' candidates were often accepted: the acceptance rule was exercised
     total_variation = 0.5 * (counts / n - exact).abs().sum().item()
     assert total_variation < 0.2, total_variation
 

@@ -20,8 +20,8 @@ from omegaconf import DictConfig
 
 from medusa_like.cli import TRAIN_CHECKS, check_config, one_line_errors
 from medusa_like.data.prepare import ensure_dataset, load_model
-from medusa_like.data.storage import load_distilled
-from medusa_like.drafters.vocab import DraftVocab, count_tokens
+from medusa_like.data.split import split_token_counts
+from medusa_like.drafters.vocab import DraftVocab
 from medusa_like.formats import save_drafter
 from medusa_like.runs import last_checkpoint, resolved, save_config
 
@@ -42,9 +42,8 @@ def build_module(cfg: DictConfig, target):
         heads = instantiate(cfg.drafter.heads, vocab_size=lm_head.shape[0], hidden_size=lm_head.shape[1])
         return instantiate(cfg.drafter.module, heads_config=heads, **shared, _convert_="object")
     if cfg.drafter.kind == "eagle3":
-        rows = load_distilled(cfg.data.dir).select_columns(["input_ids", "loss_mask"])
         vocab_size = target.config.get_text_config().vocab_size
-        counts = count_tokens(zip(rows["input_ids"], rows["loss_mask"], strict=True), vocab_size)
+        counts, _ = split_token_counts(cfg.data.dir, vocab_size, cfg.data.val_fraction, cfg.data.split_seed)
         vocab = DraftVocab.from_counts(counts, int(cfg.drafter.draft_vocab_size))
         return instantiate(cfg.drafter.module, vocab=vocab, **shared, _convert_="object")
     raise ValueError(f"drafter.kind must be 'medusa' or 'eagle3', got {cfg.drafter.kind!r}")

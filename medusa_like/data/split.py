@@ -6,6 +6,12 @@ validation conversation is never trained on.
 """
 
 import hashlib
+from pathlib import Path
+
+import torch
+
+from medusa_like.data.storage import load_distilled
+from medusa_like.drafters.vocab import count_tokens
 
 
 def is_validation(group: str, val_fraction: float, seed: int = 0) -> bool:
@@ -13,3 +19,16 @@ def is_validation(group: str, val_fraction: float, seed: int = 0) -> bool:
         raise ValueError(f"val_fraction must be in [0, 1), got {val_fraction}")
     digest = hashlib.sha256(f"{seed}:{group}".encode()).digest()
     return int.from_bytes(digest[:8], "big") / 2**64 < val_fraction
+
+
+def split_token_counts(
+    data_dir: str | Path, vocab_size: int, val_fraction: float, seed: int = 0
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """How often each token [V] is supervised (an assistant token) in the training and in the validation split of a
+    dataset: a draft vocabulary is chosen from the former alone, so held-out prompts stay held out."""
+    rows = load_distilled(data_dir).select_columns(["input_ids", "loss_mask", "group"])
+    held_out = [is_validation(g, val_fraction, seed) for g in rows["group"]]
+    pairs = list(zip(rows["input_ids"], rows["loss_mask"], strict=True))
+    train = count_tokens((p for p, v in zip(pairs, held_out, strict=True) if not v), vocab_size)
+    validation = count_tokens((p for p, v in zip(pairs, held_out, strict=True) if v), vocab_size)
+    return train, validation

@@ -6,9 +6,9 @@ import torch
 from omegaconf import DictConfig
 
 from medusa_like.data.prepare import load_model as load_target_model
-from medusa_like.data.storage import load_distilled
+from medusa_like.data.split import split_token_counts
 from medusa_like.decoding.tree import save_tree
-from medusa_like.drafters.vocab import DraftVocab, count_tokens
+from medusa_like.drafters.vocab import DraftVocab
 from medusa_like.evaluation.questions import Question, load_questions, select
 from medusa_like.evaluation.tree_search import search
 from medusa_like.model import MedusaLikeModel
@@ -38,16 +38,19 @@ def load_model(cfg: DictConfig) -> MedusaLikeModel:
     )
     size = cfg.drafter.get("draft_vocab_size")
     if size and model.drafter_kind == "medusa":  # restrict the heads' projection to the training data's top tokens
-        model.draft_vocab = medusa_draft_vocab(cfg.drafter.vocab_data, size, target.config.get_text_config().vocab_size)
+        vocab_size = target.config.get_text_config().vocab_size
+        split = cfg.validation  # the training data's split settings
+        model.draft_vocab = medusa_draft_vocab(
+            cfg.drafter.vocab_data, size, vocab_size, split.val_fraction, split.split_seed
+        )
     return model
 
 
-def medusa_draft_vocab(data_dir: str, size: int, vocab_size: int) -> DraftVocab:
-    """The `size` most frequent assistant tokens of a training dataset (`data.dir`), for Medusa heads."""
+def medusa_draft_vocab(data_dir: str, size: int, vocab_size: int, val_fraction: float, split_seed: int) -> DraftVocab:
+    """The `size` most frequent assistant tokens of a training dataset's training split (`data.dir`), for Medusa heads."""
     if not data_dir:
         raise ValueError("drafter.draft_vocab_size for Medusa heads needs drafter.vocab_data=<the training data.dir>")
-    rows = load_distilled(data_dir).select_columns(["input_ids", "loss_mask"])
-    counts = count_tokens(zip(rows["input_ids"], rows["loss_mask"], strict=True), vocab_size)
+    counts, _ = split_token_counts(data_dir, vocab_size, val_fraction, split_seed)
     return DraftVocab.from_counts(counts, int(size))
 
 
