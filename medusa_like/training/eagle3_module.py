@@ -3,31 +3,30 @@ training-time-test loss (`ttt.py`) unrolled over `ttt_steps` draft steps, step j
 
 One frozen target forward per batch gives the aux hidden states (the drafter's input) and the last hidden state
 (the labels: the target's distribution over the draft vocabulary); with `hidden_cache_dir` both are stored during the
-first epoch and later epochs skip the target. Checkpoints hold the drafter, the optimizer and the schedule, never the
-target: `state_dict` is the drafter's alone (keys `drafter.*`), and the checkpoint's metadata records the drafter
-config, the draft vocabulary and the target's name and fingerprint, for export and strict loading.
+first epoch and later epochs skip the target. The frozen target, checkpoints (keys `drafter.*`, with the drafter config
+and the draft vocabulary in their metadata), the cache and the optimizer are `drafter_module.DrafterModule`'s.
 """
 
 from collections.abc import Callable
 
-import lightning as L
 import torch
 import torch.nn as nn
 from torchmetrics import MeanMetric
 from transformers import DynamicCache
 
-from medusa_like.drafters.base import CHECKPOINT_KEY, check_fits
+from medusa_like.drafters.base import check_fits
 from medusa_like.drafters.eagle3 import Eagle3Config, Eagle3Drafter
 from medusa_like.drafters.vocab import DraftVocab
-from medusa_like.targets import freeze, target_fingerprint
-from medusa_like.training.hidden_cache import HiddenStateCache
-from medusa_like.training.schedule import total_optimizer_steps
+from medusa_like.training.drafter_module import DrafterModule
 from medusa_like.training.ttt import shift_left, soft_cross_entropy, step_weights, supervised_rows, unrolled_mask
 
 _PROJECTION_ROWS = 1024  # positions per chunk of the target's full projection (bounds memory: 1024 x V floats)
 
 
-class Eagle3Module(L.LightningModule):
+class Eagle3Module(DrafterModule):
+    checkpoint_prefix = "drafter"
+    progress_metric = "acc_top1_depth1"
+
     def __init__(
         self,
         target: nn.Module,
@@ -42,52 +41,26 @@ class Eagle3Module(L.LightningModule):
         init_from_target: bool = True,  # start lm_head and the final norm from the target's
         hidden_cache_dir: str | None = None,  # cache the target's hidden states here during the first epoch
     ):
-        super().__init__()
+        super().__init__(target, target_name, optimizer, scheduler, target_dtype, hidden_cache_dir)
         if ttt_steps < 1 or not 0 < decay <= 1:
             raise ValueError(f"need ttt_steps >= 1 and 0 < decay <= 1, got ttt_steps={ttt_steps}, decay={decay}")
-        self.target = freeze(target.to(getattr(torch, target_dtype)) if target_dtype else target)
         check_fits(target.config.get_text_config().hidden_size, vocab.target_vocab_size, target, source="being trained")
         config = Eagle3Config.for_target(target.config, vocab.size, aux_layer_ids)
         self.drafter = Eagle3Drafter(config, vocab)
         if init_from_target:
             self.drafter.init_from_target(target)
-        self.target_name = target_name
-        self.optimizer_factory, self.scheduler_factory = optimizer, scheduler
         self.ttt_steps, self.decay = ttt_steps, decay
-        self.cache = HiddenStateCache(hidden_cache_dir) if hidden_cache_dir else None
-        self._ddp_params_and_buffers_to_ignore = [f"target.{n}" for n, _ in target.named_parameters()] + [
-            f"target.{n}" for n, _ in target.named_buffers()
-        ]
         self.save_hyperparameters(
             {"drafter": "eagle3", "target": target_name, "ttt_steps": ttt_steps, "decay": decay, "vocab": vocab.size}
         )
         names = [f"{m}_depth{d}" for d in range(1, ttt_steps + 1) for m in ("loss", "acc_top1")]
         self.val_metrics = nn.ModuleDict({name: MeanMetric() for name in [*names, "loss"]})
 
-    # ---- the frozen target stays frozen; checkpoints hold the drafter only --------------------------------------
-    def train(self, mode: bool = True):
-        super().train(mode)
-        self.target.eval()
-        return self
-
-    def state_dict(self, *, destination=None, prefix: str = "", keep_vars: bool = False):
-        return self.drafter.state_dict(destination=destination, prefix=f"{prefix}drafter.", keep_vars=keep_vars)
-
-    def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
-        foreign = [k for k in state_dict if not k.startswith("drafter.")]
-        if foreign:
-            raise KeyError(f"expected only 'drafter.*' keys in a drafter checkpoint, found {foreign[:5]}")
-        own = {k.removeprefix("drafter."): v for k, v in state_dict.items()}
-        return self.drafter.load_state_dict(own, strict=True, assign=assign)
-
-    def on_save_checkpoint(self, checkpoint: dict) -> None:
-        checkpoint["state_dict"] = {k: v for k, v in checkpoint["state_dict"].items() if k.startswith("drafter.")}
-        checkpoint[CHECKPOINT_KEY] = {
+    def drafter_meta(self) -> dict:
+        return {
             "kind": "eagle3",
             "config": self.drafter.config.to_dict(),
             "draft_token_ids": self.drafter.token_ids.tolist(),
-            "target": self.target_name,
-            "target_fingerprint": target_fingerprint(self.target.config),
         }
 
     # ---- steps --------------------------------------------------------------------------------------------------
@@ -108,12 +81,6 @@ class Eagle3Module(L.LightningModule):
             hits, count = accuracy[j]
             self.val_metrics[f"loss_depth{j + 1}"].update(per_step[j], weight=count)
             self.val_metrics[f"acc_top1_depth{j + 1}"].update(hits / count.clamp(min=1), weight=count)
-
-    def on_validation_epoch_end(self) -> None:
-        for name, metric in self.val_metrics.items():  # compute() syncs across ranks: every rank calls it
-            if metric.update_count:
-                self.log(f"val/{name}", metric.compute(), prog_bar=name == "acc_top1_depth1")
-            metric.reset()
 
     def _forward(self, batch: dict):
         """Returns (weighted loss, loss per step [S], [(top-1 hits, supervised rows)] per step)."""
@@ -155,7 +122,7 @@ class Eagle3Module(L.LightningModule):
         """The target's side of a batch: aux hidden states [B, T, n*h]; its log-probabilities over the draft
         vocabulary [B, T, N] at the `wanted` [B, T] positions (zero elsewhere); and which positions are labelled
         (wanted, and the target's argmax over its full vocabulary is a draft token) [B, T]."""
-        hidden = self._target_hidden(batch)  # [B, T, (n+1)*h]: aux then the last hidden state
+        hidden = self.target_hidden(batch, self.drafter.config.aux_layer_ids)  # [B, T, (n+1)*h]
         size = self.target.config.get_text_config().hidden_size
         aux, last = hidden[..., :-size], hidden[..., -size:]
         projection = self.target.get_output_embeddings()
@@ -177,30 +144,3 @@ class Eagle3Module(L.LightningModule):
         if getattr(self, "_t2d", None) is None or self._t2d.device != self.device:
             self._t2d = self.drafter.vocab.t2d.to(self.device)
         return self._t2d
-
-    def _target_hidden(self, batch: dict) -> torch.Tensor:
-        input_ids, attention_mask = batch["input_ids"], batch["attention_mask"]  # [B, T]
-        indices = batch["index"].tolist()
-        if self.cache is not None:
-            cached = self.cache.get(indices, input_ids.shape[1])
-            if cached is not None:
-                return cached.to(self.device)
-        with torch.autocast(self.device.type, enabled=False):  # the target runs in its own dtype, never autocast
-            out = self.target.base_model(input_ids=input_ids, attention_mask=attention_mask, output_hidden_states=True)
-        layers = self.drafter.config.aux_layer_ids
-        hidden = torch.cat([*(out.hidden_states[i] for i in layers), out.last_hidden_state], dim=-1)
-        if self.cache is not None:
-            self.cache.put(indices, hidden, attention_mask.sum(-1))
-        return hidden
-
-    # ---- optimisation -------------------------------------------------------------------------------------------
-    def configure_optimizers(self):
-        optimizer = self.optimizer_factory([p for p in self.drafter.parameters() if p.requires_grad])
-        if self.scheduler_factory is None:
-            return optimizer
-        scheduler = self.scheduler_factory(optimizer, total_steps=total_optimizer_steps(self.trainer))
-        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
-
-    def on_fit_end(self) -> None:
-        if self.cache is not None and self.trainer.is_global_zero:
-            self.cache.clear()

@@ -1,0 +1,117 @@
+"""What every drafter's Lightning module shares: a frozen target, checkpoints that hold the drafter alone, the target's
+hidden states (from an optional cache), the optimizer and schedule, and the validation metrics.
+
+A drafter's module (`medusa_module.py`, `eagle3_module.py`) builds its drafter, names it `checkpoint_prefix` and says
+what the checkpoint records about it (`drafter_meta`); it writes its own loss. The target is never trained and never
+saved: `state_dict` is the drafter's alone (keys `<prefix>.*`), and `checkpoint[CHECKPOINT_KEY]` records the drafter's
+kind and config with the target's name and fingerprint, for `medusa_like.formats` (export and strict loading).
+"""
+
+from collections.abc import Callable
+
+import lightning as L
+import torch
+import torch.nn as nn
+
+from medusa_like.drafters.base import CHECKPOINT_KEY
+from medusa_like.targets import freeze, target_fingerprint
+from medusa_like.training.hidden_cache import HiddenStateCache
+from medusa_like.training.schedule import total_optimizer_steps
+
+
+class DrafterModule(L.LightningModule):
+    checkpoint_prefix: str  # the drafter's attribute name, and its keys' prefix in checkpoints
+    progress_metric: str  # the validation metric shown in the progress bar
+
+    def __init__(
+        self,
+        target: nn.Module,
+        target_name: str,
+        optimizer: Callable,  # partial(torch.optim.AdamW, lr=...) from Hydra (`_partial_: true`)
+        scheduler: Callable | None = None,  # partial(schedule, ...) called with (optimizer, total_steps=...)
+        target_dtype: str | None = None,  # e.g. bfloat16: the frozen target's dtype for training (features, labels)
+        hidden_cache_dir: str | None = None,  # cache the target's hidden states here during the first epoch
+    ):
+        super().__init__()
+        self.target = freeze(target.to(getattr(torch, target_dtype)) if target_dtype else target)
+        self.target_name = target_name
+        self.optimizer_factory, self.scheduler_factory = optimizer, scheduler
+        self.cache = HiddenStateCache(hidden_cache_dir) if hidden_cache_dir else None
+        # DDP need not broadcast or watch the frozen target
+        self._ddp_params_and_buffers_to_ignore = [f"target.{n}" for n, _ in target.named_parameters()] + [
+            f"target.{n}" for n, _ in target.named_buffers()
+        ]
+
+    @property
+    def drafter(self) -> nn.Module:
+        """The trained drafter (a registered submodule named `checkpoint_prefix`)."""
+        return self._modules[self.checkpoint_prefix]
+
+    def drafter_meta(self) -> dict:
+        """The drafter's kind and config, as its checkpoint records them."""
+        raise NotImplementedError
+
+    # ---- the frozen target stays frozen; checkpoints hold the drafter only --------------------------------------
+    def train(self, mode: bool = True):
+        super().train(mode)
+        self.target.eval()
+        return self
+
+    def state_dict(self, *, destination=None, prefix: str = "", keep_vars: bool = False):
+        own = f"{prefix}{self.checkpoint_prefix}."
+        return self.drafter.state_dict(destination=destination, prefix=own, keep_vars=keep_vars)
+
+    def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
+        own = f"{self.checkpoint_prefix}."
+        foreign = [k for k in state_dict if not k.startswith(own)]
+        if foreign:
+            raise KeyError(f"expected only '{own}*' keys in a {self.checkpoint_prefix} checkpoint, found {foreign[:5]}")
+        weights = {k.removeprefix(own): v for k, v in state_dict.items()}
+        return self.drafter.load_state_dict(weights, strict=True, assign=assign)
+
+    def on_save_checkpoint(self, checkpoint: dict) -> None:
+        own = f"{self.checkpoint_prefix}."
+        checkpoint["state_dict"] = {k: v for k, v in checkpoint["state_dict"].items() if k.startswith(own)}
+        checkpoint[CHECKPOINT_KEY] = {
+            **self.drafter_meta(),
+            "target": self.target_name,
+            "target_fingerprint": target_fingerprint(self.target.config),
+        }
+
+    # ---- the target's side ----------------------------------------------------------------------------------------
+    @torch.no_grad()
+    def target_hidden(self, batch: dict, layers: list[int] | None = None) -> torch.Tensor:
+        """The target's hidden states [B, T, (len(layers) + 1) * H]: `hidden_states[i]` for i in `layers`, then the
+        last hidden state (after the final norm); from the cache when it holds every row of the batch."""
+        input_ids, attention_mask = batch["input_ids"], batch["attention_mask"]  # [B, T]
+        indices = batch["index"].tolist()
+        if self.cache is not None:
+            cached = self.cache.get(indices, input_ids.shape[1])
+            if cached is not None:
+                return cached.to(self.device)
+        with torch.autocast(self.device.type, enabled=False):  # the target runs in its own dtype, never autocast
+            out = self.target.base_model(
+                input_ids=input_ids, attention_mask=attention_mask, output_hidden_states=bool(layers)
+            )
+        hidden = torch.cat([*(out.hidden_states[i] for i in layers or []), out.last_hidden_state], dim=-1)
+        if self.cache is not None:
+            self.cache.put(indices, hidden, attention_mask.sum(-1))
+        return hidden
+
+    # ---- metrics and optimisation -------------------------------------------------------------------------------
+    def on_validation_epoch_end(self) -> None:
+        for name, metric in self.val_metrics.items():  # compute() syncs across ranks: every rank calls it
+            if metric.update_count:
+                self.log(f"val/{name}", metric.compute(), prog_bar=name == self.progress_metric)
+            metric.reset()
+
+    def configure_optimizers(self):
+        optimizer = self.optimizer_factory([p for p in self.drafter.parameters() if p.requires_grad])
+        if self.scheduler_factory is None:
+            return optimizer
+        scheduler = self.scheduler_factory(optimizer, total_steps=total_optimizer_steps(self.trainer))
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+    def on_fit_end(self) -> None:
+        if self.cache is not None and self.trainer.is_global_zero:
+            self.cache.clear()
