@@ -10,10 +10,8 @@ being this project's own loop with no tree (same cache and backend) and transfor
 """
 
 import argparse
-import json
 import statistics
 import time
-from pathlib import Path
 
 import torch
 from rich.console import Console
@@ -24,6 +22,7 @@ from medusa_like.decoding.generate import target_forward
 from medusa_like.decoding.kv_cache import TreeKVCache
 from medusa_like.decoding.projection import VocabProjection
 from medusa_like.decoding.tree import TokenTree, greedy_tree
+from medusa_like.io import write_json
 from medusa_like.model import MedusaLikeModel
 
 PROMPTS = [
@@ -139,7 +138,7 @@ def main(argv=None) -> dict:
         "tree_forward": forward,
         "decoding": speed,
     }
-    Path(args.out).write_text(json.dumps(result, indent=2))
+    write_json(args.out, result)
     console.print(f"wrote {args.out}")
     return result
 

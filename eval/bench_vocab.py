@@ -10,10 +10,8 @@ each drafting step pays; N = the full vocabulary is the Medusa heads' (and a dra
 """
 
 import argparse
-import json
 import statistics
 import time
-from pathlib import Path
 
 import torch
 from rich.console import Console
@@ -21,6 +19,7 @@ from rich.table import Table
 
 from medusa_like.data.split import split_token_counts
 from medusa_like.drafters.vocab import DraftVocab
+from medusa_like.io import write_json
 from medusa_like.targets import load_target
 
 
@@ -69,7 +68,7 @@ def main(argv=None) -> list[dict]:
     for r in results:
         table.add_row(*(f"{v:.4f}" if isinstance(v, float) else str(v) for v in r.values()))
     Console(width=120).print(table)
-    Path(args.out).write_text(json.dumps({"target": args.target, "data": args.data, "results": results}, indent=2))
+    write_json(args.out, {"target": args.target, "data": args.data, "results": results})
     return results
 
 

@@ -55,6 +55,15 @@ def test_warp_logits():
         warp_logits(logits, 1.0, top_p=0.0)
 
 
+def two_step_distributions(target, prompt, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """The target's warped distribution of the first new token [V] and of the second given the first [V, V]."""
+    with torch.no_grad():
+        p1 = warp_logits(target(prompt).logits[0, -1], temperature)  # [V]
+        extended = torch.cat([prompt.expand(VOCAB, -1), torch.arange(VOCAB)[:, None]], dim=1)
+        p2_given_1 = warp_logits(target(extended).logits[:, -1], temperature)  # [V, V]
+    return p1, p2_given_1
+
+
 def test_sampling_end_to_end_follows_the_target():
     """The second token, the first one verified by a tree, has the target's exact two-step marginal distribution,
     although the candidates are the target's most likely tokens and get accepted often."""
@@ -62,10 +71,7 @@ def test_sampling_end_to_end_follows_the_target():
     tree = resolve_tree("small", num_heads=4)
     prompt = random_prompts(1, seed=4, min_len=6, max_len=6)[0]
     temperature = 0.05  # the tiny random model's logits are flat: this spreads the two-step marginal over ~8 tokens
-    with torch.no_grad():
-        p1 = warp_logits(target(prompt).logits[0, -1], temperature)  # [V]
-        extended = torch.cat([prompt.expand(VOCAB, -1), torch.arange(VOCAB)[:, None]], dim=1)
-        p2_given_1 = warp_logits(target(extended).logits[:, -1], temperature)  # [V, V]
+    p1, p2_given_1 = two_step_distributions(target, prompt, temperature)
     exact = p1 @ p2_given_1  # [V]
     # accepting the best candidate whenever it is proposed would give this instead: the test must tell them apart
     always_top1 = p1 @ torch.nn.functional.one_hot(p2_given_1.argmax(-1), VOCAB).float()
@@ -126,10 +132,7 @@ def test_sampling_on_dynamic_trees_follows_the_target():
     spec = DynamicTreeSpec(depth=3, top_k=3, num_nodes=5)
     prompt = random_prompts(1, seed=6, min_len=5, max_len=5)[0]
     temperature = 0.05
-    with torch.no_grad():
-        p1 = warp_logits(target(prompt).logits[0, -1], temperature)  # [V]
-        extended = torch.cat([prompt.expand(VOCAB, -1), torch.arange(VOCAB)[:, None]], dim=1)
-        p2_given_1 = warp_logits(target(extended).logits[:, -1], temperature)  # [V, V]
+    p1, p2_given_1 = two_step_distributions(target, prompt, temperature)
     exact = p1 @ p2_given_1  # [V]
     always_top1 = p1 @ torch.nn.functional.one_hot(p2_given_1.argmax(-1), VOCAB).float()
     assert 0.5 * (always_top1 - exact).abs().sum() > 0.3

@@ -8,7 +8,6 @@
 `train(cfg)` is importable, so tests and notebooks run it on a composed config.
 """
 
-import json
 import logging
 import sys
 from pathlib import Path
@@ -23,6 +22,7 @@ from medusa_like.data.prepare import ensure_dataset, load_model
 from medusa_like.data.split import split_token_counts
 from medusa_like.drafters.vocab import DraftVocab
 from medusa_like.formats import save_drafter
+from medusa_like.io import write_json
 from medusa_like.runs import last_checkpoint, resolved, save_config
 
 log = logging.getLogger(__name__)
@@ -77,10 +77,9 @@ def train(cfg: DictConfig) -> dict[str, float]:
     metrics = {k: float(v) for k, v in trainer.callback_metrics.items()}
     if trainer.is_global_zero:
         if cfg.get("export_drafter"):
-            drafter = module.drafter if cfg.drafter.kind == "eagle3" else module.heads
-            path = save_drafter(drafter, out_dir / "drafter", target, cfg.model.name_or_path)
+            path = save_drafter(module.drafter, out_dir / "drafter", target, cfg.model.name_or_path)
             log.info("drafter exported to %s", path)
-        (out_dir / "metrics.json").write_text(json.dumps(metrics, indent=2, sort_keys=True))
+        write_json(out_dir / "metrics.json", dict(sorted(metrics.items())))
         log.info("validation: %s", {k: round(v, 4) for k, v in sorted(metrics.items()) if k.startswith("val/acc")})
     _finish_wandb()
     return metrics
