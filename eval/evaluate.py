@@ -167,9 +167,18 @@ def run_one(model, runners, history, question, turn: int, rotation: int, limit: 
 
 
 def load_records(path: Path) -> list[dict]:
-    """The prompts a previous (killed) run of this directory finished, from its prompts.jsonl."""
+    """The prompts a previous (killed) run of this directory finished, from its prompts.jsonl. A last line that the
+    kill cut short is removed from the file (its prompt runs again); every complete line must be a record."""
     if not path.exists():
         return []
+    text = path.read_bytes()
+    complete = text[: text.rfind(b"\n") + 1]
+    if len(complete) < len(text):
+        log.warning(
+            "%s: dropping an incomplete last line (%d bytes) left by a killed run", path, len(text) - len(complete)
+        )
+        with open(path, "r+b") as f:
+            f.truncate(len(complete))
     return [record for _, record in read_jsonl(path)]
 
 

@@ -210,3 +210,42 @@ def test_heads_for_another_target(tmp_path):
 def test_missing_drafter(tmp_path):
     with pytest.raises(FileNotFoundError, match="drafter.path=.*does not exist"):
         load_model(eval_cfg(f"drafter.path={tmp_path / 'none'}"))
+
+
+def small_eval(tmp_path: Path, questions: list[dict], *overrides: str):
+    path = write_jsonl(tmp_path / "q.jsonl", questions)
+    return eval_cfg(
+        f"data.path={path}",
+        "tree=chain",
+        "eval.max_new_tokens=4",
+        "eval.sweep.prompts=0",
+        "eval.head_accuracy=false",
+        "eval.warmup=false",
+        f"out_dir={tmp_path / 'run'}",
+        *overrides,
+    )
+
+
+def test_a_killed_evaluation_keeps_its_prompts_and_resumes(tmp_path):
+    first = evaluate(small_eval(tmp_path, QUESTIONS))
+    log_path = tmp_path / "run" / "prompts.jsonl"
+    lines = log_path.read_text().splitlines(keepends=True)
+    assert len(lines) == 3 == first["acceptance"]["prompts"]  # one line per prompt, written as it finished
+    kept = json.loads(lines[0])
+    log_path.write_text(lines[0] + lines[1][:25])  # killed while writing the second prompt's line
+    (tmp_path / "run" / "report.json").unlink()
+    with pytest.raises(FileExistsError, match="eval.resume=true"):
+        evaluate(small_eval(tmp_path, QUESTIONS))
+    resumed = evaluate(small_eval(tmp_path, QUESTIONS, "eval.resume=true"))
+    records = [json.loads(line) for line in log_path.read_text().splitlines()]
+    assert [(r["question_id"], r["turn"]) for r in records] == [("1", 1), ("1", 2), ("2", 1)]
+    assert records[0] == kept  # the finished prompt was not run again
+    assert resumed["acceptance"]["prompts"] == 3 and resumed["summary"]["lossless"]
+
+
+def test_a_prompt_longer_than_the_context_is_reported_and_skipped(tmp_path):
+    long_question = {"question_id": 9, "category": "long", "turns": [" ".join(["word"] * 6000)]}
+    report = evaluate(small_eval(tmp_path, [QUESTIONS[1], long_question]))
+    assert [s["question_id"] for s in report["skipped"]] == ["9"]
+    assert "exceeds the target's context" in report["skipped"][0]["skipped"]
+    assert report["acceptance"]["prompts"] == 1 and report["summary"]["lossless"]
