@@ -54,8 +54,8 @@ def test_eagle3_greedy_equals_target_greedy(family, backend, tree_name):
 
 
 def test_a_drafter_trained_on_the_target_is_accepted():
-    """A drafter whose projection is the target's own and whose layer passes the target's last features through
-    accepts tokens (tau > 1), which a broken cache, mask or position would prevent."""
+    """A drafter initialised from the target (its projection, an identity fc on the highest aux layer) runs through
+    a dynamic tree and stays lossless."""
     target, prompts, expected = references("llama")
     drafter = random_drafter(target)
     with torch.no_grad():

@@ -18,7 +18,7 @@ from medusa_like.drafters.eagle3 import Eagle3Config, Eagle3Drafter
 from medusa_like.drafters.medusa import MedusaHeads
 from medusa_like.drafters.vocab import DraftVocab
 from medusa_like.formats import eagle3, heads_io
-from medusa_like.formats.common import FormatError, read_config
+from medusa_like.formats.common import FormatError, drafter_source, read_config
 
 HEADS_FORMATS = heads_io.FORMATS
 EAGLE3_FORMATS = eagle3.FORMATS
@@ -26,12 +26,8 @@ EAGLE3_FORMATS = eagle3.FORMATS
 
 def read_drafter(path: str | Path, target) -> tuple[MedusaHeads | Eagle3Drafter, dict]:
     """(drafter, what its source says about itself) from a directory of any format or a training checkpoint."""
-    path = Path(path)
-    if not path.exists():
-        raise FileNotFoundError(f"drafter path {path} does not exist (a drafter directory or a .ckpt file)")
+    path = drafter_source(path)
     if path.is_file():
-        if path.suffix != ".ckpt":
-            raise FormatError(f"{path} is a file: expected a drafter directory with config.json, or a .ckpt")
         return _from_checkpoint(path, target)
     if eagle3.is_eagle3_config(read_config(path)):
         return eagle3.read_eagle3(path, target)

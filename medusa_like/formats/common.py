@@ -27,6 +27,16 @@ class FormatError(ValueError):
     """A drafter directory, file or checkpoint that does not hold what its config says."""
 
 
+def drafter_source(path: str | Path, error: type[FormatError] = FormatError) -> Path:
+    """`path` as a drafter source: an existing directory, or a training checkpoint (.ckpt); anything else is refused."""
+    path = Path(path)
+    if not path.exists():
+        raise FileNotFoundError(f"drafter path {path} does not exist (a drafter directory or a .ckpt file)")
+    if path.is_file() and path.suffix != ".ckpt":
+        raise error(f"{path} is a file: expected a drafter directory with config.json, or a .ckpt")
+    return path
+
+
 def read_config(directory: Path) -> dict:
     path = directory / "config.json"
     if not path.is_file():

@@ -24,7 +24,7 @@ from transformers import PreTrainedModel
 from medusa_like.drafters.base import CHECKPOINT_KEY, DrafterMismatchError, check_fits, target_name
 from medusa_like.drafters.medusa import HeadsConfig, MedusaHeads
 from medusa_like.formats import medusa_heads as layouts
-from medusa_like.formats.common import read_config, read_safetensors, same_weights, write_export
+from medusa_like.formats.common import drafter_source, read_config, read_safetensors, same_weights, write_export
 from medusa_like.formats.medusa_heads import (
     FORMATS,
     MEDUSA,
@@ -165,12 +165,8 @@ def _read_directory(path: Path, target: PreTrainedModel) -> tuple[MedusaHeads, d
 
 def read_heads(path: str | Path, target_model: PreTrainedModel) -> tuple[MedusaHeads, dict]:
     """`load_heads`, also returning what the source says about itself: format, target name, fingerprint."""
-    path = Path(path)
-    if not path.exists():
-        raise FileNotFoundError(f"heads path {path} does not exist")
+    path = drafter_source(path, HeadsFormatError)
     if path.is_file():
-        if path.suffix != ".ckpt":
-            raise HeadsFormatError(f"{path} is a file: expected a heads directory with config.json, or a .ckpt")
         heads, meta = heads_from_checkpoint(path)
         cfg = heads.config
         check_fits(cfg.hidden_size, cfg.vocab_size, target_model, meta["target_fingerprint"], f"from {path}")
