@@ -53,7 +53,7 @@ def test_eagle3_greedy_equals_target_greedy(family, backend, tree_name):
         assert out.stats.target_forwards == 1 + len(out.stats.accepted_draft)
 
 
-def test_a_drafter_trained_on_the_target_is_accepted():
+def test_a_drafter_initialised_from_the_target_stays_lossless():
     """A drafter initialised from the target (its projection, an identity fc on the highest aux layer) runs through
     a dynamic tree and stays lossless."""
     target, prompts, expected = references("llama")
