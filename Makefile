@@ -10,14 +10,14 @@ RUN_DIR ?= runs/make_run
 # On a machine shared with other busy processes, `OMP_WAIT_POLICY=PASSIVE make run` keeps idle OpenMP workers from
 # spinning against them; on an idle machine the default (spinning) is faster, small tree steps by ~25%.
 
-.PHONY: install run test bench lint clean
+.PHONY: install run test bench llamacpp lint clean
 
 install: $(STAMP)
 
 # torch first, chosen for the machine: a torch already importable (e.g. a CUDA build in the system Python, seen
 # through --system-site-packages) is kept; on a GPU machine without one, PyPI's CUDA build; on a CPU-only machine a
 # CPU build (a local wheel if pip's find-links has one, else PyTorch's CPU index) instead of a multi-GB CUDA wheel.
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml setup.py
 	@if [ ! -x $(PY) ]; then \
 	  if python3 -c "import torch" 2>/dev/null; then python3 -m venv --system-site-packages $(VENV); \
 	  else python3 -m venv $(VENV); fi; fi
@@ -32,8 +32,10 @@ $(STAMP): pyproject.toml
 	@touch $(STAMP)
 
 # train the EAGLE-3-style drafter on ShareGPT conversations read by the target (resumable data build), then search the
-# dynamic tree for this machine on validation prompts, and evaluate on other validation prompts (never trained on):
-# tau, speedups against transformers' greedy and prompt-lookup decoding, losslessness
+# combined tree (the drafter + lookup, one cost-aware tree) and transformers' prompt-lookup setting for this machine on
+# validation prompts, and evaluate on other validation prompts (never trained on): the drafter alone, lookup alone and
+# combined, against transformers' greedy and (tuned) prompt-lookup decoding; tau, speed, losslessness
+EVAL_METHODS := [hf_greedy,hf_prompt_lookup,learned,lookup,speculative]
 run: $(STAMP)
 	$(PY) -m train.train experiment=smollm2_eagle3 hydra.run.dir=$(RUN_DIR)/train
 	$(PY) -m eval.tree_search drafter.path=$(RUN_DIR)/train/drafter tree_search.calibration.limit=4 \
@@ -41,13 +43,25 @@ run: $(STAMP)
 	  hydra.run.dir=$(RUN_DIR)/tree_search
 	rm -rf $(RUN_DIR)/eval
 	$(PY) -m eval.evaluate drafter.path=$(RUN_DIR)/train/drafter tree=$(RUN_DIR)/tree.json data.source=validation \
-	  data.skip=8 data.limit=16 data.max_turns=1 eval.max_new_tokens=96 eval.sweep.prompts=0 hydra.run.dir=$(RUN_DIR)/eval
+	  data.skip=8 data.limit=16 data.max_turns=1 eval.max_new_tokens=96 eval.sweep.prompts=0 \
+	  'eval.methods=$(EVAL_METHODS)' hydra.run.dir=$(RUN_DIR)/eval
 
 test: $(STAMP)
 	$(PY) -m pytest -q tests
 
+# all 80 MT-Bench questions, both turns, with `make run`'s drafter and tree: transformers greedy and prompt lookup,
+# lookup alone and combined, interleaved; resumable (run it again after a kill); about an hour on 2 cores
+MT_BENCH ?= ../shared/data/mt_bench_question.jsonl
 bench: $(STAMP)
-	$(PY) -m eval.bench_core
+	$(PY) -m eval.evaluate data.source=jsonl data.path=$(MT_BENCH) drafter.path=$(RUN_DIR)/train/drafter \
+	  tree=$(RUN_DIR)/tree.json eval.max_new_tokens=96 eval.sweep.prompts=0 eval.resume=true \
+	  'eval.methods=[hf_greedy,hf_prompt_lookup,lookup,speculative]' hydra.run.dir=$(RUN_DIR)/bench
+
+# llama.cpp on this CPU: build it from the llama-cpp-python source distribution (cached), export `make run`'s drafter
+# as GGUF and time speculative decoding with it against plain decoding and llama.cpp's own lookup (not part of CI)
+llamacpp: $(STAMP)
+	$(PY) -m eval.llamacpp drafter=$(RUN_DIR)/train/drafter out=$(RUN_DIR)/llamacpp
+
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check medusa_like train eval tests

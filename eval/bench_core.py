@@ -1,12 +1,13 @@
 """Core benchmark: target forward time against tree size, and speculative vs plain greedy tokens/s.
 
-    python -m eval.bench_core                           # default target, fresh (zero-init) heads
+    python -m eval.bench_core                           # default target and default drafter
     python -m eval.bench_core --drafter runs/x/drafter  # a trained drafter (Medusa heads or EAGLE-3)
     python -m eval.bench_core --out bench.json --prompts 4 --max-new-tokens 96
 
 Prints two tables and writes them as JSON. Forward time is the median of timed repeats of one tree forward over a
-committed prefix (the cost that a bigger tree pays per step); decoding speed is measured on chat prompts, plain greedy
-being this project's own loop with no tree (same cache and backend) and transformers' `generate`.
+committed prefix (the cost that a bigger tree pays per step), on trees shaped by the static presets' prior; decoding
+speed is measured on chat prompts by the evaluation's timing harness (methods interleaved, warm-up, medians), plain
+greedy being this project's own loop with no tree (same cache and backend) and transformers' `generate`.
 """
 
 import argparse
@@ -21,7 +22,10 @@ from medusa_like.decoding.attention import tree_attention
 from medusa_like.decoding.generate import target_forward
 from medusa_like.decoding.kv_cache import TreeKVCache
 from medusa_like.decoding.projection import VocabProjection
+from medusa_like.decoding.tree import PRESET_PRIOR
 from medusa_like.decoding.tree import TokenTree, greedy_tree
+from medusa_like.evaluation.methods import hf_runner, loop_runner
+from medusa_like.evaluation.timing import median_tps, time_methods
 from medusa_like.io import write_json
 from medusa_like.model import MedusaLikeModel
 
@@ -31,13 +35,12 @@ PROMPTS = [
     "Give me three tips for writing a good cover letter.",
     "What causes the seasons on Earth?",
 ]
-_PRIOR = [[0.6 * 0.5**r for r in range(16)], *[[0.4 * 0.5**r for r in range(16)] for _ in range(4)]]
 
 
 def time_tree_forward(model: MedusaLikeModel, num_nodes: int, prefix_len: int, repeats: int) -> float:
     """Median seconds of one target forward over a `num_nodes` tree on a `prefix_len`-token committed prefix."""
     target = model.target
-    paths = greedy_tree(_PRIOR, num_nodes - 1)
+    paths = greedy_tree(PRESET_PRIOR, num_nodes - 1)  # shaped like the static presets' trees
     tree = TokenTree.from_paths(paths).to(model.device)
     prefix = torch.randint(0, target.config.vocab_size, (1, prefix_len), device=model.device)
     tokens = torch.randint(0, target.config.vocab_size, (1, tree.num_nodes), device=model.device)
@@ -60,34 +63,22 @@ def time_tree_forward(model: MedusaLikeModel, num_nodes: int, prefix_len: int, r
 
 
 def decode_speed(model: MedusaLikeModel, trees: list[str], num_prompts: int, max_new_tokens: int) -> list[dict]:
+    """transformers' greedy `generate` and this project's loop with each tree, timed by the evaluation's harness
+    (interleaved in rotated order per prompt, after a warm-up); tokens/s is the median over prompts."""
     prompts = [model.chat_ids([{"role": "user", "content": p}]) for p in PROMPTS[:num_prompts]]
-    rows = {name: {"tokens": 0, "seconds": 0.0, "forwards": 0} for name in ["hf_generate", *trees]}
-    model.generate(prompts[0], max_new_tokens=8, tree="none")  # warm-up
-    for ids in prompts:  # interleaved per prompt, so drift on a shared machine hits every method alike
-        start = time.perf_counter()
-        out = model.target.generate(
-            ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens, do_sample=False
-        )
-        rows["hf_generate"]["seconds"] += time.perf_counter() - start
-        rows["hf_generate"]["tokens"] += out.shape[1] - ids.shape[1]
-        rows["hf_generate"]["forwards"] += out.shape[1] - ids.shape[1]
-        for name in trees:
-            result = model.generate(ids, max_new_tokens=max_new_tokens, tree=name)
-            stats = result.stats
-            rows[name]["seconds"] += stats.prefill_seconds + stats.decode_seconds
-            rows[name]["tokens"] += stats.new_tokens
-            rows[name]["forwards"] += stats.target_forwards
-    base = rows["hf_generate"]["tokens"] / rows["hf_generate"]["seconds"]
+    eos = model.eos_token_ids()
+    pad = model.tokenizer.pad_token_id
+    runners = {"hf_generate": hf_runner(model.target, eos, pad if pad is not None else (eos[0] if eos else None))}
+    runners.update({name: loop_runner(model, model.resolve_tree(name), eos) for name in trees})
+    results = time_methods(runners, prompts, max_new_tokens, warmup_tokens=8)
+    base = median_tps(results["hf_generate"])
     table = []
-    for name, r in rows.items():
-        tps = r["tokens"] / r["seconds"]
+    for name, runs in results.items():
+        tokens = sum(len(r["tokens"]) for r in runs)
+        forwards = sum(r["stats"]["target_forwards"] if r["stats"] else len(r["tokens"]) for r in runs)
+        tps = median_tps(runs)
         table.append(
-            {
-                "method": name,
-                "tokens_per_s": tps,
-                "tau": r["tokens"] / max(r["forwards"], 1),
-                "speedup_vs_hf": tps / base,
-            }
+            {"method": name, "tokens_per_s": tps, "tau": tokens / max(forwards, 1), "speedup_vs_hf": tps / base}
         )
     return table
 
@@ -95,7 +86,7 @@ def decode_speed(model: MedusaLikeModel, trees: list[str], num_prompts: int, max
 def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--target", default="smollm2-135m-instruct")
-    parser.add_argument("--drafter", default=None, help="drafter directory; default: fresh zero-initialised heads")
+    parser.add_argument("--drafter", default=None, help="drafter directory; default: the package's default drafter")
     parser.add_argument("--backend", default="auto")
     parser.add_argument("--nodes", default="1,2,4,8,16,32,64,128")
     parser.add_argument("--prefix-len", type=int, default=256)

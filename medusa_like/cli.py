@@ -12,19 +12,25 @@ one-line errors for expected failures, and the resolvers the configs use.
 
 Expected failures (bad input: a missing file, a malformed dataset, a drafter for another target, a bad config value)
 are `OSError`s and `ValueError`s; they end the command with `error: <message>` on one line and exit status 1. Any other
-exception is a bug and keeps its traceback. `HYDRA_FULL_ERROR=1` shows the full traceback for every error.
+exception is a bug and keeps its traceback. `HYDRA_FULL_ERROR=1` shows the full traceback for every error. A run
+directory that cannot be created (`hydra.run.dir` on a read-only file system) fails the same way, before the run
+starts: `RunDirectoryCheck`, a Hydra callback that `conf/hydra/default.yaml` installs for every entry point.
 """
 
 import contextlib
-import hashlib
 import logging
 import os
 import sys
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
+import torch
+from hydra.core.hydra_config import HydraConfig
+from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
+
+from medusa_like.data.naming import source_name
 
 log = logging.getLogger(__name__)
 
@@ -36,7 +42,42 @@ class ConfigError(ValueError):
 
 
 @dataclass(frozen=True)
-class Number:
+class Check:
+    """A config value's check; with `when=(key, value)`, applied only in configs whose `key` has that value (a drafter
+    kind's own keys). Elsewhere a checked key the config lacks is an error."""
+
+    when: tuple[str, str] | None = field(default=None, kw_only=True)
+
+    def check(self, key: str, value) -> None:
+        raise NotImplementedError
+
+
+@dataclass(frozen=True)
+class Flag(Check):
+    """A true/false config value (`overwrite=yes` would otherwise pass as a truthy string)."""
+
+    def check(self, key: str, value) -> None:
+        if not isinstance(value, bool):
+            raise ConfigError(f"config key {key}: expected true or false, got {value!r}")
+
+
+@dataclass(frozen=True)
+class FloatDtype(Check):
+    """The name of a torch floating-point dtype (float32, bfloat16, ...), or null when `optional`."""
+
+    optional: bool = False
+
+    def check(self, key: str, value) -> None:
+        if value is None and self.optional:
+            return
+        dtype = getattr(torch, value, None) if isinstance(value, str) else None
+        if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+            expected = "a torch floating-point dtype name such as float32 or bfloat16" + (" or null" * self.optional)
+            raise ConfigError(f"config key {key}: expected {expected}, got {value!r}")
+
+
+@dataclass(frozen=True)
+class Number(Check):
     """An int (or float) config value, at least `min`, or null when `optional`."""
 
     kind: type = int
@@ -53,6 +94,21 @@ class Number:
             expected += f" >= {self.min}" if self.min is not None else ""
             expected += " or null" if self.optional else ""
             raise ConfigError(f"config key {key}: expected {expected}, got {value!r}")
+
+
+@dataclass(frozen=True)
+class NumberOrWord(Number):
+    """A `Number`, or one of `words` (e.g. "auto")."""
+
+    words: tuple[str, ...] = ()
+
+    def check(self, key: str, value) -> None:
+        if isinstance(value, str) and value in self.words:
+            return
+        try:
+            super().check(key, value)
+        except ConfigError as err:
+            raise ConfigError(f"{err} (or one of {list(self.words)})") from None
 
 
 _DATA_CHECKS = {
@@ -72,21 +128,25 @@ TRAIN_CHECKS = {
     "trainer.gradient_clip_val": Number(float, min=0.0, optional=True),
     "trainer.log_every_n_steps": Number(min=1),
     "module.optimizer.lr": Number(float, min=0.0),
-    "drafter.num_heads": Number(min=1),
-    "drafter.draft_vocab_size": Number(min=1),
-    "drafter.module.ttt_steps": Number(min=1),
+    "distill.batch_size": Number(min=1),
+    "drafter.heads.num_heads": Number(min=1, when=("drafter.kind", "medusa")),
+    "drafter.draft_vocab_size": Number(min=1, when=("drafter.kind", "eagle3")),
+    "drafter.module.ttt_steps": Number(min=1, when=("drafter.kind", "eagle3")),
     **_DATA_CHECKS,
 }
 DISTILL_CHECKS = {
     "seed": Number(),
     "distill.batch_size": Number(min=1),
+    "distill.shard": Number(min=0),
     "distill.num_shards": Number(min=1),
+    "distill.max_chunks": Number(min=1, optional=True),
     **_DATA_CHECKS,
 }
 EVAL_CHECKS = {
     "seed": Number(),
     "eval.max_new_tokens": Number(min=1),
-    "eval.prompt_lookup_num_tokens": Number(min=1),
+    "eval.prompt_lookup_num_tokens": NumberOrWord(min=1, words=("auto",)),
+    "model.dtype": FloatDtype(optional=True),
     "eval.k_max": Number(min=1),
     "eval.threads": Number(min=1, optional=True),
     "drafter.num_heads": Number(min=1),
@@ -100,13 +160,21 @@ EVAL_CHECKS = {
 }
 
 
-def check_config(cfg: DictConfig, checks: dict[str, Number]) -> None:
-    """Raise `ConfigError` for the first key of `checks` present in `cfg` whose value does not pass its check."""
+_ABSENT = object()
+
+
+def check_config(cfg: DictConfig, checks: dict[str, Check]) -> None:
+    """Raise `ConfigError` for the first key of `checks` whose value does not pass its check, or that `cfg` lacks (a
+    typo in the checks, or a key the config no longer has, is refused rather than skipped)."""
     for key, check in checks.items():
-        parent, _, leaf = key.rpartition(".")
-        node = OmegaConf.select(cfg, parent) if parent else cfg
-        if isinstance(node, DictConfig) and leaf in node:
-            check.check(key, OmegaConf.select(cfg, key))
+        when = getattr(check, "when", None)  # checks defined outside this module may lack it
+        if when is not None and OmegaConf.select(cfg, when[0]) != when[1]:
+            continue
+        value = OmegaConf.select(cfg, key, default=_ABSENT)
+        if value is _ABSENT:
+            scope = f" (checked where {when[0]}={when[1]})" if when else ""
+            raise ConfigError(f"config key {key}{scope}: checked, but the config has no such key")
+        check.check(key, value)
 
 
 @contextlib.contextmanager
@@ -122,19 +190,46 @@ def one_line_errors() -> Iterator[None]:
         sys.exit(1)
 
 
-def source_name(source: str) -> str:
-    """A data directory name for a conversation source: a file or directory gets its stem and a hash of its absolute
-    path, so that different sources never share a directory; a name ('sharegpt', a hub dataset) is kept."""
-    path = Path(str(source))
-    if not path.exists():
-        return str(source).replace("/", "--")
-    digest = hashlib.sha1(str(path.resolve()).encode()).hexdigest()[:8]
-    return f"{path.stem}-{digest}"
+class RunDirectoryCheck(Callback):
+    """Creates the run directory before Hydra does, so that one it cannot create (a read-only file system, a path
+    through a file) ends the command with one `error:` line naming `hydra.run.dir` instead of Hydra's traceback."""
+
+    def on_run_start(self, config: DictConfig, **kwargs) -> None:
+        self._create(config, "hydra.run.dir")
+
+    def on_multirun_start(self, config: DictConfig, **kwargs) -> None:
+        self._create(config, "hydra.sweep.dir")
+
+    @staticmethod
+    def _create(config: DictConfig, key: str) -> None:
+        HydraConfig.instance().set_config(config)  # resolves ${hydra:...} in the directory, as Hydra's run_job does
+        directory = Path(str(OmegaConf.select(config, key)))
+        with one_line_errors():
+            try:
+                directory.mkdir(parents=True, exist_ok=True)
+            except OSError as err:
+                raise OSError(f"cannot create the run directory {key}={directory}: {err}") from err
+
+
+def computes_in_bf16() -> bool:
+    """Whether this machine runs bf16 matrix products natively: a CUDA GPU, or a CPU with AVX512-BF16 (or AMX).
+    Elsewhere (AVX2-only CPUs) torch emulates bf16, about 10x slower than fp32."""
+    cpu = torch.cpu
+    native = any(getattr(cpu, name, lambda: False)() for name in ("_is_avx512_bf16_supported", "_is_amx_tile_supported"))
+    return torch.cuda.is_available() or native
 
 
 def register_resolvers() -> None:
-    if not OmegaConf.has_resolver("source_name"):
-        OmegaConf.register_new_resolver("source_name", source_name)
+    """`${source_name:...}` (a local data source's directory name); `${fast_dtype:}` and `${fast_precision:}`:
+    bfloat16 / bf16-mixed where the machine computes in bf16 natively, else float32 / 32-true."""
+    resolvers = {
+        "source_name": source_name,
+        "fast_dtype": lambda: "bfloat16" if computes_in_bf16() else "float32",
+        "fast_precision": lambda: "bf16-mixed" if computes_in_bf16() else "32-true",
+    }
+    for name, resolver in resolvers.items():
+        if not OmegaConf.has_resolver(name):
+            OmegaConf.register_new_resolver(name, resolver)
 
 
 register_resolvers()

@@ -1,17 +1,23 @@
-"""Files written whole or not at all, and JSON Lines read with errors that name the line.
+"""Files written whole or not at all, a lock file held while a directory is built, and JSON Lines read with errors
+that name the line.
 
-Every file or directory this package writes goes through `atomic_file` or `atomic_directory`: the content is written
-under a temporary name next to its destination (`.<name>.tmp-<pid>`) and renamed into place, so an interrupted run
-leaves the previous content or nothing, never half of it. Temporaries of a killed run are recognisable by that
-name and are removed by `remove_stale_temporaries`.
+Every file or directory this package writes whole goes through `atomic_file` or `atomic_directory`: the content is
+written under a temporary name next to its destination (`.<name>.tmp-<pid>`) and renamed into place, so an interrupted
+run leaves the previous content or nothing, never half of it. The exceptions are append-only logs (an evaluation's
+`prompts.jsonl`, whose line cut short by a kill is dropped on resume) and what Lightning, Hydra and the loggers write
+themselves. Temporaries of a killed run are recognisable by that name and are removed by `remove_stale_temporaries`.
 """
 
+import fcntl
 import json
+import logging
 import os
 import shutil
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
+
+log = logging.getLogger(__name__)
 
 TMP_MARK = ".tmp-"
 
@@ -90,6 +96,24 @@ def _alive(pid: int) -> bool:
     except PermissionError:
         return True
     return True
+
+
+@contextmanager
+def exclusive_lock(path: str | Path, waiting: str = "") -> Iterator[None]:
+    """Hold an exclusive lock on the file `path` (created if missing) for the block: a second process asking for it
+    waits (logging `waiting` once) until the first leaves the block or dies. The file itself stays, empty."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a") as handle:
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            log.info("waiting for %s: %s", path, waiting or "another process holds it")
+            fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
 
 
 class JsonLinesError(ValueError):

@@ -15,32 +15,21 @@ import torch
 
 from medusa_like.decoding.attention import pick_backend
 from medusa_like.decoding.generate import GenerateOutput, StopChecker, speculative_generate
-from medusa_like.decoding.tree import resolve_tree
-from medusa_like.drafters.base import check_fits, drafter_dims
-from medusa_like.drafters.eagle3 import Eagle3Drafter, Eagle3Proposer
-from medusa_like.drafters.medusa import HeadsConfig, MedusaHeads, MedusaProposer
-from medusa_like.drafters.vocab import DraftVocab
+from medusa_like.decoding.tree import TreeSpec, resolve_tree
+from medusa_like.drafters.protocol import Drafter, Proposer
+from medusa_like.drafters.registry import KINDS, kind_named
 from medusa_like.formats import load_drafter
 from medusa_like.targets import DEFAULT_TARGET, chat_input_ids, eos_token_ids, freeze, load_target
 
+DEFAULT_DRAFTER = "lookup"  # without a trained drafter: lookup drafting from the context and earlier outputs
+
 
 class MedusaLikeModel:
-    def __init__(
-        self,
-        target,
-        tokenizer,
-        drafter: MedusaHeads | Eagle3Drafter,
-        backend: str = "auto",
-        target_name: str | None = None,
-        draft_vocab: DraftVocab | None = None,
-    ):
-        check_fits(*drafter_dims(drafter), target)
-        if draft_vocab is not None and not isinstance(drafter, MedusaHeads):
-            raise ValueError("draft_vocab restricts Medusa heads; an EAGLE-3 drafter carries its own vocabulary")
+    def __init__(self, target, tokenizer, drafter: Drafter, backend: str = "auto", target_name: str | None = None):
+        drafter.check_fits(target)
         self.target = freeze(target)
         self.tokenizer = tokenizer
         self.drafter = drafter.to(device=self.device, dtype=self.target.dtype).eval()
-        self.draft_vocab = draft_vocab
         self.backend = pick_backend(backend, self.device)
         self.target_name = target_name or getattr(target.config, "name_or_path", None)
 
@@ -48,21 +37,19 @@ class MedusaLikeModel:
     def from_pretrained(
         cls,
         target=DEFAULT_TARGET,
-        drafter: str | Path | MedusaHeads | Eagle3Drafter | None = None,
+        drafter: str | Path | Drafter | None = DEFAULT_DRAFTER,
         tokenizer=None,
-        num_heads: int = 4,
-        num_layers: int = 1,
-        shared_lm_head: bool = True,
         backend: str = "auto",
         dtype: torch.dtype | str | None = None,
         device: torch.device | str | None = None,
-        draft_vocab: DraftVocab | None = None,
+        **drafter_options,
     ) -> "MedusaLikeModel":
         """`target`: a hub id, a local directory, the default's name, or a loaded model (then pass `tokenizer`).
 
         `drafter`: a drafter directory (native Medusa heads or EAGLE-3 drafter, the Medusa, vLLM, TGI or EAGLE-3
-        serving layouts), a training checkpoint, a `MedusaHeads` or `Eagle3Drafter`, or None for fresh
-        zero-initialised heads of `num_heads` x `num_layers`.
+        serving layouts), a training checkpoint, a drafter object, or the name of a drafter kind for a fresh one built
+        with `drafter_options`: "lookup" (the default: training-free context and output-store lookup), "medusa"
+        (zero-initialised heads: `num_heads=`, `num_layers=`, `shared_lm_head=`), "eagle3" (random weights).
         """
         if isinstance(target, (str, Path)):
             target_name = str(target)
@@ -70,14 +57,12 @@ class MedusaLikeModel:
         else:
             target_name = getattr(target.config, "name_or_path", None)
         if drafter is None:
-            config = target.config.get_text_config()
-            drafter = MedusaHeads(
-                HeadsConfig(config.hidden_size, config.vocab_size, num_heads, num_layers, shared_lm_head),
-                target.get_output_embeddings().weight,
-            )
+            drafter = DEFAULT_DRAFTER
+        if isinstance(drafter, str) and drafter in KINDS:
+            drafter = kind_named(drafter).fresh(target, **drafter_options)
         elif isinstance(drafter, (str, Path)):
             drafter = load_drafter(drafter, target)
-        return cls(target, tokenizer, drafter, backend=backend, target_name=target_name, draft_vocab=draft_vocab)
+        return cls(target, tokenizer, drafter, backend=backend, target_name=target_name)
 
     @property
     def device(self) -> torch.device:
@@ -85,18 +70,16 @@ class MedusaLikeModel:
 
     @property
     def drafter_kind(self) -> str:
-        return "medusa" if isinstance(self.drafter, MedusaHeads) else "eagle3"
+        return self.drafter.kind
 
     @property
     def max_depth(self) -> int | None:
-        """The deepest static tree the drafter can fill (Medusa: its number of heads; EAGLE-3: unbounded)."""
-        return self.drafter.num_heads if isinstance(self.drafter, MedusaHeads) else None
+        """The deepest static tree the drafter can fill (Medusa: its number of heads; others: unbounded)."""
+        return self.drafter.max_depth
 
-    def proposer(self):
+    def proposer(self) -> Proposer:
         """A fresh proposer for one generation (see `drafters/protocol.py`)."""
-        if isinstance(self.drafter, MedusaHeads):
-            return MedusaProposer(self.drafter, self.target, self.draft_vocab)
-        return Eagle3Proposer(self.drafter, self.target)
+        return self.drafter.proposer(self.target)
 
     def chat_ids(self, messages: list[dict]) -> torch.Tensor:
         """Prompt ids [1, T] under the target's own chat template."""
@@ -105,9 +88,10 @@ class MedusaLikeModel:
     def eos_token_ids(self) -> list[int]:
         return eos_token_ids(self.target, self.tokenizer)
 
-    def resolve_tree(self, tree):
-        """A static `TokenTree` or a `DynamicTreeSpec` from a preset name, a tree file, rank paths or a spec."""
-        return resolve_tree(tree, self.max_depth)
+    def resolve_tree(self, tree) -> TreeSpec:
+        """The tree spec generation uses for `tree` (a preset name, a tree file, rank paths, a dict or a spec), as
+        this drafter decodes with it (a lookup or combined drafter merges its sources into a budgeted tree)."""
+        return self.drafter.adapt_tree(resolve_tree(tree, self.max_depth))
 
     def generate(
         self,
@@ -122,20 +106,23 @@ class MedusaLikeModel:
         stop_strings: list[str] | None = None,
         streamer=None,
         max_cache_len: int | None = None,
+        remember: bool = True,
     ) -> GenerateOutput:
         """Speculative decoding, lossless: at temperature 0 the output equals the target's own greedy decoding token
         for token; above it, tokens are drawn from exactly the target's (temperature, top_k, top_p) distribution.
 
         `tree`: a preset ('dynamic' for EAGLE-2's dynamic tree, 'chain', 'small', 'medusa', 'none' for plain
         decoding), a `DynamicTreeSpec` or a dict of its fields, a list of rank paths, a tree file (JSON from the tree
-        search) or a `TokenTree`. `streamer`: a callable taking each step's new token ids, or a transformers streamer.
+        search) or a spec. `streamer`: a callable taking each step's new token ids, or a transformers streamer.
+        `remember`: hand the finished output to the drafter (a lookup store learns from it; an evaluation that runs
+        several methods on one prompt passes False and adds the answer once every method is done, so none sees it).
         """
-        if temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {temperature}")
         generator = None
         if temperature > 0 and seed is not None:
             generator = torch.Generator(self.device).manual_seed(seed)
-        if input_ids.dim() == 1:
+        if isinstance(input_ids, (list, tuple)):
+            input_ids = torch.tensor(input_ids, dtype=torch.long)
+        if isinstance(input_ids, torch.Tensor) and input_ids.dim() == 1:
             input_ids = input_ids[None]
         eos = (
             self.eos_token_ids()
@@ -145,7 +132,7 @@ class MedusaLikeModel:
             else eos_token_id
         )
         stop = StopChecker(eos, stop_strings or (), self.tokenizer)
-        return speculative_generate(
+        out = speculative_generate(
             self.target,
             self.proposer(),
             input_ids.to(self.device),
@@ -160,3 +147,6 @@ class MedusaLikeModel:
             top_p=top_p,
             generator=generator,
         )
+        if remember:
+            self.drafter.remember(out.new_tokens.tolist())
+        return out

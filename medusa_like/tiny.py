@@ -1,9 +1,9 @@
 """Tiny randomly initialised targets of several families, built from a config with nothing downloaded.
 
-They stand in for real targets in tests and smoke runs: `tiny_model` for tests (any vocabulary size, real sliding
-windows), `tiny_target` for the Hydra model configs (`model=tiny_llama`, `model=tiny_qwen2`), which borrows the
-embedded default's tokenizer (its chat template and its 49,152-token vocabulary) so data and templates stay
-realistic while the model runs in milliseconds.
+They stand in for real targets in tests and smoke runs: `tiny_model` for tests (a model alone, any vocabulary size,
+real sliding windows), `tiny_chat_target` for the Hydra model configs (`model=tiny_llama`, `model=tiny_qwen2`): a
+(model, tokenizer) pair loaded like `targets.load_target`'s, which borrows the embedded default's tokenizer (its chat
+template and its 49,152-token vocabulary) so data and templates stay realistic while the model runs in milliseconds.
 """
 
 import torch
@@ -53,7 +53,7 @@ def tiny_model(family: str = "llama", vocab_size: int = 97, seed: int = 0, slidi
     return freeze(model)
 
 
-def tiny_target(
+def tiny_chat_target(
     family: str = "llama",
     hidden_size: int = 64,
     num_layers: int = 2,
@@ -63,8 +63,10 @@ def tiny_target(
     tie_word_embeddings: bool = True,
     seed: int = 0,
     tokenizer: str = DEFAULT_TARGET,
+    dtype: torch.dtype | str | None = None,  # as `load_target`'s, but null means fp32 everywhere
+    device: torch.device | str | None = None,
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
-    """(model, tokenizer): a tiny model with the vocabulary and special tokens of `tokenizer`'s real tokenizer."""
+    """(model, tokenizer): a tiny frozen model with the vocabulary and special tokens of `tokenizer`'s real tokenizer."""
     tok = AutoTokenizer.from_pretrained(resolve_target(tokenizer))
     model = tiny_model(
         family,
@@ -81,4 +83,5 @@ def tiny_target(
         eos_token_id=tok.eos_token_id,
         pad_token_id=tok.pad_token_id,
     )
-    return model, tok
+    dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
+    return model.to(device=device, dtype=dtype or torch.float32), tok

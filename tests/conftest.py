@@ -113,6 +113,7 @@ class ScriptedProposer:
 
     feature_layers = None
     max_depth = None
+    max_rank = None
 
     def __init__(self, propose_fn):
         self.propose_fn = propose_fn
@@ -128,7 +129,12 @@ class ScriptedProposer:
         if spec.max_depth == 0:
             return DraftTree.from_static(spec, self.root.view(1))
         proposals = self.propose_fn(self.generated)[: spec.max_depth]  # [K, top_k]
-        return DraftTree.from_static(spec, torch.cat([self.root.view(1), proposals.flatten()[spec.candidate_index]]))
+
+        def expand(frontier, tokens, parents, depth):  # like Medusa heads: depth d's candidates whatever the parent
+            candidates = proposals[depth - 1].expand(frontier.numel(), -1)  # [F, top_k]
+            return candidates, torch.zeros(candidates.shape)
+
+        return grow_static(spec, self.root, expand)
 
 
 class OracleProposer:
@@ -137,6 +143,7 @@ class OracleProposer:
 
     feature_layers = None
     max_depth = None
+    max_rank = None
 
     def __init__(self, truth: list[int], seed: int = 0):
         self.truth, self.generator = truth, torch.Generator().manual_seed(seed)

@@ -7,7 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from medusa_like.cli import EVAL_CHECKS, TRAIN_CHECKS, ConfigError, check_config, source_name
+from medusa_like.cli import EVAL_CHECKS, TRAIN_CHECKS, ConfigError, check_config
+from medusa_like.data.naming import source_name
 from tests.conftest import TINY_TRAIN, compose_config
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -75,4 +76,6 @@ def test_different_local_sources_get_different_data_directories(tmp_path):
         compose_config("train", tmp_path, "model=tiny_llama", "data=local", f"data.source={s}").data.dir for s in (a, b)
     }
     assert len(dirs) == 2 and all("/local-A-" in d for d in dirs)
-    assert source_name(str(a)) == source_name(str(a)) and source_name("sharegpt") == "sharegpt"
+    assert {Path(d).name for d in dirs} == {f"local-{source_name(str(a))}", f"local-{source_name(str(b))}"}
+    assert source_name(str(a)).startswith("A-") and source_name(str(a)) != source_name(str(b))
+    assert source_name("sharegpt") == "sharegpt"  # a named source keeps its name

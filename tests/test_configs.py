@@ -1,5 +1,6 @@
 """Every config composes, in every entry point where it belongs, and everything it describes instantiates."""
 
+from functools import cache
 from pathlib import Path
 
 import lightning as L
@@ -8,10 +9,12 @@ import torch
 from hydra.utils import get_method, instantiate
 from omegaconf import OmegaConf, open_dict
 
-from medusa_like.data.datamodule import DistilledDataModule
+from medusa_like.data import split
+from medusa_like.data.datamodule import TrainingDataModule
 from medusa_like.data.generation import GenerationConfig
 from medusa_like.drafters.medusa import HeadsConfig
-from medusa_like.drafters.vocab import DraftVocab
+from medusa_like.runs import resolved
+from medusa_like.training.build import build_module
 from medusa_like.training.eagle3_module import Eagle3Module
 from medusa_like.training.medusa_module import MedusaHeadsModule
 
@@ -21,8 +24,10 @@ TRAIN_GROUPS = ("model", "drafter", "data", "trainer", "callbacks", "logger", "e
 OPTIONS = [(group, p.stem) for group in TRAIN_GROUPS for p in sorted((CONF / group).glob("*.yaml")) if p.stem != "base"]
 
 
-def resolve(cfg) -> dict:
-    return OmegaConf.to_container(OmegaConf.masked_copy(cfg, [k for k in cfg if k != "hydra"]), resolve=True)
+@cache
+def loaded(loader_yaml: str):
+    """(target, tokenizer) of a tiny model loader, built once for all options."""
+    return instantiate(OmegaConf.create(loader_yaml))
 
 
 def test_every_group_option_is_covered():
@@ -38,21 +43,23 @@ def test_every_group_option_is_covered():
 
 
 @pytest.mark.parametrize(("group", "option"), OPTIONS, ids=[f"{g}={o}" for g, o in OPTIONS])
-def test_train_option_composes_and_instantiates(group, option, tmp_path):
+def test_train_option_composes_and_instantiates(group, option, tmp_path, monkeypatch):
     overrides = [f"{group}={option}"]
     if group not in ("model", "experiment"):
         overrides.append("model=tiny_llama")
     cfg = compose_config("train", tmp_path, *overrides)
-    resolve(cfg)
+    resolved(cfg)
 
     if cfg.drafter.kind == "medusa":
-        assert isinstance(instantiate(cfg.drafter.heads, hidden_size=64, vocab_size=1000), HeadsConfig)
+        heads = instantiate(cfg.drafter.heads, hidden_size=64, vocab_size=1000)
+        assert isinstance(heads, HeadsConfig) and (heads.hidden_size, heads.vocab_size) == (64, 1000)
+        assert heads.num_heads == 4  # conf/drafter/medusa.yaml; no option changes it
     gen = GenerationConfig(**cfg.data.generation)
     assert gen.max_new_tokens >= 1
     if OmegaConf.is_missing(cfg.data, "source"):
         assert option == "local"
     else:
-        assert isinstance(instantiate(cfg.data.module), DistilledDataModule)
+        assert isinstance(instantiate(cfg.data.module), TrainingDataModule)
     callbacks = [instantiate(c) for c in (cfg.get("callbacks") or {}).values()]
     loggers = [instantiate(c) for c in (cfg.get("logger") or {}).values()]
     assert all(isinstance(c, L.Callback) for c in callbacks)
@@ -69,22 +76,19 @@ def test_train_option_composes_and_instantiates(group, option, tmp_path):
 
     loader = cfg.model.loader
     if cfg.model.name.startswith("tiny_"):
-        target, tokenizer = instantiate(loader)
+        target, tokenizer = loaded(OmegaConf.to_yaml(loader, resolve=True))
         assert tokenizer.chat_template and target.config.vocab_size == len(tokenizer)
-        module = build(cfg, target)
-        assert isinstance(module, MedusaHeadsModule if cfg.drafter.kind == "medusa" else Eagle3Module)
+        vocab_size = target.config.vocab_size
+        # the draft vocabulary is counted on the built training split; no data is built here: every token counts once
+        monkeypatch.setattr(split, "split_token_counts", lambda *args, **kwargs: (torch.ones(vocab_size), None))
+        module = build_module(cfg, target)
+        if cfg.drafter.kind == "medusa":
+            assert isinstance(module, MedusaHeadsModule) and module.drafter.num_heads == cfg.drafter.heads.num_heads
+        else:
+            assert isinstance(module, Eagle3Module)
+            assert module.drafter.config.draft_vocab_size == min(cfg.drafter.draft_vocab_size, vocab_size)
     else:  # hub models are not downloaded in tests: the loader must exist and name a model
         assert callable(get_method(loader._target_)) and cfg.model.name_or_path
-
-
-def build(cfg, target):
-    shared = dict(target=target, target_name="tiny", optimizer=instantiate(cfg.module.optimizer))
-    if cfg.drafter.kind == "medusa":
-        lm_head = target.get_output_embeddings().weight
-        heads = instantiate(cfg.drafter.heads, vocab_size=lm_head.shape[0], hidden_size=lm_head.shape[1])
-        return instantiate(cfg.drafter.module, heads_config=heads, **shared, _convert_="object")
-    vocab = DraftVocab(torch.arange(cfg.drafter.draft_vocab_size), target.config.vocab_size)
-    return instantiate(cfg.drafter.module, vocab=vocab, **shared, _convert_="object")
 
 
 @pytest.mark.parametrize("experiment", sorted(p.stem for p in (CONF / "experiment").glob("*.yaml")))
@@ -93,7 +97,7 @@ def test_experiments_compose_for_distillation_and_training_alike(experiment, tmp
     distill_cfg = compose_config("distill", tmp_path, f"experiment={experiment}")
     assert train_cfg.task_name == distill_cfg.task_name == experiment
     assert train_cfg.data.dir == distill_cfg.data.dir  # training reads what distillation writes
-    assert resolve(train_cfg)["data"] == resolve(distill_cfg)["data"]
+    assert resolved(train_cfg)["data"] == resolved(distill_cfg)["data"]
     assert train_cfg.model.name == distill_cfg.model.name == "smollm2_135m"
 
 
@@ -102,7 +106,11 @@ def test_distill_config_composes_with_every_data_option(data, tmp_path):
     cfg = compose_config("distill", tmp_path, f"data={data}", "distill.shard=1", "distill.num_shards=3")
     assert (cfg.distill.shard, cfg.distill.num_shards) == (1, 3)
     if not OmegaConf.is_missing(cfg.data, "source"):
-        assert Path(resolve(cfg)["data"]["dir"]).is_relative_to(tmp_path)
+        resolved_data = resolved(cfg)["data"]  # data/<recipe>/<model>/<name>
+        name = resolved_data["name"]
+        assert name == data or (data == "local" and name.startswith("local-"))
+        assert resolved_data["recipe"] in ("distilled", "original")
+        assert Path(resolved_data["dir"]) == tmp_path / "data" / resolved_data["recipe"] / "smollm2_135m" / name
 
 
 @pytest.mark.parametrize("name", ["train", "eval", "export", "distill"])
@@ -112,7 +120,7 @@ def test_every_entry_point_composes_paths_hydra_and_model(name, tmp_path):
     assert cfg.model.name == "tiny_qwen2"
     assert cfg.paths.output_dir == str(tmp_path)
     assert "run" in cfg.hydra and cfg.task_name
-    resolve(cfg)
+    resolved(cfg)
 
 
 def test_eval_reads_the_training_split_settings(tmp_path):
@@ -124,7 +132,12 @@ def test_eval_reads_the_training_split_settings(tmp_path):
 
 def test_overrides_reach_the_objects(tmp_path):
     cfg = compose_config(
-        "train", tmp_path, "module.optimizer.lr=3e-4", "drafter.heads.num_heads=5", "logger.wandb.offline=false"
+        "train",
+        tmp_path,
+        "drafter=medusa",
+        "module.optimizer.lr=3e-4",
+        "drafter.heads.num_heads=5",
+        "logger.wandb.offline=false",
     )
     assert cfg.module.optimizer._partial_ and cfg.module.optimizer.lr == 3e-4 and cfg.drafter.heads.num_heads == 5
     assert cfg.model.name == "smollm2_135m" and cfg.logger.wandb.offline is False

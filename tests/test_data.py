@@ -6,7 +6,7 @@ import pytest
 import torch
 from datasets import Dataset, DatasetDict
 
-from medusa_like.data.datamodule import DistilledDataModule
+from medusa_like.data.datamodule import TrainingDataModule
 from medusa_like.data.sharegpt import ReadStats, iter_json_array, sharegpt_path
 from medusa_like.data.sources import load_conversations, user_turns
 from medusa_like.data.split import is_validation, split_token_counts
@@ -44,7 +44,7 @@ def test_packaged_sharegpt_file_reads_every_complete_record():
         assert isinstance(record["id"], str) and isinstance(record["conversations"], list)
         count += 1
     assert stats.truncated  # the packaged file is cut inside its last record
-    assert count == stats.complete and 17_000 < count < 18_000
+    assert count == stats.complete == 17_671  # the README's count of complete records
     first = next(load_conversations("sharegpt"))
     assert first["messages"][0]["role"] == "user" and first["group"] == first["id"].rsplit("_", 1)[0]
 
@@ -138,7 +138,7 @@ def test_datamodule_keeps_validation_groups_out_of_training(tmp_path):
             }
         )
     rows.append({"id": "empty", "group": "empty", "input_ids": [5, 6, 7], "loss_mask": [0, 0, 1]})  # one target only
-    dm = DistilledDataModule(str(write_distilled(tmp_path, rows)), val_fraction=0.3, batch_size=4, max_length=8)
+    dm = TrainingDataModule(str(write_distilled(tmp_path, rows)), val_fraction=0.3, batch_size=4, max_length=8)
     dm.setup("fit")
     train_idx, val_idx = set(dm.train_set["index"]), set(dm.val_set["index"])
     assert train_idx.isdisjoint(val_idx) and len(train_idx) + len(val_idx) == 60  # "empty" was filtered out

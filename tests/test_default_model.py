@@ -3,8 +3,12 @@
 import pytest
 import torch
 
+from medusa_like.decoding.generate import speculative_generate
+from medusa_like.decoding.tree import resolve_tree
 from medusa_like.model import MedusaLikeModel
 from medusa_like.targets import load_target, target_fingerprint
+
+from .conftest import ScriptedProposer
 
 PROMPTS = [
     [{"role": "user", "content": "What is the capital of France? Answer in one sentence."}],
@@ -15,7 +19,7 @@ PROMPTS = [
 @pytest.fixture(scope="module")
 def default_model():
     target, tokenizer = load_target("smollm2-135m-instruct")
-    return MedusaLikeModel.from_pretrained(target, tokenizer=tokenizer, num_heads=3)
+    return MedusaLikeModel.from_pretrained(target, drafter="medusa", tokenizer=tokenizer, num_heads=3)
 
 
 def test_default_target_loads_frozen_with_its_chat_template(default_model):
@@ -35,7 +39,17 @@ def test_default_model_is_lossless_on_chat_prompts(default_model, messages):
     reference = target.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=40, do_sample=False)
     out = default_model.generate(ids, max_new_tokens=40, tree="small")
     assert out.sequences.tolist() == reference.tolist()
-    assert out.stats.tau >= 1.0
+    # drafts that are the target's own continuation are all accepted on the real model: 4 tokens per chain step
+    truth = default_model.generate(ids, max_new_tokens=40, tree="none", eos_token_id=[]).new_tokens.tolist()
+
+    def oracle(generated):  # [3, 1]: the next three tokens of the reference after the root
+        return torch.tensor([[truth[i] if i < len(truth) else 0] for i in range(len(generated), len(generated) + 3)])
+
+    chain = resolve_tree("chain", 3)
+    oracle_out = speculative_generate(target, ScriptedProposer(oracle), ids, chain, max_new_tokens=40)
+    assert oracle_out.new_tokens.tolist() == truth
+    assert oracle_out.stats.accepted_draft[:-1] == [3] * (len(oracle_out.stats.accepted_draft) - 1)
+    assert oracle_out.stats.tau > 3.5 > out.stats.tau
 
 
 def test_stop_string_on_real_text(default_model):

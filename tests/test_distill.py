@@ -9,12 +9,12 @@ import torch.nn as nn
 
 from medusa_like.data import conversation_text, generation, masks, storage
 from medusa_like.data.storage import check_recipe, recipe
-from medusa_like.tiny import tiny_target
+from medusa_like.tiny import tiny_chat_target
 
 
 def chatty_target(eos_logit: float = 9.7):
     """A tiny random llama whose projection favours the end-of-turn token (~25% per step), so answers finish."""
-    model, tokenizer = tiny_target("llama", tie_word_embeddings=False)
+    model, tokenizer = tiny_chat_target("llama", tie_word_embeddings=False)
     old = model.get_output_embeddings()
     head = nn.Linear(old.in_features, old.out_features, bias=True)
     with torch.no_grad():
@@ -59,7 +59,7 @@ def segments(mask: list[int]) -> list[tuple[int, int]]:
 
 
 def test_loss_mask_covers_the_answers_and_their_end_token_only():
-    _, tokenizer = tiny_target("llama")
+    _, tokenizer = tiny_chat_target("llama")
     messages = [
         {"role": "system", "content": "Be brief."},
         {"role": "user", "content": "Hi there"},
@@ -182,7 +182,7 @@ def test_all_turns_are_answered_on_the_regenerated_history(tmp_path, target):
 
 
 def test_select_conversations_skips_long_prompts(tmp_path):
-    _, tokenizer = tiny_target("llama")
+    _, tokenizer = tiny_chat_target("llama")
     records = [{"id": "long", "conversations": [{"from": "human", "value": "word " * 200}]}]
     records += [{"id": f"s{i}", "conversations": [{"from": "human", "value": f"short {i}"}]} for i in range(3)]
     (tmp_path / "c.jsonl").write_text("\n".join(json.dumps(r) for r in records))
@@ -191,7 +191,7 @@ def test_select_conversations_skips_long_prompts(tmp_path):
 
 
 def test_a_tokenizer_without_chat_template_is_an_error():
-    _, tokenizer = tiny_target("llama")
+    _, tokenizer = tiny_chat_target("llama")
     tokenizer.chat_template = None
     with pytest.raises(ValueError, match="no chat template"):
         masks.build_sample(tokenizer, [{"role": "user", "content": "hi"}], [])

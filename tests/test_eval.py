@@ -2,12 +2,12 @@
 losslessness 1.0, the loud failure path, the question sets, and a clear error for each bad input."""
 
 import json
-import tempfile
+import re
 from pathlib import Path
 
 import pytest
 
-from eval.evaluate import METHODS, evaluate, exit_code
+from eval.evaluate import evaluate, exit_code
 from medusa_like.drafters.base import DrafterMismatchError
 from medusa_like.drafters.medusa import HeadsConfig, MedusaHeads
 from medusa_like.evaluation.questions import (
@@ -17,12 +17,14 @@ from medusa_like.evaluation.questions import (
     load_validation_questions,
 )
 from medusa_like.evaluation.report import PLOTS, markdown
-from medusa_like.evaluation.setup import load_model, question_set
-from medusa_like.formats.heads_io import save_heads
-from medusa_like.tiny import tiny_target
+from medusa_like.evaluation.setup import load_eval_model as load_model
+from medusa_like.evaluation.setup import question_set
+from medusa_like.formats import save_drafter
+from medusa_like.tiny import tiny_chat_target
 
 from .conftest import compose_config
 
+LEARNED_METHODS = {"hf_greedy", "hf_prompt_lookup", "plain_loop", "speculative"}  # a drafter alone: no (e), (f)
 QUESTIONS = [
     {"question_id": 1, "category": "writing", "turns": ["Write a haiku about rain.", "Now make it about snow."]},
     {"question_id": 2, "category": "math", "turns": ["What is 12 times 7?"]},
@@ -34,17 +36,25 @@ def write_jsonl(path: Path, records) -> Path:
     return path
 
 
-def eval_cfg(*overrides: str, out_dir: Path | None = None):
-    """The evaluation config on the tiny llama; reports go to `out_dir` (or a fresh temporary directory)."""
-    out_dir = out_dir or Path(tempfile.mkdtemp(prefix="eval-"))
-    return compose_config("eval", out_dir, "model=tiny_llama", *overrides)
+@pytest.fixture
+def eval_cfg(tmp_path):
+    """The evaluation config on the tiny llama, its run directory under this test's `tmp_path`."""
+
+    def compose(*overrides: str):
+        return compose_config("eval", tmp_path / "hydra", "model=tiny_llama", *overrides)
+
+    return compose
 
 
 @pytest.fixture(scope="module")
 def report(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("eval")
     questions = write_jsonl(tmp / "questions.jsonl", QUESTIONS)
-    cfg = eval_cfg(
+    cfg = compose_config(
+        "eval",
+        tmp / "hydra",
+        "model=tiny_llama",
+        "drafter.kind=learned",  # the zero-initialised heads alone: static trees, head accuracy
         f"data.path={questions}",
         "eval.max_new_tokens=8",
         "eval.sweep.budgets=[0,2,4]",
@@ -67,20 +77,24 @@ def test_report_fields(report):
     assert report["setup"]["data"]["questions"] == 2
     acc = report["acceptance"]
     assert acc["prompts"] == 3  # two turns + one turn
-    assert acc["tau"] >= 1.0
+    steps, prompts = acc["tree_steps"], acc["prompts"]
+    drafted = sum(i * n for i, n in enumerate(acc["histogram"]))  # histogram[i]: steps that accepted i drafts
+    assert acc["target_forwards"] == steps + prompts  # one prefill per prompt, one verification per step
+    assert acc["new_tokens"] == 8 * prompts <= prompts + steps + drafted  # eval.max_new_tokens=8 cuts the last step
+    assert acc["tau"] == pytest.approx(acc["new_tokens"] / acc["target_forwards"]) and acc["tau"] > 1.0
     assert sum(acc["histogram"]) == acc["tree_steps"]
     assert set(acc["per_category"]) == {"writing", "math"}
     assert acc["per_category"]["writing"]["prompts"] == 2
     assert list(report["head_accuracy"]) == ["head1", "head2", "head3", "head4"]
     assert list(report["head_accuracy"]["head1"]) == [f"top{k}" for k in range(1, 11)]
-    assert set(report["speed"]["median_tokens_per_second"]) == set(METHODS)
+    assert set(report["speed"]["median_tokens_per_second"]) == LEARNED_METHODS
     assert set(report["speed"]["speedup"]) == {"hf_greedy", "hf_prompt_lookup"}
     assert [r["budget"] for r in report["tree_sweep"]] == [0, 2, 4]
     assert report["tree_sweep"][0]["tau"] == 1.0
     assert report["tree_search"]["label"] in (1, 2)
     assert report["setup"]["tree"]["nodes"] == report["tree_search"]["label"] + 1
     assert [(p["question_id"], p["turn"]) for p in report["prompts"]] == [("1", 1), ("1", 2), ("2", 1)]
-    assert all(set(p["new_tokens"]) == set(METHODS) for p in report["prompts"])
+    assert all(set(p["new_tokens"]) == LEARNED_METHODS for p in report["prompts"])
     assert set(report["definitions"]) >= {"tau", "mean_accepted_draft", "speedup", "losslessness"}
 
 
@@ -151,7 +165,7 @@ def test_validation_questions_follow_the_training_split(tmp_path):
     assert qs[0].turns == (f"question {expected[0][1:]}",)
 
 
-def test_per_category_subset(tmp_path):
+def test_per_category_subset(tmp_path, eval_cfg):
     path = write_jsonl(
         tmp_path / "q.jsonl", [{"question_id": i, "category": "ab"[i % 2], "turns": ["x"]} for i in range(6)]
     )
@@ -185,13 +199,13 @@ def test_bad_question_files(tmp_path, lines, message):
         load_jsonl_questions(path)
 
 
-def test_missing_question_file(tmp_path):
+def test_missing_question_file(tmp_path, eval_cfg):
     cfg = eval_cfg(f"data.path={tmp_path / 'nope.jsonl'}", f"out_dir={tmp_path}")
     with pytest.raises(QuestionSetError, match=r"nope.jsonl' does not exist"):
         evaluate(cfg)
 
 
-def test_missing_path_and_unknown_source(tmp_path):
+def test_missing_path_and_unknown_source(tmp_path, eval_cfg):
     with pytest.raises(QuestionSetError, match="needs a path"):
         question_set(eval_cfg().data, eval_cfg().validation)
     cfg = eval_cfg("data.source=sharegpt_v9")
@@ -199,22 +213,25 @@ def test_missing_path_and_unknown_source(tmp_path):
         question_set(cfg.data, cfg.validation)
 
 
-def test_heads_for_another_target(tmp_path):
-    other, _ = tiny_target("llama", hidden_size=32, num_layers=1, num_attention_heads=2, num_key_value_heads=1)
+def test_heads_for_another_target(tmp_path, eval_cfg):
+    other, _ = tiny_chat_target("llama", hidden_size=32, num_layers=1, num_attention_heads=2, num_key_value_heads=1)
     heads = MedusaHeads(HeadsConfig(32, other.config.vocab_size, 4), other.get_output_embeddings().weight)
-    save_heads(heads, tmp_path / "heads", other, "tiny-other")
+    save_drafter(heads, tmp_path / "heads", other, "tiny-other")
     with pytest.raises(DrafterMismatchError, match="hidden size 32, but target .* hidden size 64"):
         load_model(eval_cfg(f"drafter.path={tmp_path / 'heads'}"))
 
 
-def test_missing_drafter(tmp_path):
+def test_missing_drafter(tmp_path, eval_cfg):
     with pytest.raises(FileNotFoundError, match="drafter.path=.*does not exist"):
         load_model(eval_cfg(f"drafter.path={tmp_path / 'none'}"))
 
 
 def small_eval(tmp_path: Path, questions: list[dict], *overrides: str):
     path = write_jsonl(tmp_path / "q.jsonl", questions)
-    return eval_cfg(
+    return compose_config(
+        "eval",
+        tmp_path / "hydra",
+        "model=tiny_llama",
         f"data.path={path}",
         "tree=chain",
         "eval.max_new_tokens=4",
@@ -249,3 +266,75 @@ def test_a_prompt_longer_than_the_context_is_reported_and_skipped(tmp_path):
     assert [s["question_id"] for s in report["skipped"]] == ["9"]
     assert "exceeds the target's context" in report["skipped"][0]["skipped"]
     assert report["acceptance"]["prompts"] == 1 and report["summary"]["lossless"]
+
+
+def test_eagle3_drafter_is_evaluated_with_a_searched_tree(tmp_path):
+    """An EAGLE-3 drafter (saved natively for the tiny llama) through `evaluate` with `tree=auto`: the tree search
+    picks a dynamic-tree budget, every prompt is lossless, and the report describes the EAGLE-3 drafter."""
+    import torch
+
+    from medusa_like import DraftVocab, Eagle3Config, Eagle3Drafter
+
+    target, _ = tiny_chat_target("llama")
+    torch.manual_seed(0)
+    vocab = DraftVocab(torch.arange(512), target.config.vocab_size)
+    drafter = Eagle3Drafter(Eagle3Config.for_target(target.config, 512), vocab)
+    drafter.init_from_target(target)
+    save_drafter(drafter, tmp_path / "drafter", target, "tiny_llama")
+    questions = write_jsonl(tmp_path / "calibration.jsonl", QUESTIONS)
+    report = evaluate(
+        small_eval(
+            tmp_path,
+            QUESTIONS,
+            f"drafter.path={tmp_path / 'drafter'}",
+            "tree=auto",
+            "tree_search.calibration.source=jsonl",
+            f"tree_search.calibration.path={questions}",
+            "tree_search.timing_prompts=1",
+        )
+    )
+    assert report["summary"]["lossless"] and report["losslessness"]["fraction"] == 1.0
+    assert report["acceptance"]["prompts"] == 3
+    # combined (the default): a budgeted tree whose learned part is a dynamic tree: depth, top-k, nodes
+    assert re.fullmatch(r"d\d+k\d+n\d+\+lookup\d+n\d+", report["tree_search"]["label"])
+    assert "eagle3" in json.dumps(report["setup"]).lower()
+    assert report["tree_search"]["prompt_lookup_num_tokens"] in range(2, 11)
+    assert set(report["methods"]) == {"plain_loop", "learned", "lookup", "speculative"}
+
+
+def test_combined_evaluation_times_each_source_and_never_leaks_an_answer_into_the_store(tmp_path):
+    """drafter.kind=combined (the default): the learned drafter alone, lookup alone and combined on the same prompts,
+    each lossless, with per-source shares; and while any method runs a prompt, the output store holds only the
+    answers of the prompts before it (a store fed inside `generate` would show the count rise mid-prompt)."""
+    from medusa_like.evaluation import benchmark
+    from medusa_like.evaluation.methods import make_runners
+
+    questions = write_jsonl(tmp_path / "questions.jsonl", QUESTIONS)
+    cfg = compose_config(
+        "eval", tmp_path / "hydra", "model=tiny_llama", f"data.path={questions}", "eval.max_new_tokens=12"
+    )
+    model = load_model(cfg)
+    store = model.drafter.lookup.store
+    tree = model.resolve_tree("dynamic")
+    runners = make_runners(model, tree, 3)
+    assert {"learned", "lookup", "speculative"} <= set(runners)
+    seen = []
+
+    def spy(name, run):
+        def wrapped(ids, max_new_tokens):
+            seen.append((name, len(store)))
+            return run(ids, max_new_tokens)
+
+        return wrapped
+
+    spied = {name: spy(name, run) for name, run in runners.items()}
+    records = benchmark.run_questions(
+        model, question_set(cfg.data, cfg.validation), spied, 12, 2, tree, tmp_path / "prompts.jsonl"
+    )
+    per_prompt = [seen[i : i + len(runners)] for i in range(0, len(seen), len(runners))]
+    assert [{count for _, count in calls} for calls in per_prompt] == [{0}, {1}, {2}]
+    assert len(store) == len(records) == 3
+    assert all(store.contains(r["hf_greedy"]["tokens"]) for r in records)
+    for r in records:
+        for name in ("learned", "lookup", "speculative"):
+            assert r[name]["tokens"] == r["hf_greedy"]["tokens"], name

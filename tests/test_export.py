@@ -13,14 +13,9 @@ from safetensors.torch import load_file, save_file
 
 from medusa_like.drafters.base import DrafterMismatchError
 from medusa_like.drafters.medusa import MedusaHeads
+from medusa_like.formats import load_drafter, save_drafter
 from medusa_like.formats.common import FormatError
-from medusa_like.formats.heads_io import (
-    export_heads,
-    heads_from_checkpoint,
-    load_heads,
-    read_heads,
-    save_heads,
-)
+from medusa_like.formats.heads_io import export_heads, heads_from_checkpoint, read_heads
 from medusa_like.targets import target_fingerprint
 
 from .conftest import HIDDEN, VOCAB, compose_config, random_heads, tiny_target
@@ -140,7 +135,7 @@ def test_own_projections_equal_to_the_target_import_as_shared(target, tmp_path):
     heads = random_heads(K, 1, shared=False, seed=1)
     heads.init_projections_from(target.lm_head.weight)
     for fmt in ("medusa", "vllm"):
-        loaded = load_heads(export(heads, tmp_path, fmt, target, fmt), target)
+        loaded = load_drafter(export(heads, tmp_path, fmt, target, fmt), target)
         assert loaded.config.shared_lm_head and loaded.lm_heads is None
         hidden = torch.randn(2, 5, H)
         with torch.no_grad():  # the same numbers through the shared path's one batched projection
@@ -150,7 +145,7 @@ def test_own_projections_equal_to_the_target_import_as_shared(target, tmp_path):
 def test_bf16_export_round_trips_in_bf16(target, tmp_path):
     heads = random_heads(K, 1, shared=True, seed=1)
     out = export_heads(heads, tmp_path / "bf16", "vllm", target_model=target, target_name="t", dtype=torch.bfloat16)
-    loaded = load_heads(out, target)  # the bf16 lm_head still counts as the fp32 target's
+    loaded = load_drafter(out, target)  # the bf16 lm_head still counts as the fp32 target's
     assert next(loaded.parameters()).dtype == torch.bfloat16
     assert torch.equal(logits(loaded.float(), target), logits(heads.to(torch.bfloat16).float(), target))
 
@@ -175,7 +170,7 @@ def test_export_refuses_other_weight_files_and_unknown_format(target, tmp_path):
     with pytest.raises(FileExistsError, match="overwrite=true"):
         export(random_heads(K, seed=5), tmp_path, "native", target)  # a previous export stays unless asked
     export_heads(random_heads(K, seed=5), out, "native", target_model=target, target_name="tiny/base", overwrite=True)
-    assert torch.equal(logits(load_heads(out, target), target), logits(random_heads(K, seed=5), target))
+    assert torch.equal(logits(load_drafter(out, target), target), logits(random_heads(K, seed=5), target))
     with pytest.raises(ValueError, match="'onnx'"):
         export(random_heads(K, seed=1), tmp_path, "onnx", target, "x")
 
@@ -211,10 +206,10 @@ def test_truncated_or_garbage_weights_are_named(fmt, target, tmp_path):
     data = weights.read_bytes()
     weights.write_bytes(data[: len(data) - 100])
     with pytest.raises(FormatError, match=rf"{weights.name} is not a readable safetensors file"):
-        load_heads(out, target)
+        load_drafter(out, target)
     weights.write_bytes(b"not a safetensors file at all")
     with pytest.raises(FormatError, match="truncated or corrupted"):
-        load_heads(out, target)
+        load_drafter(out, target)
 
 
 def rewrite(out: Path, edit) -> None:
@@ -229,17 +224,17 @@ def test_missing_extra_and_misshapen_tensors_are_named(target, tmp_path):
     out = export(random_heads(K, 2, shared=False, seed=1), tmp_path, "medusa", target)
     rewrite(out, lambda t: t.pop("1.1.linear.bias"))
     with pytest.raises(FormatError, match=r"missing tensors '1\.1\.linear\.bias'"):
-        load_heads(out, target)
+        load_drafter(out, target)
 
     out = export(random_heads(K, 1, seed=1), tmp_path, "native", target, "extra")
     rewrite(out, lambda t: t.update({"lm_heads.0.weight": torch.zeros(V, H)}))
     with pytest.raises(FormatError, match=r"unexpected tensors 'lm_heads\.0\.weight'"):
-        load_heads(out, target)
+        load_drafter(out, target)
 
     out = export(random_heads(K, 1, shared=False, seed=1), tmp_path, "vllm", target, "shape")
     rewrite(out, lambda t: t.update({"lm_heads.2.weight": torch.zeros(V - 1, H)}))
     with pytest.raises(FormatError, match=rf"'lm_heads\.2\.weight' has shape \({V - 1}, {H}\), expected \({V}, {H}\)"):
-        load_heads(out, target)
+        load_drafter(out, target)
 
 
 @pytest.mark.parametrize(
@@ -257,37 +252,37 @@ def test_config_head_count_disagreeing_with_weights(fmt, key, pattern, target, t
     config[key] = 2
     (out / "config.json").write_text(json.dumps(config))
     with pytest.raises(FormatError, match=pattern):
-        load_heads(out, target)
+        load_drafter(out, target)
     config[key] = 4
     (out / "config.json").write_text(json.dumps(config))
     with pytest.raises(FormatError, match=r"missing tensors '(blocks\.)?3\."):
-        load_heads(out, target)
+        load_drafter(out, target)
 
 
 def test_bad_paths_and_configs(target, tmp_path):
     with pytest.raises(FileNotFoundError, match="does not exist"):
-        load_heads(tmp_path / "nowhere", target)
+        load_drafter(tmp_path / "nowhere", target)
     empty = tmp_path / "empty"
     empty.mkdir()
     with pytest.raises(FormatError, match="no config.json"):
-        load_heads(empty, target)
+        load_drafter(empty, target)
     (empty / "config.json").write_text("{not json")
     with pytest.raises(FormatError, match="not valid JSON"):
-        load_heads(empty, target)
+        load_drafter(empty, target)
     (empty / "config.json").write_text(json.dumps({"model_type": "llama"}))
-    with pytest.raises(FormatError, match="matches no known heads format"):
-        load_heads(empty, target)
+    with pytest.raises(FormatError, match="is not a drafter config of any known format"):
+        load_drafter(empty, target)
     (empty / "config.json").write_text(json.dumps({"medusa_num_heads": 3, "medusa_num_layers": 1}))
     (empty / "medusa_lm_head.pt").write_bytes(b"pickle")
     with pytest.raises(FormatError, match=r"medusa_lm_head.safetensors is missing.*convert them to safetensors"):
-        load_heads(empty, target)
+        load_drafter(empty, target)
     out = export(random_heads(K, seed=1), tmp_path, "native", target)
     config = json.loads((out / "config.json").read_text())
     (out / "config.json").write_text(json.dumps({**config, "num_layers": "1"}))
     with pytest.raises(FormatError, match="field 'num_layers' is '1', expected a int"):
-        load_heads(out, target)
+        load_drafter(out, target)
     with pytest.raises(FormatError, match="is a file"):
-        load_heads(out / "config.json", target)
+        load_drafter(out / "config.json", target)
 
 
 # ---- the target ----
@@ -297,24 +292,24 @@ def test_bad_paths_and_configs(target, tmp_path):
 def test_target_with_another_hidden_size_or_vocabulary(fmt, target, tmp_path):
     out = export(random_heads(K, seed=1), tmp_path, fmt, target)
     with pytest.raises(DrafterMismatchError, match=r"hidden size 32, but target 'tiny-llama-0' has hidden size 64"):
-        load_heads(out, llama(hidden_size=64))
+        load_drafter(out, llama(hidden_size=64))
     if fmt == "tgi":  # TGI's compact form stores no projection, so no vocabulary to disagree with
-        assert load_heads(out, llama(vocab_size=256)).config.vocab_size == 256
+        assert load_drafter(out, llama(vocab_size=256)).config.vocab_size == 256
         return
     with pytest.raises(DrafterMismatchError, match=rf"vocabulary size {V}, but target .* has vocabulary size 256"):
-        load_heads(out, llama(vocab_size=256))
+        load_drafter(out, llama(vocab_size=256))
 
 
 def test_target_with_another_fingerprint(target, tmp_path):
-    out = save_heads(random_heads(K, seed=1), tmp_path / "native", target, "tiny/base")
+    out = save_drafter(random_heads(K, seed=1), tmp_path / "native", target, "tiny/base")
     with pytest.raises(DrafterMismatchError, match="fingerprint"):
-        load_heads(out, llama(num_hidden_layers=2))
+        load_drafter(out, llama(num_hidden_layers=2))
 
 
 def test_stored_lm_head_of_another_target(target, tmp_path):
     out = export(random_heads(K, shared=True, seed=1), tmp_path, "vllm", target)
     with pytest.raises(DrafterMismatchError, match=r"lm_heads\.0\.weight \(original_lm_head: true\) differs"):
-        load_heads(out, llama(seed=3))
+        load_drafter(out, llama(seed=3))
 
 
 # ---- training checkpoints ----
@@ -346,15 +341,15 @@ def test_checkpoint_to_every_format(target, tmp_path):
     assert meta["target"] == "tiny/base" and meta["global_step"] == 12
     assert torch.equal(logits(from_ckpt, target), logits(heads, target))
     for fmt in ("native", "medusa", "vllm", "tgi"):
-        out = export(load_heads(ckpt, target), tmp_path, fmt, target, fmt)
-        assert torch.equal(logits(load_heads(out, target), target), logits(heads, target))
+        out = export(load_drafter(ckpt, target), tmp_path, fmt, target, fmt)
+        assert torch.equal(logits(load_drafter(out, target), target), logits(heads, target))
 
 
 def test_checkpoint_errors(target, tmp_path):
     heads = random_heads(K, 1, seed=1)
     ckpt = write_checkpoint(tmp_path / "other.ckpt", heads, target, fingerprint="0" * 16)
     with pytest.raises(DrafterMismatchError, match="fingerprint 0000000000000000"):
-        load_heads(ckpt, target)
+        load_drafter(ckpt, target)
     state = {"state_dict": {"heads.blocks.0.0.linear.weight": torch.zeros(H, H)}, "epoch": 0}
     torch.save(state, tmp_path / "plain.ckpt")
     with pytest.raises(FormatError, match="not a medusa_like training checkpoint"):
@@ -405,7 +400,7 @@ def test_hydra_entry_point_exports_a_checkpoint(target, tmp_path):
     out = run_export(cfg)
     config = json.loads((out / "config.json").read_text())
     assert config["original_lm_head"] is True
-    assert torch.equal(logits(load_heads(out, target), target), logits(heads, target))
+    assert torch.equal(logits(load_drafter(out, target), target), logits(heads, target))
 
 
 def test_tied_embeddings_target(tmp_path):
@@ -414,7 +409,7 @@ def test_tied_embeddings_target(tmp_path):
     assert tied.lm_head.weight is tied.get_input_embeddings().weight
     heads = random_heads(K, 1, shared=True, seed=1)
     for fmt in ("native", "medusa", "vllm", "tgi"):
-        loaded = load_heads(export(heads, tmp_path, fmt, tied, fmt), tied)
+        loaded = load_drafter(export(heads, tmp_path, fmt, tied, fmt), tied)
         assert loaded.config.shared_lm_head
         assert torch.equal(logits(loaded, tied), logits(heads, tied))
 
@@ -429,7 +424,7 @@ def test_vllm_blocks_without_bias_import_as_zero_bias(target, tmp_path):
     rewrite(out, lambda t: [t.pop(name) for name in [n for n in t if n.endswith(".bias")]])
     config = json.loads((out / "config.json").read_text())
     (out / "config.json").write_text(json.dumps({**config, "medusa_fc_bias": False}))
-    assert torch.equal(logits(load_heads(out, target), target), logits(heads, target))
+    assert torch.equal(logits(load_drafter(out, target), target), logits(heads, target))
 
 
 def test_export_never_overwrites_what_it_did_not_write(target, tmp_path):

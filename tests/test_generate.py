@@ -1,7 +1,11 @@
 """Losslessness of tree speculative decoding on tiny random targets of four families, three backends, four trees."""
 
+import json
+from functools import cache
+
 import pytest
 import torch
+from transformers import TextIteratorStreamer, TextStreamer
 
 from medusa_like.decoding.attention import tree_attention
 from medusa_like.decoding.generate import StopChecker, accept_greedy, speculative_generate, target_forward
@@ -23,7 +27,7 @@ from .conftest import (
 )
 
 BACKENDS = ["eager", "sdpa", "flash"]
-TREES = ["none", "chain", "small", "medusa"]
+TREES = ["chain", "small", "medusa"]
 NEW_TOKENS = 24
 
 _references: dict = {}
@@ -38,16 +42,38 @@ def references(family: str) -> tuple:
     return _references[family]
 
 
+@cache
+def truth(family: str, index: int, n: int = 60) -> tuple[int, ...]:
+    """The target's greedy continuation of `references(family)` prompt `index`, `n` tokens (computed once)."""
+    target, prompts, _ = references(family)
+    return tuple(greedy_reference(target, prompts[index], n).tolist())
+
+
 @pytest.mark.parametrize("tree_name", TREES)
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_speculative_greedy_equals_target_greedy(family, backend, tree_name):
+    """Random heads (their guesses are sometimes right on these repetitive tiny models): the output is the target's
+    greedy output, and the matrix exercises accepted drafts, not only the all-rejected path."""
     target, prompts, expected = references(family)
     model = MedusaLikeModel(target, None, random_heads(), backend=backend)
+    accepted = 0
     for prompt, reference in zip(prompts, expected, strict=True):
         out = model.generate(prompt, max_new_tokens=NEW_TOKENS, tree=tree_name, eos_token_id=[])
         assert out.new_tokens.tolist() == reference.tolist(), f"prompt of length {prompt.shape[1]}"
         assert out.stats.new_tokens == NEW_TOKENS
-        assert out.stats.target_forwards == 1 + len(out.stats.accepted_draft)
+        accepted += sum(out.stats.accepted_draft)
+    assert accepted > 0, "no draft token was ever accepted: only the all-rejected path was tested"
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_plain_decoding_equals_target_greedy(family, backend):
+    """tree='none' never calls the drafter: one prefill and one target forward per token, the target's greedy output."""
+    target, prompts, expected = references(family)
+    model = MedusaLikeModel(target, None, random_heads(), backend=backend)
+    for prompt, reference in zip(prompts[:5], expected[:5], strict=True):
+        out = model.generate(prompt, max_new_tokens=NEW_TOKENS, tree="none", eos_token_id=[])
+        assert out.new_tokens.tolist() == reference.tolist(), f"prompt of length {prompt.shape[1]}"
+        assert out.stats.accepted_draft == [0] * (NEW_TOKENS - 1)
 
 
 @pytest.mark.parametrize("tree_name", ["chain", "small", "medusa"])
@@ -55,7 +81,7 @@ def test_speculative_greedy_equals_target_greedy(family, backend, tree_name):
 def test_every_tree_node_sees_exactly_its_path(family, backend, tree_name):
     """The logits at each node equal those of running the prompt + that node's path sequentially."""
     target = tiny_target(family)
-    tree = resolve_tree(tree_name, num_heads=4)
+    tree = resolve_tree(tree_name, 4)
     g = torch.Generator().manual_seed(3)
     prompt = torch.randint(0, VOCAB, (1, 11), generator=g)
     tokens = torch.randint(0, VOCAB, (tree.num_nodes,), generator=g)
@@ -80,20 +106,21 @@ def test_every_tree_node_sees_exactly_its_path(family, backend, tree_name):
 def test_oracle_candidates_accept_full_depth_every_step(family, backend, tree_name):
     """When rank 0 of every head is the target's own continuation, every step accepts depth + 1 tokens."""
     target, prompts, _ = references(family)
-    tree = resolve_tree(tree_name, num_heads=4)
+    tree = resolve_tree(tree_name, 4)
     prompt = prompts[0]
-    truth = greedy_reference(target, prompt, 60).tolist()
+    continuation = truth(family, 0)
     g = torch.Generator().manual_seed(0)
 
     def oracle(generated):
         proposals = torch.randint(0, VOCAB, (4, tree.top_k), generator=g)
         for k in range(4):  # head k+1 guesses the token k+1 after the root
-            proposals[k, 0] = truth[len(generated) + k] if len(generated) + k < len(truth) else 0
+            index = len(generated) + k
+            proposals[k, 0] = continuation[index] if index < len(continuation) else 0
         # ranks > 0 must not repeat the right token, or a sibling could be accepted instead; harmless either way
         return proposals
 
     out = speculative_generate(target, ScriptedProposer(oracle), prompt, tree, max_new_tokens=40, backend=backend)
-    assert out.new_tokens.tolist() == truth[:40]
+    assert out.new_tokens.tolist() == list(continuation[:40])
     assert out.stats.accepted_draft == [tree.max_depth] * len(out.stats.accepted_draft)
     steps = len(out.stats.accepted_draft)
     assert steps == -(-(40 - 1) // (tree.max_depth + 1))  # ceil: the prefill yields the first token
@@ -104,11 +131,10 @@ def test_oracle_candidates_accept_full_depth_every_step(family, backend, tree_na
 def test_oracle_drafter_accepts_full_depth_on_dynamic_trees(family, spec):
     """A drafter that knows the continuation gets its whole chain accepted every step, static or dynamic tree."""
     target, prompts, _ = references(family)
-    prompt = prompts[1]
-    truth = greedy_reference(target, prompt, 60).tolist()
-    tree = resolve_tree(spec, num_heads=None)
-    out = speculative_generate(target, OracleProposer(truth), prompt, tree, max_new_tokens=40)
-    assert out.new_tokens.tolist() == truth[:40]
+    continuation = list(truth(family, 1))
+    tree = resolve_tree(spec, None)
+    out = speculative_generate(target, OracleProposer(continuation), prompts[1], tree, max_new_tokens=40)
+    assert out.new_tokens.tolist() == continuation[:40]
     assert out.stats.accepted_draft[:-1] == [tree.max_depth] * (len(out.stats.accepted_draft) - 1)
 
 
@@ -194,7 +220,7 @@ def test_bad_requests_get_clear_errors():
         model.generate(torch.zeros(2, 5, dtype=torch.long), max_new_tokens=4)
     with pytest.raises(ValueError, match="max_new_tokens must be >= 1"):
         model.generate(prompt, max_new_tokens=0)
-    with pytest.raises(ValueError, match="only 2 heads"):
+    with pytest.raises(ValueError, match="tree has depth 3 but the drafter drafts at most 2 deep"):
         model.generate(prompt, max_new_tokens=4, tree=[[0], [0, 0], [0, 0, 0]])
     with pytest.raises(CacheOverflowError, match="too small"):
         model.generate(prompt, max_new_tokens=50, max_cache_len=prompt.shape[1] + 10)
@@ -252,7 +278,9 @@ def test_heads_on_a_reduced_vocabulary_propose_only_its_tokens_and_stay_lossless
     the target's own greedy output (verification always scores the full vocabulary)."""
     target, prompts, expected = references(family)
     vocab = DraftVocab(torch.arange(0, VOCAB, 3), VOCAB)
-    model = MedusaLikeModel(target, None, random_heads(), backend="sdpa", draft_vocab=vocab)
+    heads = random_heads()
+    heads.draft_vocab = vocab
+    model = MedusaLikeModel(target, None, heads, backend="sdpa")
     tree = model.resolve_tree(tree_name)
     proposed = set()
     for prompt, reference in zip(prompts[:8], expected[:8], strict=True):
@@ -261,3 +289,84 @@ def test_heads_on_a_reduced_vocabulary_propose_only_its_tokens_and_stay_lossless
         assert out.new_tokens.tolist() == reference.tolist()
         proposed |= proposer.proposed
     assert proposed and proposed <= set(vocab.token_ids.tolist())
+
+
+def test_a_tree_given_as_a_dict_or_a_json_file_is_that_tree(tmp_path):
+    """A dict of `DynamicTreeSpec` fields, a JSON file of rank paths and a JSON file of a dynamic spec each decode
+    exactly as the spec they describe (the same accepted drafts step by step), and losslessly."""
+    target, prompts, expected = references("llama")
+    model = MedusaLikeModel(target, None, random_heads(), backend="sdpa")
+    paths = [[0], [1], [0, 0], [0, 1], [0, 0, 0]]
+    static_file = tmp_path / "static.json"
+    static_file.write_text(json.dumps({"paths": paths}))
+    dynamic_file = tmp_path / "dynamic.json"
+    dynamic_file.write_text(json.dumps({"dynamic": {"depth": 3, "top_k": 3, "num_nodes": 8}}))
+    cases = [
+        ({"depth": 3, "top_k": 3, "num_nodes": 8}, DynamicTreeSpec(depth=3, top_k=3, num_nodes=8)),
+        (str(dynamic_file), DynamicTreeSpec(depth=3, top_k=3, num_nodes=8)),
+        (static_file, paths),
+    ]
+    for given, meant in cases:
+        for prompt, reference in zip(prompts[:3], expected[:3], strict=True):
+            got = model.generate(prompt, max_new_tokens=NEW_TOKENS, tree=given, eos_token_id=[])
+            want = model.generate(prompt, max_new_tokens=NEW_TOKENS, tree=meant, eos_token_id=[])
+            assert got.new_tokens.tolist() == reference.tolist()
+            assert got.stats.accepted_draft == want.stats.accepted_draft, given
+    assert model.resolve_tree(static_file).num_nodes == len(paths) + 1
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    from transformers import AutoTokenizer
+
+    from medusa_like.targets import DEFAULT_TARGET, resolve_target
+
+    return AutoTokenizer.from_pretrained(resolve_target(DEFAULT_TARGET))
+
+
+def test_transformers_streamers_receive_exactly_the_generated_tokens(tokenizer):
+    """TextStreamer gets the generated ids (never the prompt), in order, once each, then `end`; TextIteratorStreamer
+    yields text that decodes to the same tokens."""
+    target, prompts, expected = references("qwen2")  # ids < 97 are valid ids of the default's tokenizer
+    model = MedusaLikeModel(target, tokenizer, random_heads(), backend="sdpa")
+
+    class Recording(TextStreamer):
+        def __init__(self):
+            super().__init__(tokenizer)
+            self.ids, self.text, self.ended = [], [], False
+
+        def put(self, value):
+            self.ids += value.flatten().tolist()
+            super().put(value)
+
+        def on_finalized_text(self, text, stream_end=False):
+            self.text.append(text)
+            self.ended |= stream_end
+
+    recording = Recording()
+    out = model.generate(prompts[5], max_new_tokens=NEW_TOKENS, tree="small", eos_token_id=[], streamer=recording)
+    assert recording.ids == out.new_tokens.tolist() == expected[5].tolist()
+    assert recording.ended and "".join(recording.text) == tokenizer.decode(expected[5])
+
+    iterator = TextIteratorStreamer(tokenizer)
+    out = model.generate(prompts[6], max_new_tokens=NEW_TOKENS, tree="dynamic", eos_token_id=[], streamer=iterator)
+    assert "".join(iterator) == tokenizer.decode(expected[6]) and out.new_tokens.tolist() == expected[6].tolist()
+
+
+def test_from_pretrained_loads_the_target_in_the_dtype_and_on_the_device_asked(tmp_path, tokenizer):
+    """A target directory loaded with `dtype=` (a torch dtype or its name) and `device=`: target and drafter get them,
+    and decoding is the loaded target's own greedy decoding."""
+    saved = tiny_target("llama")
+    saved.save_pretrained(tmp_path / "target")
+    tokenizer.save_pretrained(tmp_path / "target")
+    prompt = random_prompts(1, seed=8)[0]
+    for dtype in (torch.bfloat16, "float16"):
+        model = MedusaLikeModel.from_pretrained(str(tmp_path / "target"), dtype=dtype, device="cpu", drafter="medusa", num_heads=2)
+        want = getattr(torch, dtype) if isinstance(dtype, str) else dtype
+        assert model.target.dtype == want and model.device == torch.device("cpu")
+        assert {p.dtype for p in model.drafter.parameters()} == {want}
+        out = model.generate(prompt, max_new_tokens=12, tree="small", eos_token_id=[])
+        assert out.new_tokens.tolist() == greedy_reference(model.target, prompt, 12).tolist()
+    with torch.no_grad():  # the weights are the saved ones, rounded
+        loaded = model.target.get_input_embeddings().weight.float()
+        torch.testing.assert_close(loaded, saved.get_input_embeddings().weight, atol=1e-2, rtol=1e-2)

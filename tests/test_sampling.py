@@ -1,12 +1,15 @@
 """Sampling verification (temperature > 0): tokens follow exactly the target's distribution."""
 
+import math
+
 import pytest
 import torch
 
-from medusa_like.decoding.draft_tree import grow_dynamic
+from medusa_like.decoding.draft_tree import DraftTree, grow_dynamic
 from medusa_like.decoding.generate import speculative_generate
 from medusa_like.decoding.sampling import accept_sampling, warp_logits
 from medusa_like.decoding.tree import DynamicTreeSpec, TokenTree, resolve_tree
+from medusa_like.drafters.eagle3 import Eagle3Config, Eagle3Drafter
 from medusa_like.model import MedusaLikeModel
 
 from .conftest import VOCAB, ScriptedProposer, greedy_reference, random_heads, random_prompts, tiny_target
@@ -25,12 +28,13 @@ def test_acceptance_rule_emits_the_target_distribution():
         ]
     )
     tokens = torch.tensor([9, 1, 0, 1, 2])  # node 3 duplicates node 1's token: it must never be accepted
+    draft = DraftTree.from_static(tree, tokens)  # the step's tree, as verification receives it
     g = torch.Generator().manual_seed(0)
     n = 20000
     first = torch.zeros(5)
     second_after_node1 = torch.zeros(5)
     for _ in range(n):
-        nodes, bonus = accept_sampling(tokens, probs, tree, g)
+        nodes, bonus = accept_sampling(tokens, probs, draft, g)
         emitted = [int(tokens[i]) for i in nodes[1:]] + [int(bonus)]
         first[emitted[0]] += 1
         assert 3 not in nodes.tolist()
@@ -55,12 +59,14 @@ def test_warp_logits():
         warp_logits(logits, 1.0, top_p=0.0)
 
 
-def two_step_distributions(target, prompt, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
+def two_step_distributions(
+    target, prompt, temperature: float, top_k: int = 0, top_p: float = 1.0
+) -> tuple[torch.Tensor, torch.Tensor]:
     """The target's warped distribution of the first new token [V] and of the second given the first [V, V]."""
     with torch.no_grad():
-        p1 = warp_logits(target(prompt).logits[0, -1], temperature)  # [V]
+        p1 = warp_logits(target(prompt).logits[0, -1], temperature, top_k, top_p)  # [V]
         extended = torch.cat([prompt.expand(VOCAB, -1), torch.arange(VOCAB)[:, None]], dim=1)
-        p2_given_1 = warp_logits(target(extended).logits[:, -1], temperature)  # [V, V]
+        p2_given_1 = warp_logits(target(extended).logits[:, -1], temperature, top_k, top_p)  # [V, V]
     return p1, p2_given_1
 
 
@@ -68,7 +74,7 @@ def test_sampling_end_to_end_follows_the_target():
     """The second token, the first one verified by a tree, has the target's exact two-step marginal distribution,
     although the candidates are the target's most likely tokens and get accepted often."""
     target = tiny_target("llama")
-    tree = resolve_tree("small", num_heads=4)
+    tree = resolve_tree("small", 4)
     prompt = random_prompts(1, seed=4, min_len=6, max_len=6)[0]
     temperature = 0.05  # the tiny random model's logits are flat: this spreads the two-step marginal over ~8 tokens
     p1, p2_given_1 = two_step_distributions(target, prompt, temperature)
@@ -105,6 +111,7 @@ class LikelyDynamicProposer:
 
     feature_layers = None
     max_depth = None
+    max_rank = None
 
     def __init__(self, next_probs: torch.Tensor, seed: int):
         self.next_probs, self.generator = next_probs, torch.Generator().manual_seed(seed)  # [V, V]
@@ -159,5 +166,64 @@ def test_sampling_is_reproducible_and_near_zero_temperature_is_greedy():
     assert a.new_tokens.tolist() == b.new_tokens.tolist()
     cold = model.generate(prompt, max_new_tokens=20, tree="small", temperature=1e-6, seed=7, eos_token_id=[])
     assert cold.new_tokens.tolist() == greedy_reference(target, prompt, 20).tolist()
-    with pytest.raises(ValueError, match="temperature must be >= 0"):
+    with pytest.raises(ValueError, match="temperature must be a finite number >= 0, got -1.0"):
         model.generate(prompt, max_new_tokens=4, temperature=-1.0)
+
+
+def tv_bound(exact: torch.Tensor, n: int, false_failure: float) -> float:
+    """A total-variation distance that n samples of `exact` exceed with probability below `false_failure`:
+    E[TV] <= 1/2 sum_i sqrt(p_i (1 - p_i) / n) (Jensen), and TV moves by at most 1/n per sample, so by McDiarmid's
+    inequality P(TV > E[TV] + eps) <= exp(-2 n eps^2)."""
+    mean = 0.5 * (exact * (1 - exact) / n).sqrt().sum().item()
+    return mean + math.sqrt(math.log(1 / false_failure) / (2 * n))
+
+
+def eagle3_from_target(target) -> Eagle3Drafter:
+    """An EAGLE-3 drafter started as training starts it (the target's projection and final norm) with its feature
+    taken from the target's highest aux layer: its guesses follow the target's own, so drafts often get accepted."""
+    torch.manual_seed(0)
+    drafter = Eagle3Drafter(Eagle3Config.for_target(target.config, VOCAB))
+    size = target.config.hidden_size
+    with torch.no_grad():
+        for p in drafter.parameters():
+            p.normal_(std=0.02)
+        layer = drafter.config.aux_layer_ids.index(max(drafter.config.aux_layer_ids))
+        drafter.fc.weight[:, layer * size : (layer + 1) * size] += torch.eye(size)
+        drafter.init_from_target(target)
+    return drafter
+
+
+@pytest.mark.parametrize(
+    ("kind", "tree", "temperature", "top_k", "top_p", "n"),
+    [
+        ("medusa", "small", 0.05, 4, 1.0, 400),
+        ("eagle3", "dynamic", 0.03, 0, 0.8, 600),
+        ("eagle3", "small", 0.05, 5, 0.9, 400),
+    ],
+)
+def test_both_drafters_sample_the_targets_two_token_distribution(kind, tree, temperature, top_k, top_p, n):
+    """On a sliding-window target (Mistral, prompt longer than the window), the first two tokens drawn by speculative
+    sampling with each drafter, through `MedusaLikeModel.generate`, follow the target's exact joint distribution
+    p(t1) p(t2 | t1) under temperature, top-k and top-p: the empirical TV distance stays below a bound derived from
+    the sample size (false failure probability 1e-3), which the always-accept-the-top-candidate distribution exceeds."""
+    target = tiny_target("mistral")
+    prompt = random_prompts(1, seed=12, min_len=10, max_len=10)[0]
+    p1, p2_given_1 = two_step_distributions(target, prompt, temperature, top_k, top_p)
+    exact = (p1[:, None] * p2_given_1).flatten()  # [V * V]: the joint of (t1, t2)
+    bound = tv_bound(exact, n, 1e-3)
+    wrong = (p1[:, None] * torch.nn.functional.one_hot(p2_given_1.argmax(-1), VOCAB)).flatten()
+    assert 0.5 * (wrong - exact).abs().sum() > 2 * bound  # the test can tell a biased sampler apart
+
+    drafter = random_heads(std=0.0) if kind == "medusa" else eagle3_from_target(target)
+    model = MedusaLikeModel(target, None, drafter, backend="sdpa")
+    counts, accepted = torch.zeros_like(exact), 0
+    for seed in range(n):
+        out = model.generate(
+            prompt, 2, tree=tree, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, eos_token_id=[]
+        )
+        first, second = out.new_tokens.tolist()
+        counts[first * VOCAB + second] += 1
+        accepted += out.stats.accepted_draft[0]
+    assert accepted >= 10, accepted  # drafts were accepted (12 to 50 times here): the acceptance rule was sampled
+    total_variation = 0.5 * (counts / n - exact).abs().sum().item()
+    assert total_variation < bound, (total_variation, bound)

@@ -18,9 +18,9 @@ from safetensors.torch import load_file, save_file
 
 from medusa_like import targets
 from medusa_like.data.storage import is_complete
-from medusa_like.formats.heads_io import heads_from_checkpoint, load_heads
-from medusa_like.training.losses import IGNORE, head_labels, head_losses, head_weights, topk_correct
-from train.train import build_module as build_drafter_module
+from medusa_like.formats import load_drafter, read_drafter
+from medusa_like.training.build import build_module as build_drafter_module
+from medusa_like.training.losses import IGNORE, decay_weights, head_labels, head_losses, topk_correct
 from train.train import train
 
 from .conftest import TINY_TRAIN, compose_config
@@ -29,7 +29,9 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def compose_train(out_dir: Path, data_dir: Path, *overrides: str):
-    return compose_config("train", out_dir, *TINY_TRAIN, *overrides, data_dir=data_dir)
+    """The tiny training config; Medusa heads unless `overrides` name another drafter (train.yaml's default is EAGLE-3)."""
+    drafter = () if any(o.startswith("drafter=") for o in overrides) else ("drafter=medusa",)
+    return compose_config("train", out_dir, *TINY_TRAIN, *drafter, *overrides, data_dir=data_dir)
 
 
 @pytest.fixture(scope="module")
@@ -84,7 +86,8 @@ def test_losses_accuracies_and_weights():
     hits = topk_correct(logits, labels, (1, 5))
     top1 = (logits[0, :3].argmax(-1) == labels[0, :3]).sum()
     assert hits[1].tolist() == [top1.item(), 0] and hits[1][0] <= hits[5][0] <= 3
-    torch.testing.assert_close(head_weights(3, 0.8), torch.tensor([0.8, 0.64, 0.512]))
+    torch.testing.assert_close(decay_weights(3, 0.8, first=1), torch.tensor([0.8, 0.64, 0.512]))
+    torch.testing.assert_close(decay_weights(2, 0.5), torch.tensor([1.0, 0.5]))
 
 
 # ---- training runs ---------------------------------------------------------------------------------------------------
@@ -97,9 +100,30 @@ def test_fast_dev_run_trains_validates_and_exports(tmp_path, data_dir):
         assert 0 <= metrics[f"val/acc_top1_head{k}"] <= metrics[f"val/acc_top5_head{k}"] <= 1
         assert metrics[f"val/loss_head{k}"] > 0
     target, _ = instantiate(cfg.model.loader)
-    heads = load_heads(tmp_path / "drafter", target)
+    heads = load_drafter(tmp_path / "drafter", target)
     assert heads.num_heads == 4 and any(p.abs().sum() > 0 for p in heads.parameters())  # trained away from zero init
     assert (tmp_path / "metrics.json").is_file()
+
+
+def test_eagle3_trains_validates_and_exports_through_train_on_the_cpu(tmp_path, data_dir):
+    """`train.train` with `drafter=eagle3` on the CPU: per-depth validation metrics, and an exported drafter that
+    loads against the target and decodes losslessly."""
+    from medusa_like import Eagle3Drafter, MedusaLikeModel
+
+    cfg = compose_train(tmp_path, data_dir, "debug=fdr", "drafter=eagle3", "export_drafter=true")
+    metrics = train(cfg)
+    steps = cfg.drafter.module.ttt_steps
+    for depth in range(1, steps + 1):
+        assert 0 <= metrics[f"val/acc_top1_depth{depth}"] <= 1 and metrics[f"val/loss_depth{depth}"] > 0
+    assert f"val/loss_depth{steps + 1}" not in metrics
+    target, _ = instantiate(cfg.model.loader)
+    drafter = load_drafter(tmp_path / "drafter", target)
+    assert isinstance(drafter, Eagle3Drafter)
+    assert drafter.config.draft_vocab_size == min(cfg.drafter.draft_vocab_size, target.config.vocab_size)
+    prompt = torch.tensor([[1, 2, 3, 4, 5, 6]])
+    out = MedusaLikeModel(target, None, drafter, backend="sdpa").generate(prompt, 12, tree="dynamic", eos_token_id=[])
+    reference = target.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=12, do_sample=False)
+    assert out.sequences.tolist() == reference.tolist()
 
 
 def test_the_loss_falls_on_an_overfit_batch(tmp_path, data_dir):
@@ -122,7 +146,7 @@ def test_checkpoints_hold_heads_and_optimizer_only_and_resume_exactly(tmp_path, 
     target, _ = instantiate(compose_train(tmp_path, data_dir).model.loader)
     assert ckpt["medusa_like"]["target_fingerprint"] == targets.target_fingerprint(target.config)
     assert ckpt["medusa_like"]["heads_config"]["num_heads"] == 4 and ckpt["medusa_like"]["target"] == "tiny_llama"
-    heads, meta = heads_from_checkpoint(ckpt_path)
+    heads, meta = read_drafter(ckpt_path, target)
     assert meta["global_step"] == 1 and heads.num_heads == 4
     train(compose_train(tmp_path / "c", data_dir, *common, "trainer.max_steps=2", f"ckpt_path={ckpt_path}"))
     straight, resumed = (
@@ -194,7 +218,7 @@ class SaveHeadsPerRank(Callback):
 def test_two_process_ddp_on_cpu_ends_with_identical_heads(tmp_path, data_dir):
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MEDUSA_LIKE_ROOT": str(tmp_path), "PYTHONPATH": str(ROOT)}
     command = [
-        sys.executable, "-m", "train.train", "model=tiny_llama", "data=tiny", "logger=none", "trainer=ddp",
+        sys.executable, "-m", "train.train", "model=tiny_llama", "data=tiny", "logger=none", "drafter=medusa", "trainer=ddp",
         "trainer.accelerator=cpu", "trainer.devices=2", "trainer.precision=32-true", "trainer.max_steps=3",
         "+trainer.enable_progress_bar=false", "~callbacks.progress_bar", "data.module.batch_size=2", f"paths.data_dir={data_dir}",
         "+callbacks.per_rank._target_=tests.test_training.SaveHeadsPerRank", f"+callbacks.per_rank.out_dir={tmp_path}",
@@ -223,7 +247,8 @@ class KillAtStep(Callback):
 def run_train(tmp_path: Path, data_dir: Path, run: str, *overrides: str) -> subprocess.CompletedProcess:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
     command = [
-        sys.executable, "-m", "train.train", *TINY_TRAIN, "~callbacks.progress_bar", "+trainer.enable_progress_bar=false",
+        sys.executable, "-m", "train.train", *TINY_TRAIN, "drafter=medusa", "~callbacks.progress_bar",
+        "+trainer.enable_progress_bar=false",
         f"paths.data_dir={data_dir}", f"hydra.run.dir={tmp_path / run}", "trainer.max_steps=6", "trainer.max_epochs=10",
         "callbacks.last_checkpoint.every_n_train_steps=1", *overrides,
     ]  # fmt: skip

@@ -5,9 +5,12 @@ import torch
 
 from medusa_like.decoding.tree import (
     PRESETS,
+    BudgetedTreeSpec,
+    DynamicTreeSpec,
     InvalidTreeError,
     TokenTree,
     chain,
+    check_drafter,
     expected_acceptance,
     greedy_tree,
     load_tree,
@@ -34,8 +37,9 @@ def test_compiled_buffers_of_a_small_tree():
         dtype=torch.bool,
     )
     assert torch.equal(tree.attention_mask, expected_mask)
-    # flat index into [K, top_k] proposals: (depth - 1) * top_k + rank
-    assert tree.candidate_index.tolist() == [0, 1, 2, 3, 4]
+    assert tree.parents.tolist() == [-1, 0, 0, 1, 1, 3] and tree.ranks.tolist() == [0, 0, 1, 0, 1, 0]
+    # sizes, each in one place: verified nodes, drafted nodes, drafter-cache entries (nodes with children, root aside)
+    assert (tree.max_nodes, tree.drafted_nodes, tree.cache_entries) == (6, 6, 2)
     # leaves: [1], [0,1], [0,0,0]
     assert sorted(tree.retrieve.tolist()) == sorted([[0, 2, -1, -1], [0, 1, 4, -1], [0, 1, 3, 5]])
 
@@ -44,11 +48,11 @@ def test_path_order_does_not_matter():
     a = TokenTree.from_paths([[0], [1], [0, 0]])
     b = TokenTree.from_paths([[0, 0], [1], [0]])
     assert torch.equal(a.attention_mask, b.attention_mask)
-    assert torch.equal(a.candidate_index, b.candidate_index)
+    assert torch.equal(a.parents, b.parents) and torch.equal(a.ranks, b.ranks)
 
 
 def test_root_only_tree_is_plain_decoding():
-    tree = resolve_tree("none", num_heads=4)
+    tree = resolve_tree("none", 4)
     assert tree.num_nodes == 1 and tree.max_depth == 0
     assert tree.retrieve.tolist() == [[0]]
 
@@ -58,8 +62,6 @@ def test_root_only_tree_is_plain_decoding():
     [
         ([[0], [0, 0, 0]], "has no parent"),
         ([[0], [0]], "appears twice"),
-        ([[0], [0, 0], [0, 0, 0], [0, 0, 0, 0], [0, 0, 0, 0, 0]], "only 4 heads"),
-        ([[0], [5]], "top_k is 3"),
         ([[0], []], "non-empty"),
         ([[0], [-1]], "negative"),
         ([[0], ["a"]], "not an integer"),
@@ -69,9 +71,9 @@ def test_root_only_tree_is_plain_decoding():
 def test_invalid_trees_name_the_bad_path(paths, message):
     with pytest.raises(InvalidTreeError, match=message):
         if isinstance(paths, str):
-            resolve_tree(paths, num_heads=4)
+            resolve_tree(paths, 4)
         else:
-            TokenTree.from_paths(paths, num_heads=4, top_k=3)
+            TokenTree.from_paths(paths)
 
 
 def test_presets_have_the_advertised_sizes():
@@ -83,9 +85,38 @@ def test_presets_have_the_advertised_sizes():
         assert tree.max_depth <= 4
 
 
-def test_tree_deeper_than_heads_is_refused():
-    with pytest.raises(InvalidTreeError, match="only 2 heads"):
-        resolve_tree(TokenTree.from_paths(chain(3)), num_heads=2)
+@pytest.mark.parametrize(
+    "spec, message",
+    [
+        (TokenTree.from_paths(chain(5)), "depth 5 but the drafter drafts at most 4 deep"),
+        (TokenTree.from_paths([[0], [5]]), "rank 5 \\(top-6\\) but the drafter proposes at most 3"),
+        (DynamicTreeSpec(depth=5, top_k=2, num_nodes=4), "depth 5"),
+        (DynamicTreeSpec(depth=2, top_k=4, num_nodes=4), "top-4"),
+        (BudgetedTreeSpec(DynamicTreeSpec(depth=2, top_k=4, num_nodes=4), 8, lookup_depth=8), "top-4"),
+    ],
+)
+def test_a_tree_the_drafter_cannot_fill_is_refused_in_one_place(spec, message):
+    """Depth against a drafter's heads, ranks against its top-k or vocabulary; a budgeted tree's lookup depth is not
+    the drafter's to fill, so only its learned part is checked."""
+    with pytest.raises(InvalidTreeError, match=message):
+        check_drafter(spec, max_depth=4, max_rank=3)
+    check_drafter(BudgetedTreeSpec(None, 8, lookup_depth=16), max_depth=4, max_rank=3)  # lookup only: fits
+
+
+@pytest.mark.parametrize(
+    "spec",
+    [
+        TokenTree.from_paths([[0], [1], [0, 0]]),
+        DynamicTreeSpec(depth=3, top_k=2, num_nodes=5),
+        BudgetedTreeSpec(DynamicTreeSpec(depth=2, top_k=4, num_nodes=4), 12, lookup_depth=6),
+        BudgetedTreeSpec(None, 6, lookup_depth=3),
+    ],
+)
+def test_every_tree_spec_answers_the_same_questions_and_round_trips(spec, tmp_path):
+    again = load_tree(save_tree(spec, tmp_path / "tree.json", note="meta is kept beside the tree"))
+    assert again.to_json() == spec.to_json()
+    assert (again.max_depth, again.max_nodes, again.top_k) == (spec.max_depth, spec.max_nodes, spec.top_k)
+    assert spec.max_nodes >= 1 and spec.drafted_nodes >= 1 and spec.cache_entries >= 0
 
 
 def test_greedy_tree_is_best_first_and_valid():
@@ -99,12 +130,16 @@ def test_greedy_tree_is_best_first_and_valid():
 
 
 def test_save_and_load_tree(tmp_path):
-    path = save_tree([[0], [1], [0, 0]], tmp_path / "tree.json", budget=3)
-    assert load_tree(path) == [(0,), (1,), (0, 0)]
-    assert resolve_tree(str(path), num_heads=2).num_nodes == 4
+    path = save_tree(TokenTree.from_paths([[0], [1], [0, 0]]), tmp_path / "tree.json", budget=3)
+    assert load_tree(path).paths == [(0,), (1,), (0, 0)]
+    assert resolve_tree(str(path), 2).num_nodes == 4
     bad = tmp_path / "bad.json"
     bad.write_text("{not json")
     with pytest.raises(InvalidTreeError, match="not valid JSON"):
         load_tree(bad)
+    latin = tmp_path / "latin.json"
+    latin.write_bytes(b"[[0], \xe9]")
+    with pytest.raises(InvalidTreeError, match="latin.json.*not UTF-8"):
+        load_tree(latin)
     with pytest.raises(FileNotFoundError, match="does not exist"):
         load_tree(tmp_path / "missing.json")

@@ -17,7 +17,7 @@ from medusa_like.evaluation.tree_search import (
     trees_for_budgets,
 )
 from medusa_like.model import MedusaLikeModel
-from medusa_like.tiny import tiny_target
+from medusa_like.tiny import tiny_chat_target
 
 from .conftest import compose_config
 
@@ -84,8 +84,10 @@ def test_fastest_prefers_speed_then_smaller_trees():
 
 @pytest.fixture(scope="module")
 def tiny_model():
-    target, tokenizer = tiny_target("llama", hidden_size=32, num_layers=1, num_attention_heads=2, num_key_value_heads=1)
-    return MedusaLikeModel.from_pretrained(target, tokenizer=tokenizer, num_heads=2)
+    target, tokenizer = tiny_chat_target(
+        "llama", hidden_size=32, num_layers=1, num_attention_heads=2, num_key_value_heads=1
+    )
+    return MedusaLikeModel.from_pretrained(target, drafter="medusa", tokenizer=tokenizer, num_heads=2)
 
 
 def test_head_rank_counts_positions(tiny_model):
@@ -116,7 +118,7 @@ def test_tree_search_app_saves_a_tree_eval_uses(tmp_path):
         "\n".join(json.dumps({"question_id": i, "category": "c", "turns": [f"Say {i} words."]}) for i in range(2))
     )
     tree_path = tmp_path / "tree.json"
-    common = ["model=tiny_llama", "eval.max_new_tokens=6"]
+    common = ["model=tiny_llama", "eval.max_new_tokens=6", "drafter.kind=learned"]  # zero-init heads: static trees
     cfg = compose_config(
         "eval",
         tmp_path / "search",
@@ -132,7 +134,7 @@ def test_tree_search_app_saves_a_tree_eval_uses(tmp_path):
     assert {r["budget"] for r in result["timings"]} == {1, 3}
     saved = json.loads(tree_path.read_text())
     assert saved["budget"] == result["label"] and len(saved["head_topk_accuracy"]) == 4
-    assert len(load_tree(tree_path)) == result["label"]
+    assert len(load_tree(tree_path).paths) == result["label"]
 
     cfg = compose_config(
         "eval",
@@ -145,4 +147,46 @@ def test_tree_search_app_saves_a_tree_eval_uses(tmp_path):
     )
     report = evaluate(cfg)
     assert report["setup"]["tree"]["nodes"] == result["label"] + 1
+    assert report["summary"]["losslessness"] == 1.0
+
+
+def test_tree_search_of_a_combined_drafter_saves_its_cost_model_and_prompt_lookup(tmp_path):
+    """drafter.kind=combined: budgeted trees are timed, the winner is saved with this machine's cost model and the
+    fastest prompt_lookup_num_tokens, and evaluation reads both back from the tree file."""
+    from eval.evaluate import evaluate
+    from eval.tree_search import tree_search
+
+    questions = tmp_path / "q.jsonl"
+    questions.write_text(
+        "\n".join(json.dumps({"question_id": i, "category": "c", "turns": [f"Say {i} words."]}) for i in range(2))
+    )
+    tree_path = tmp_path / "tree.json"
+    common = ["model=tiny_llama", "eval.max_new_tokens=6"]
+    result = tree_search(
+        compose_config(
+            "eval",
+            tmp_path / "search",
+            *common,
+            "tree_search.calibration.source=jsonl",
+            f"tree_search.calibration.path={questions}",
+            "tree_search.budgeted.learned=[[1,2,2]]",
+            "tree_search.budgeted.num_nodes=[2,4]",
+            "tree_search.prompt_lookup=[2,3]",
+            "tree_search.timing_prompts=1",
+            f"tree_search.out={tree_path}",
+        )
+    )
+    assert result["kind"] == "budgeted" and {r["budget"] for r in result["timings"]} == {
+        "d1k2n2+lookup8n2",
+        "d1k2n2+lookup8n4",
+    }
+    saved = json.loads(tree_path.read_text())
+    assert saved["budgeted"]["num_nodes"] in (2, 4) and saved["prompt_lookup_num_tokens"] in (2, 3)
+    assert saved["cost_model"]["nodes"][0] == 1 and len(saved["cost_model"]["verify_ms"]) == 6
+    report = evaluate(
+        compose_config(
+            "eval", tmp_path / "run", *common, "data.source=jsonl", f"data.path={questions}", f"tree={tree_path}"
+        )
+    )
+    assert report["setup"]["prompt_lookup_num_tokens"] == saved["prompt_lookup_num_tokens"]
     assert report["summary"]["losslessness"] == 1.0

@@ -4,39 +4,14 @@
     python -m train.distill experiment=smollm2_medusa_full distill.shard=0 distill.num_shards=4
     python -m train.distill data=local data.source=my_chats.jsonl data.generation.temperature=0
 
-Running the same command again resumes; the last shard to finish combines all chunks into ${data.dir}/dataset.
+Running the same command again resumes; the last shard to finish combines all chunks into ${data.dir}/dataset. The
+work is `medusa_like.apps.distill` (installed as `medusa-distill`); this file keeps the command working from the
+checkout.
 """
 
-import logging
-from pathlib import Path
+from medusa_like.apps.distill import distill, main
 
-import hydra
-from omegaconf import DictConfig
-
-from medusa_like.cli import DISTILL_CHECKS, check_config, one_line_errors
-from medusa_like.data.prepare import build_dataset, load_model
-from medusa_like.runs import resolved, save_config
-
-log = logging.getLogger(__name__)
-
-
-def distill(cfg: DictConfig) -> Path | None:
-    check_config(cfg, DISTILL_CHECKS)
-    save_config(resolved(cfg), Path(cfg.paths.output_dir))
-    target, tokenizer = load_model(cfg.model)
-    path = build_dataset(
-        cfg, target, tokenizer, cfg.distill.shard, cfg.distill.num_shards, cfg.distill.get("max_chunks")
-    )
-    if path is None:
-        log.info("shard %d/%d done; other shards' chunks are still missing", cfg.distill.shard, cfg.distill.num_shards)
-    return path
-
-
-@hydra.main(version_base="1.3", config_path="../conf", config_name="distill")
-def main(cfg: DictConfig) -> None:
-    with one_line_errors():
-        distill(cfg)
-
+__all__ = ["distill", "main"]
 
 if __name__ == "__main__":
     main()

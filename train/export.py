@@ -1,52 +1,13 @@
 """Export a trained drafter: `python -m train.export drafter.path=<dir or .ckpt> format=<format> out=<dir>`.
 
 Medusa heads export as native, medusa, vllm or tgi; the EAGLE-3 drafter as native or eagle3 (vLLM and SGLang). The
-drafter is loaded strictly and checked against the target of the `model` group (hidden size, vocabulary and, where
-recorded, the architecture fingerprint); the target also supplies the lm_head that the Medusa and vLLM layouts store
-for shared-projection heads. `export(cfg)` is the importable entry point; `main` is the thin Hydra wrapper.
+work is `medusa_like.apps.export` (installed as `medusa-export`; `export(cfg)` is importable from there); this file
+keeps the command working from the checkout.
 """
 
-from pathlib import Path
+from medusa_like.apps.export import export, main
 
-import hydra
-import torch
-from omegaconf import DictConfig
-
-from medusa_like.cli import one_line_errors
-from medusa_like.data.prepare import load_model
-from medusa_like.formats import export_drafter, read_drafter
-from medusa_like.runs import resolved, save_config
-from medusa_like.targets import resolve_target
-
-
-def config_target_name(cfg: DictConfig) -> str:
-    """The target name written into config.json: ours for native, one a serving engine can open for the others."""
-    if cfg.get("base_model"):
-        return str(cfg.base_model)
-    target = str(cfg.model.name_or_path)
-    return target if cfg.format == "native" else resolve_target(target)
-
-
-def export(cfg: DictConfig) -> Path:
-    save_config(resolved(cfg), Path(cfg.paths.output_dir))
-    overrides = {"dtype": cfg.target_dtype, "device": "cpu"} if "dtype" in cfg.model.loader else {}
-    target, _ = load_model(cfg.model, **overrides)
-    drafter, source = read_drafter(cfg.drafter.path, target)
-    dtype = getattr(torch, cfg.dtype) if cfg.get("dtype") else None
-    out = export_drafter(
-        drafter, cfg.out, cfg.format, target, config_target_name(cfg), dtype=dtype, overwrite=bool(cfg.overwrite)
-    )
-    kind = type(drafter).__name__
-    print(f"read {source['format']} {kind} from {cfg.drafter.path}")
-    print(f"wrote format={cfg.format} to {out}: {sorted(p.name for p in out.iterdir())}")
-    return out
-
-
-@hydra.main(version_base="1.3", config_path="../conf", config_name="export")
-def main(cfg: DictConfig) -> None:
-    with one_line_errors():
-        export(cfg)
-
+__all__ = ["export", "main"]
 
 if __name__ == "__main__":
     main()

@@ -5,98 +5,13 @@
     python -m train.train model=tiny_llama data=tiny debug=fdr      # a fast dev run on a tiny random model
     python -m train.train trainer=ddp trainer.devices=8 ckpt_path=last
 
-`train(cfg)` is importable, so tests and notebooks run it on a composed config.
+The work is `medusa_like.apps.train` (installed as `medusa-train`; `train(cfg)` is importable from there); this file
+keeps the command working from the checkout.
 """
 
-import logging
-import sys
-from pathlib import Path
+from medusa_like.apps.train import main, train
 
-import hydra
-import lightning as L
-from hydra.utils import instantiate
-from omegaconf import DictConfig
-
-from medusa_like.cli import TRAIN_CHECKS, check_config, one_line_errors
-from medusa_like.data.prepare import ensure_dataset, load_model
-from medusa_like.data.split import split_token_counts
-from medusa_like.drafters.vocab import DraftVocab
-from medusa_like.formats import save_drafter
-from medusa_like.io import write_json
-from medusa_like.runs import last_checkpoint, resolved, save_config
-
-log = logging.getLogger(__name__)
-
-
-def build_module(cfg: DictConfig, target):
-    """The drafter's Lightning module, from `cfg.drafter` and the shared `cfg.module` settings."""
-    shared = dict(
-        target=target,
-        target_name=cfg.model.name_or_path,
-        optimizer=instantiate(cfg.module.optimizer),
-        scheduler=instantiate(cfg.module.scheduler) if cfg.module.get("scheduler") else None,
-        hidden_cache_dir=cfg.module.get("hidden_cache_dir"),
-    )
-    if cfg.drafter.kind == "medusa":
-        lm_head = target.get_output_embeddings().weight
-        heads = instantiate(cfg.drafter.heads, vocab_size=lm_head.shape[0], hidden_size=lm_head.shape[1])
-        return instantiate(cfg.drafter.module, heads_config=heads, **shared, _convert_="object")
-    if cfg.drafter.kind == "eagle3":
-        vocab_size = target.config.get_text_config().vocab_size
-        counts, _ = split_token_counts(cfg.data.dir, vocab_size, cfg.data.val_fraction, cfg.data.split_seed)
-        vocab = DraftVocab.from_counts(counts, int(cfg.drafter.draft_vocab_size))
-        return instantiate(cfg.drafter.module, vocab=vocab, **shared, _convert_="object")
-    raise ValueError(f"drafter.kind must be 'medusa' or 'eagle3', got {cfg.drafter.kind!r}")
-
-
-def instantiate_all(group: DictConfig | None) -> list:
-    """The objects of a callbacks/logger group; entries without `_target_` (an experiment's settings for a logger
-    that was switched off, say) are left out."""
-    return [instantiate(c) for c in (group or {}).values() if "_target_" in c]
-
-
-def train(cfg: DictConfig) -> dict[str, float]:
-    """Build the data if needed, fit, export; returns the final metrics (also written to <run dir>/metrics.json)."""
-    check_config(cfg, TRAIN_CHECKS)
-    L.seed_everything(cfg.seed, workers=True)
-    out_dir = Path(cfg.paths.output_dir)
-    run_config = resolved(cfg)
-    save_config(run_config, out_dir)
-    target, tokenizer = load_model(cfg.model)
-    ensure_dataset(cfg, target, tokenizer)
-    datamodule = instantiate(cfg.data.module)
-    module = build_module(cfg, target)
-    callbacks = instantiate_all(cfg.get("callbacks"))
-    loggers = instantiate_all(cfg.get("logger"))
-    trainer: L.Trainer = instantiate(cfg.trainer, callbacks=callbacks, logger=loggers or False)
-    for logger in trainer.loggers:
-        logger.log_hyperparams(run_config)
-
-    trainer.fit(module, datamodule=datamodule, ckpt_path=last_checkpoint(cfg.get("ckpt_path"), out_dir))
-
-    metrics = {k: float(v) for k, v in trainer.callback_metrics.items()}
-    if trainer.is_global_zero:
-        if cfg.get("export_drafter"):
-            path = save_drafter(module.drafter, out_dir / "drafter", target, cfg.model.name_or_path)
-            log.info("drafter exported to %s", path)
-        write_json(out_dir / "metrics.json", dict(sorted(metrics.items())))
-        log.info("validation: %s", {k: round(v, 4) for k, v in sorted(metrics.items()) if k.startswith("val/acc")})
-    _finish_wandb()
-    return metrics
-
-
-def _finish_wandb() -> None:
-    """Close the W&B run so its offline directory is complete before the process (or the next test) goes on."""
-    wandb = sys.modules.get("wandb")
-    if wandb is not None and wandb.run is not None:
-        wandb.finish()
-
-
-@hydra.main(version_base="1.3", config_path="../conf", config_name="train")
-def main(cfg: DictConfig) -> None:
-    with one_line_errors():
-        train(cfg)
-
+__all__ = ["main", "train"]
 
 if __name__ == "__main__":
     main()

@@ -25,9 +25,9 @@ def select(source: str, num_conversations: int | None, split: str = "train") -> 
     return selected
 
 
-def conversation_row(tokenizer, conv: dict, max_length: int) -> dict | None:
-    """One row: token ids and assistant loss mask of the whole conversation, cut at `max_length` (None if the
-    template cannot render it)."""
+def conversation_row(tokenizer, conv: dict, max_length: int) -> dict:
+    """One row: token ids and assistant loss mask of the whole conversation (up to its last answer), cut at
+    `max_length`."""
     messages = conv["messages"]
     while messages and messages[-1]["role"] != "assistant":  # a trailing question teaches nothing
         messages = messages[:-1]
@@ -59,6 +59,6 @@ def run(
         out = [conversation_row(tokenizer, conv, max_length) for conv in chunk]
         if bar is not None:
             bar.update(len(chunk))
-        return [row for row in out if row is not None and sum(row["loss_mask"]) > 0]
+        return [row for row in out if sum(row["loss_mask"]) > 0]  # an answer cut off by max_length teaches nothing
 
     return build_chunks(out_dir, conversations, chunk_size, made_of, rows, progress=progress)

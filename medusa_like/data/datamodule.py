@@ -1,4 +1,5 @@
-"""Lightning datamodule over a self-distilled dataset (`input_ids`, `loss_mask`, `id`, `group`).
+"""Lightning datamodule over a training dataset (`input_ids`, `loss_mask`, `id`, `group`), whichever recipe made it:
+self-distilled answers or the conversations' own text (`storage.py` stores both alike).
 
 The split is by conversation group (`split.is_validation`), so the validation conversations never reach the training
 loader. Each row also carries its position in the full dataset (`index`), the key of the optional hidden-state cache.
@@ -15,7 +16,7 @@ from medusa_like.data.split import is_validation
 from medusa_like.data.storage import load_distilled
 
 
-class DistilledDataModule(L.LightningDataModule):
+class TrainingDataModule(L.LightningDataModule):
     def __init__(
         self,
         dataset_dir: str,

@@ -3,7 +3,8 @@
 Shared by the `train.distill` and `train.train` entry points (and by evaluation for the model): the rule for which
 rows a data config means lives here, once. A data directory records its recipe (`storage.recipe`: the source, the
 conversation ids, the target's fingerprint, the generation settings); asking for different data in the same
-directory is refused before anything is trained or written.
+directory is refused before anything is trained or written. Building takes a lock file next to the data directory (one per
+shard), so two runs that need the same rows at once build them once: the second waits, then finds them built.
 """
 
 import logging
@@ -14,7 +15,7 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
 from medusa_like.data import conversation_text, generation
-from medusa_like.data.storage import check_recipe, is_complete, load_distilled, recipe
+from medusa_like.data.storage import build_lock, check_recipe, is_complete, load_distilled, recipe
 
 log = logging.getLogger(__name__)
 
@@ -35,7 +36,12 @@ def _generation_config(data: DictConfig) -> generation.GenerationConfig:
 
 def build_dataset(cfg: DictConfig, target, tokenizer, shard: int = 0, num_shards: int = 1, max_chunks=None):
     """Build (or resume building) the rows `cfg.data` describes into `cfg.data.dir`; the dataset path, or None while
-    other shards' chunks are missing."""
+    other shards' chunks are missing. Another process building the same shard of the same directory is waited for."""
+    with build_lock(cfg.data.dir, shard, num_shards):
+        return _build_dataset(cfg, target, tokenizer, shard, num_shards, max_chunks)
+
+
+def _build_dataset(cfg: DictConfig, target, tokenizer, shard: int, num_shards: int, max_chunks):
     data = cfg.data
     common = dict(chunk_size=data.chunk_size, target_name=cfg.model.name_or_path, source=str(data.source))
     if data.recipe == "original":

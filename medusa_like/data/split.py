@@ -2,7 +2,8 @@
 
 A conversation is in validation when a hash of its group key falls below `val_fraction`: the decision depends on
 nothing but the key and the seed, so it is stable across runs, shard counts, dataset sizes and orderings, and a
-validation conversation is never trained on.
+validation conversation is never trained on. A draft vocabulary is chosen from the training split alone
+(`draft_vocab_from_training_split`), so held-out prompts stay held out.
 """
 
 import hashlib
@@ -11,7 +12,7 @@ from pathlib import Path
 import torch
 
 from medusa_like.data.storage import load_distilled
-from medusa_like.drafters.vocab import count_tokens
+from medusa_like.drafters.vocab import DraftVocab, count_tokens
 
 
 def is_validation(group: str, val_fraction: float, seed: int = 0) -> bool:
@@ -32,3 +33,14 @@ def split_token_counts(
     train = count_tokens((p for p, v in zip(pairs, held_out, strict=True) if not v), vocab_size)
     validation = count_tokens((p for p, v in zip(pairs, held_out, strict=True) if v), vocab_size)
     return train, validation
+
+
+def draft_vocab_from_training_split(
+    data_dir: str | Path, size: int, vocab_size: int, val_fraction: float, split_seed: int = 0
+) -> DraftVocab:
+    """The `size` most frequent assistant tokens of the training split of the dataset in `data_dir` (a data config's
+    `dir`), out of the target's `vocab_size`: the draft vocabulary of an EAGLE-3 drafter or of Medusa heads."""
+    if not data_dir:
+        raise ValueError(f"a draft vocabulary of {size} tokens needs the training data directory, got {data_dir!r}")
+    counts, _ = split_token_counts(data_dir, vocab_size, val_fraction, split_seed)
+    return DraftVocab.from_counts(counts, size)

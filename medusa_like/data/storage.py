@@ -1,18 +1,21 @@
 """Chunked, resumable storage of training rows (`id`, `group`, `input_ids`, `loss_mask`) and the recipe check.
 
 Layout of a data directory: `recipe.json` (what the rows were made from, checked on every re-run: any difference is
-refused), `chunks/chunk-00000/...` (each written atomically), `dataset/` (all chunks combined, written once).
+refused), `chunks/chunk-00000/...` (each written atomically), `dataset/` (all chunks combined, written once). Next to it,
+`.<name>.build-shard<i>-of-<n>.lock` is held by the process building that shard (`build_lock`): outside the directory,
+so that a build refused before it starts leaves no directory behind.
 """
 
 import hashlib
 import json
+from contextlib import AbstractContextManager
 from pathlib import Path
 
 import datasets
 from datasets import Dataset, Features, Sequence, Value, concatenate_datasets, load_from_disk
 from tqdm.auto import tqdm
 
-from medusa_like.io import atomic_directory, remove_stale_temporaries, write_json
+from medusa_like.io import atomic_directory, exclusive_lock, remove_stale_temporaries, write_json
 from medusa_like.targets import target_fingerprint
 
 FEATURES = Features(
@@ -52,6 +55,13 @@ def load_distilled(out_dir: str | Path) -> Dataset:
 
 def is_complete(out_dir: str | Path) -> bool:
     return (Path(out_dir) / "dataset").exists()
+
+
+def build_lock(out_dir: str | Path, shard: int = 0, num_shards: int = 1) -> AbstractContextManager:
+    """The lock held while shard `shard` of `num_shards` of `out_dir` is built (other shards build alongside)."""
+    out_dir = Path(out_dir)
+    path = out_dir.with_name(f".{out_dir.name}.build-shard{shard}-of-{num_shards}.lock")
+    return exclusive_lock(path, waiting=f"another process is building shard {shard} of {out_dir}")
 
 
 def chunk_dir(out_dir: Path, index: int) -> Path:

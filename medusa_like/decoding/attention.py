@@ -2,8 +2,9 @@
 
 Contract with `generate.py`: the target's forward gets `attention_mask=None` for a causal block (prefill, plain
 decoding) or a [1, 1, T, T] boolean tree mask. In both cases the T new tokens are the last T of the live keys the
-cache returns; the S - T keys before them are the committed prefix, visible to every new token. Position ids need not
-be passed around: a tree node's position is the prefix length plus its number of strict ancestors. Sliding-window
+cache returns; the S - T keys before them are the committed prefix, visible to every new token. The loop passes each
+node's position id (the prefix length plus its depth) to the model's forward, which applies the rotary embedding
+before attention is called; the backends need only the mask. Sliding-window
 layers (Mistral, Qwen2, Gemma) pass `sliding_window`, and the window is applied to tree tokens by position.
 
 Backends:

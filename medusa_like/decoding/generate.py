@@ -16,6 +16,7 @@ the prefill included, so plain decoding has tau = 1 exactly and the bonus token 
 Spec-Bench).
 """
 
+import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -27,6 +28,7 @@ from .draft_tree import DraftTree
 from .kv_cache import CacheOverflowError, TreeKVCache
 from .projection import VocabProjection
 from .sampling import accept_sampling, warp_logits
+from .tree import check_drafter
 
 
 @dataclass
@@ -34,6 +36,7 @@ class DecodeStats:
     new_tokens: int = 0
     target_forwards: int = 0  # prefill included
     accepted_draft: list[int] = field(default_factory=list)  # draft tokens accepted per tree step (bonus excluded)
+    accepted_by_source: dict[str, int] = field(default_factory=dict)  # accepted draft tokens each source proposed
     prefill_seconds: float = 0.0
     decode_seconds: float = 0.0
     draft_seconds: float = 0.0  # of decode_seconds: the drafter proposing trees
@@ -59,6 +62,7 @@ class DecodeStats:
             "tau": self.tau,
             "mean_accepted_draft": self.mean_accepted_draft,
             "accepted_draft": list(self.accepted_draft),
+            "accepted_by_source": dict(self.accepted_by_source),
             "prefill_seconds": self.prefill_seconds,
             "decode_seconds": self.decode_seconds,
             "draft_seconds": self.draft_seconds,
@@ -112,6 +116,15 @@ def accept_greedy(tokens: torch.Tensor, predictions: torch.Tensor, tree) -> torc
     return paths[best, : int(accepted[best]) + 1]
 
 
+def count_sources(counts: dict[str, int], draft: DraftTree, accepted: torch.Tensor) -> None:
+    """Add the accepted draft nodes to the count of every source that proposed them (a tree may not say)."""
+    if draft.sources is None or accepted.numel() == 0:
+        return
+    masks = draft.sources[accepted.cpu()]  # [a]
+    for bit, name in enumerate(draft.source_names):
+        counts[name] = counts.get(name, 0) + int(((masks >> bit) & 1).sum())
+
+
 # ---------------------------------------------------------------------------------------------------------------------
 # The loop
 
@@ -147,13 +160,23 @@ def _emit(streamer, tokens: list[int]) -> None:
         streamer(tokens)
 
 
-def tree_size(spec) -> int:
-    """Nodes, root included, of the largest tree a spec (static `TokenTree` or `DynamicTreeSpec`) verifies."""
-    return spec.max_nodes if hasattr(spec, "max_nodes") else spec.num_nodes
+def check_context(target, prompt_len: int, max_new_tokens: int, spec) -> None:
+    """Refuse a prompt whose answer cannot fit the target's positions: prompt + new tokens + the tree's depth (the
+    last step may draft past the final token) must stay within `max_position_embeddings`."""
+    max_positions = getattr(target.config.get_text_config(), "max_position_embeddings", None)
+    if max_positions is not None and prompt_len + max_new_tokens + spec.max_depth > max_positions:
+        raise ValueError(
+            f"prompt ({prompt_len}) + max_new_tokens ({max_new_tokens}) + tree depth ({spec.max_depth}) exceeds the "
+            f"target's max_position_embeddings ({max_positions})"
+        )
 
 
 def check_inputs(target, proposer, input_ids, spec, max_new_tokens: int, max_cache_len: int | None) -> int:
     """Refuse, before anything runs, what cannot work; return the KV cache capacity."""
+    if not isinstance(input_ids, torch.Tensor):
+        raise TypeError(f"input_ids must be a torch.Tensor of token ids [1, T], got {type(input_ids).__name__}")
+    if input_ids.dtype not in (torch.int64, torch.int32):
+        raise TypeError(f"input_ids must hold integer token ids (torch.long), got dtype {input_ids.dtype}")
     if input_ids.dim() != 2 or input_ids.shape[0] != 1:
         raise ValueError(f"speculative decoding takes one sequence, input_ids [1, T]; got {tuple(input_ids.shape)}")
     if input_ids.shape[1] == 0:
@@ -166,24 +189,26 @@ def check_inputs(target, proposer, input_ids, spec, max_new_tokens: int, max_cac
         )
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-    limit = getattr(proposer, "max_depth", None)
-    if limit is not None and spec.max_depth > limit:
-        raise ValueError(f"tree of depth {spec.max_depth} needs {spec.max_depth} heads, have {limit}")
+    check_drafter(spec, proposer.max_depth, proposer.max_rank)
     prompt_len = input_ids.shape[1]
-    needed = prompt_len + max_new_tokens + tree_size(spec)
+    needed = prompt_len + max_new_tokens + spec.max_nodes
     capacity = max_cache_len if max_cache_len is not None else needed
     if needed > capacity:
         raise CacheOverflowError(
             f"KV cache of {capacity} tokens is too small for a {prompt_len}-token prompt, {max_new_tokens} new tokens "
-            f"and a {tree_size(spec)}-node tree (needs {needed})"
+            f"and a {spec.max_nodes}-node tree (needs {needed})"
         )
-    max_positions = getattr(target.config.get_text_config(), "max_position_embeddings", None)
-    if max_positions is not None and prompt_len + max_new_tokens + spec.max_depth > max_positions:
-        raise ValueError(
-            f"prompt ({prompt_len}) + max_new_tokens ({max_new_tokens}) exceeds the target's "
-            f"max_position_embeddings ({max_positions})"
-        )
+    check_context(target, prompt_len, max_new_tokens, spec)
     return capacity
+
+
+def check_sampling(temperature: float, top_k: int, top_p: float) -> None:
+    if not math.isfinite(temperature) or temperature < 0:
+        raise ValueError(f"temperature must be a finite number >= 0, got {temperature}")
+    if top_k < 0:
+        raise ValueError(f"top_k must be >= 0 (0 disables it), got {top_k}")
+    if not 0 < top_p <= 1:
+        raise ValueError(f"top_p must be in (0, 1], got {top_p}")
 
 
 @torch.inference_mode()
@@ -205,18 +230,16 @@ def speculative_generate(
     """Tree speculative decoding of one sequence, lossless: at temperature 0 the output is the target's greedy output
     token for token; above it, every token is drawn from the target's own (temperature, top-k, top-p) distribution.
 
-    `proposer` follows `medusa_like.drafters.Proposer` (Medusa heads, the EAGLE-3 drafter, an oracle in tests);
-    `tree` is a static `TokenTree` of rank paths or a `DynamicTreeSpec` (EAGLE-2). Verification and acceptance are
+    `proposer` follows `medusa_like.drafters.protocol.Proposer` (Medusa heads, the EAGLE-3 drafter, lookup, their
+    combination, an oracle in tests); `tree` is any `TreeSpec` (`decoding/tree.py`). Verification and acceptance are
     the same for every drafter and tree, so the output is too.
     """
+    check_sampling(temperature, top_k, top_p)
     capacity = check_inputs(target, proposer, input_ids, tree, max_new_tokens, max_cache_len)
-    if top_k < 0:
-        raise ValueError(f"top_k must be >= 0 (0 disables it), got {top_k}")
     device = input_ids.device
     prompt_len = input_ids.shape[1]
     stop = stop or StopChecker()
-    if hasattr(tree, "to"):
-        tree = tree.to(device)
+    tree = tree.to(device)
     lm_head = VocabProjection(target)
     layers = proposer.feature_layers
     cache = TreeKVCache.for_model(target, capacity)
@@ -263,6 +286,7 @@ def speculative_generate(
             proposer.accept(tokens[nodes], features[nodes], root)
             stats.target_forwards += 1
             stats.accepted_draft.append(nodes.numel() - 1)
+            count_sources(stats.accepted_by_source, draft, nodes[1:])
 
             new = tokens[nodes[1:]].tolist() + [int(root)]
             first_new = len(generated)

@@ -2,6 +2,8 @@
 
 import torch
 
+from medusa_like.targets import logit_softcap, softcap
+
 
 class VocabProjection:
     """The target's output projection (and final logit soft-capping, e.g. Gemma's), as `logits = W @ h^T`.
@@ -20,7 +22,7 @@ class VocabProjection:
             weight = weight[rows].contiguous()
             bias = bias[rows] if bias is not None else None
         self.weight, self.bias = weight, bias
-        self.softcap = getattr(target.config.get_text_config(), "final_logit_softcapping", None)
+        self.softcap = logit_softcap(target.config)
 
     def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [..., H] -> logits [..., V] (or [..., N] for restricted rows)."""
@@ -28,6 +30,4 @@ class VocabProjection:
         logits = torch.mm(self.weight, flat.t()).t()  # [N, V]
         if self.bias is not None:
             logits = logits + self.bias
-        if self.softcap:
-            logits = torch.tanh(logits / self.softcap) * self.softcap
-        return logits.reshape(*hidden.shape[:-1], -1)
+        return softcap(logits, self.softcap).reshape(*hidden.shape[:-1], -1)

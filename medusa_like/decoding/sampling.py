@@ -10,7 +10,7 @@ the token sampled where the walk stops is the bonus token.
 
 import torch
 
-from .tree import TokenTree
+from .draft_tree import DraftTree
 
 
 def warp_logits(logits: torch.Tensor, temperature: float, top_k: int = 0, top_p: float = 1.0) -> torch.Tensor:
@@ -33,7 +33,7 @@ def warp_logits(logits: torch.Tensor, temperature: float, top_k: int = 0, top_p:
 
 
 def accept_sampling(
-    tokens: torch.Tensor, probs: torch.Tensor, tree: TokenTree, generator: torch.Generator | None = None
+    tokens: torch.Tensor, probs: torch.Tensor, tree: DraftTree, generator: torch.Generator | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Walk the tree from the root; return (accepted nodes root first [n + 1], bonus token []).
 

@@ -1,5 +1,14 @@
-"""Tree specs: static token trees (validation, compilation into index buffers, presets, greedy construction) and the
-parameters of EAGLE-2's dynamic tree.
+"""Tree specs: what a decoding step may draft and verify. One interface (`TreeSpec`), three kinds:
+
+    TokenTree          a static tree of rank paths (Medusa's "choices"), compiled once into index buffers
+    DynamicTreeSpec    EAGLE-2's dynamic tree: depth, top-k expanded per depth, nodes verified
+    BudgetedTreeSpec   a learned drafter's tree merged with lookup continuations, cut to a node budget
+
+Every spec answers the same questions, each in one place: how deep (`max_depth`), how many nodes the target verifies
+(`max_nodes`, root included: sizes the target's KV cache), how many nodes a drafter may create while growing it
+(`drafted_nodes`) and how many of its own cache entries that writes (`cache_entries`), how many ranks each expanded
+node needs (`top_k`), whether a drafter can fill it (`check_drafter`), how to grow it from a drafter's `expand`
+(`grow`) and how to write and read it as JSON (`to_json`, `spec_from_json`).
 
 A tree is a list of paths of top-k ranks (Medusa's "choices"): `[1, 0]` is the node reached by taking head 1's
 second-best token and then head 2's best token. Depth d uses head d. Node 0 is the root, the target's own next token;
@@ -7,7 +16,6 @@ nodes 1.. are the paths sorted by (depth, ranks). Compiling a tree once gives ev
 
     attention_mask   [T, T] bool   node i sees node j iff j is i or one of its ancestors (the root is everyone's)
     depth            [T]           0 for the root; position id of node i = committed length + depth[i]
-    candidate_index  [T-1]         index of node i+1's token in the heads' flattened top-k [K * top_k]
     retrieve         [P, D+1]      node indices root -> leaf for each of the P leaves, padded with -1
     parents, ranks   [T]           each node's parent (-1 for the root) and the rank of its own token
 
@@ -17,12 +25,14 @@ A `TokenTree` is also the static tree spec that `draft_tree.grow_static` fills f
 import heapq
 import json
 from dataclasses import dataclass
-from functools import cached_property
 from pathlib import Path
+from typing import Protocol
 
 import torch
 
 from medusa_like.io import write_json
+
+from .draft_tree import DraftTree, Expand, grow_dynamic, grow_static
 
 Path_ = tuple[int, ...]
 
@@ -31,7 +41,7 @@ class InvalidTreeError(ValueError):
     pass
 
 
-def validate_paths(paths, num_heads: int | None = None, top_k: int | None = None) -> list[Path_]:
+def validate_paths(paths) -> list[Path_]:
     """Check a list of rank paths and return it as tuples; raise InvalidTreeError naming the first bad path."""
     if not isinstance(paths, (list, tuple)):
         raise InvalidTreeError(f"a tree is a list of paths of top-k ranks, got {type(paths).__name__}")
@@ -47,16 +57,50 @@ def validate_paths(paths, num_heads: int | None = None, top_k: int | None = None
             raise InvalidTreeError(f"path {list(path)} holds a negative rank")
         if path in seen:
             raise InvalidTreeError(f"path {list(path)} appears twice")
-        if num_heads is not None and len(path) > num_heads:
-            raise InvalidTreeError(f"path {list(path)} has depth {len(path)} but there are only {num_heads} heads")
-        if top_k is not None and max(path) >= top_k:
-            raise InvalidTreeError(f"path {list(path)} uses rank {max(path)} but top_k is {top_k}")
         seen.add(path)
         out.append(path)
     for path in out:
         if len(path) > 1 and path[:-1] not in seen:
             raise InvalidTreeError(f"path {list(path)} has no parent: {list(path[:-1])} is missing from the tree")
     return out
+
+
+class TreeSpec(Protocol):
+    """What every tree spec answers (see the module docstring)."""
+
+    max_depth: int
+    max_nodes: int
+    drafted_nodes: int
+    cache_entries: int
+    top_k: int
+
+    def grow(self, root: torch.Tensor, expand: Expand) -> DraftTree: ...
+
+    def to_json(self) -> dict: ...
+
+    def to(self, device) -> "TreeSpec": ...
+
+    @property
+    def label(self) -> str:
+        """A short name for tables and logs."""
+        ...
+
+    @property
+    def learned_part(self) -> "TreeSpec":
+        """The part a drafter's ranked candidates fill (lookup continuations of a budgeted tree need no ranks)."""
+        ...
+
+
+def check_drafter(spec: TreeSpec, max_depth: int | None, max_rank: int | None, what: str = "the drafter") -> None:
+    """Refuse, before anything runs, a tree the drafter cannot fill: deeper than `max_depth` (Medusa: its heads) or
+    needing more than `max_rank` candidates per node (its top-k: the draft vocabulary's size)."""
+    spec = spec.learned_part
+    if max_depth is not None and spec.max_depth > max_depth:
+        raise InvalidTreeError(f"tree has depth {spec.max_depth} but {what} drafts at most {max_depth} deep")
+    if max_rank is not None and spec.top_k > max_rank:
+        raise InvalidTreeError(
+            f"tree needs rank {spec.top_k - 1} (top-{spec.top_k}) but {what} proposes at most {max_rank} tokens per node"
+        )
 
 
 @dataclass(frozen=True)
@@ -82,6 +126,33 @@ class DynamicTreeSpec:
         """Nodes of the largest tree this spec verifies, the root included (sizes the KV cache)."""
         return self.num_nodes + 1
 
+    @property
+    def drafted_nodes(self) -> int:
+        """Nodes grown before the best `num_nodes` are kept: the root, top_k children, then top_k**2 per depth."""
+        return 1 + self.top_k + (self.depth - 1) * self.top_k**2
+
+    @property
+    def cache_entries(self) -> int:
+        """Drafter-cache entries of one step: the `top_k` expanded nodes of each depth below the last."""
+        return (self.depth - 1) * self.top_k
+
+    def grow(self, root: torch.Tensor, expand: Expand) -> DraftTree:
+        return grow_dynamic(self, root, expand)
+
+    def to_json(self) -> dict:
+        return {"dynamic": {"depth": self.depth, "top_k": self.top_k, "num_nodes": self.num_nodes}}
+
+    def to(self, device) -> "DynamicTreeSpec":
+        return self  # no buffers: the tree is compiled per step on the drafter's device
+
+    @property
+    def label(self) -> str:
+        return f"d{self.depth}k{self.top_k}n{self.num_nodes}"
+
+    @property
+    def learned_part(self) -> "DynamicTreeSpec":
+        return self
+
 
 @dataclass
 class TokenTree:
@@ -90,10 +161,9 @@ class TokenTree:
     paths: list[Path_]
     attention_mask: torch.Tensor  # [T, T] bool
     depth: torch.Tensor  # [T] long
-    candidate_index: torch.Tensor  # [T-1] long
     retrieve: torch.Tensor  # [P, D+1] long, -1 padded
-    top_k: int  # ranks needed from each head
-    max_depth: int  # heads needed
+    top_k: int  # ranks needed per expanded node (the largest rank + 1)
+    max_depth: int
     parents: torch.Tensor  # [T] long, -1 for the root
     ranks: torch.Tensor  # [T] long, the rank of each node's token among its parent's candidates (0 for the root)
 
@@ -105,35 +175,50 @@ class TokenTree:
         """Node indices at `depth` [n_d] (contiguous: nodes are sorted by depth)."""
         return (self.depth == depth).nonzero().flatten()
 
-    @cached_property
-    def children(self) -> list[list[int]]:
-        """Child node indices of every node, in rank order (used by sampling verification)."""
-        index = {p: i + 1 for i, p in enumerate(self.paths)}
-        kids: list[list[int]] = [[] for _ in range(self.num_nodes)]
-        for p, i in index.items():
-            kids[index[p[:-1]] if len(p) > 1 else 0].append(i)
-        return kids
+    @property
+    def max_nodes(self) -> int:
+        return self.num_nodes
+
+    @property
+    def drafted_nodes(self) -> int:
+        return self.num_nodes
+
+    @property
+    def cache_entries(self) -> int:
+        """Drafter-cache entries of one step: every node that has children, the root excluded."""
+        return int((self.parents[1:].unique() > 0).sum())
+
+    def grow(self, root: torch.Tensor, expand: Expand) -> DraftTree:
+        return grow_static(self, root, expand)
+
+    def to_json(self) -> dict:
+        return {"paths": [list(p) for p in self.paths]}
+
+    @property
+    def learned_part(self) -> "TokenTree":
+        return self
+
+    @property
+    def label(self) -> str:
+        return f"static{self.num_nodes - 1}"
 
     @classmethod
-    def from_paths(cls, paths, num_heads: int | None = None, top_k: int | None = None) -> "TokenTree":
-        paths = sorted(validate_paths(paths, num_heads, top_k), key=lambda p: (len(p), p))
+    def from_paths(cls, paths) -> "TokenTree":
+        paths = sorted(validate_paths(paths), key=lambda p: (len(p), p))
         index = {p: i + 1 for i, p in enumerate(paths)}
         num_nodes = len(paths) + 1
-        need_k = max((max(p) for p in paths), default=-1) + 1
-        top_k = top_k if top_k is not None else max(need_k, 1)
+        top_k = max((max(p) for p in paths), default=0) + 1
         max_depth = max((len(p) for p in paths), default=0)
 
         mask = torch.eye(num_nodes, dtype=torch.bool)
         mask[:, 0] = True
         depth = torch.zeros(num_nodes, dtype=torch.long)
-        candidate_index = torch.zeros(num_nodes - 1, dtype=torch.long)
         parents = torch.full((num_nodes,), -1, dtype=torch.long)
         ranks = torch.zeros(num_nodes, dtype=torch.long)
         for p, i in index.items():
             depth[i] = len(p)
             parents[i] = index[p[:-1]] if len(p) > 1 else 0
             ranks[i] = p[-1]
-            candidate_index[i - 1] = (len(p) - 1) * top_k + p[-1]
             for d in range(1, len(p)):
                 mask[i, index[p[:d]]] = True
 
@@ -144,20 +229,89 @@ class TokenTree:
             retrieve[row, 0] = 0
             for d in range(1, len(leaf) + 1):
                 retrieve[row, d] = index[leaf[:d]]
-        return cls(paths, mask, depth, candidate_index, retrieve, top_k, max_depth, parents, ranks)
+        return cls(paths, mask, depth, retrieve, top_k, max_depth, parents, ranks)
 
     def to(self, device) -> "TokenTree":
         return TokenTree(
             self.paths,
             self.attention_mask.to(device),
             self.depth.to(device),
-            self.candidate_index.to(device),
             self.retrieve.to(device),
             self.top_k,
             self.max_depth,
             self.parents.to(device),
             self.ranks.to(device),
         )
+
+
+@dataclass(frozen=True)
+class BudgetedTreeSpec:
+    """One tree from several sources (`drafters/combined.py`): a learned drafter's tree (`learned`, static or dynamic;
+    None for lookup alone) and lookup continuations up to `lookup_depth` deep, merged by prefix; of all their nodes the
+    best by estimated chance of acceptance are verified, at most `num_nodes` (the step's own budget is picked by a
+    cost model, and may be smaller)."""
+
+    learned: "TokenTree | DynamicTreeSpec | None" = None
+    num_nodes: int = 16  # verified nodes, the root excluded, at most
+    lookup_depth: int = 8
+
+    def __post_init__(self):
+        for name in ("num_nodes", "lookup_depth"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise InvalidTreeError(f"BudgetedTreeSpec.{name} must be a positive integer, got {value!r}")
+
+    @property
+    def learned_part(self) -> "TokenTree | DynamicTreeSpec":
+        return self.learned if self.learned is not None else TokenTree.from_paths([])
+
+    @property
+    def max_depth(self) -> int:
+        return max(self.learned_part.max_depth, self.lookup_depth)
+
+    @property
+    def max_nodes(self) -> int:
+        return self.num_nodes + 1
+
+    @property
+    def drafted_nodes(self) -> int:
+        return self.learned_part.drafted_nodes
+
+    @property
+    def cache_entries(self) -> int:
+        return self.learned_part.cache_entries
+
+    @property
+    def top_k(self) -> int:
+        return self.learned_part.top_k
+
+    def grow(self, root: torch.Tensor, expand: Expand) -> DraftTree:
+        """The learned drafter's part of the tree."""
+        return self.learned_part.grow(root, expand)
+
+    def to_json(self) -> dict:
+        learned = None if self.learned is None else self.learned.to_json()
+        return {"budgeted": {"num_nodes": self.num_nodes, "lookup_depth": self.lookup_depth, "learned": learned}}
+
+    @property
+    def label(self) -> str:
+        learned = "" if self.learned is None else f"{self.learned.label}+"
+        return f"{learned}lookup{self.lookup_depth}n{self.num_nodes}"
+
+    def to(self, device) -> "BudgetedTreeSpec":
+        learned = None if self.learned is None else self.learned.to(device)
+        return BudgetedTreeSpec(learned, self.num_nodes, self.lookup_depth)
+
+
+def budgeted(spec: TreeSpec, lookup_depth: int = 8, keep_learned: bool = True) -> BudgetedTreeSpec:
+    """`spec` as a budgeted tree that verifies as many nodes as `spec` does, with `spec` as its learned part (or
+    none, for lookup alone); a budgeted spec keeps its own settings."""
+    if isinstance(spec, BudgetedTreeSpec):
+        return (
+            spec if keep_learned or spec.learned is None else BudgetedTreeSpec(None, spec.num_nodes, spec.lookup_depth)
+        )
+    learned = spec if keep_learned and spec.max_depth > 0 else None
+    return BudgetedTreeSpec(learned, max(spec.max_nodes - 1, 1), max(lookup_depth, spec.max_depth))
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -203,69 +357,82 @@ def expected_acceptance(paths, rank_accuracy: list[list[float]]) -> float:
 
 # A prior used only to shape the presets: head d's rank-r accuracy falls with depth and rank, roughly as measured for
 # Medusa-1 heads (top-1 about 0.6 for head 1, lower for later heads).
-_PRIOR = [[0.60 * 0.55**r for r in range(10)], *[[(0.45 - 0.08 * d) * 0.6**r for r in range(10)] for d in range(4)]]
+PRESET_PRIOR = [[0.60 * 0.55**r for r in range(10)], *[[(0.45 - 0.08 * d) * 0.6**r for r in range(10)] for d in range(4)]]
 
 DEFAULT_DEPTH = 4  # static presets for a drafter of any depth
 
 PRESETS = {
     "chain": lambda num_heads: chain(num_heads),
-    "small": lambda num_heads: greedy_tree(_PRIOR[: max(num_heads, 1)], 15),
-    "medusa": lambda num_heads: greedy_tree(_PRIOR[: max(num_heads, 1)], 63),
+    "small": lambda num_heads: greedy_tree(PRESET_PRIOR[: max(num_heads, 1)], 15),
+    "medusa": lambda num_heads: greedy_tree(PRESET_PRIOR[: max(num_heads, 1)], 63),
 }
 
 
-def save_tree(paths, path, **meta) -> Path:
-    """Write a tree as JSON: {"paths": [[0], [1], [0, 0], ...], **meta}."""
-    return write_json(path, {"paths": [list(p) for p in paths], **meta})
+def save_tree(spec: TreeSpec, path, **meta) -> Path:
+    """Write a tree spec as JSON (`spec.to_json()` plus `meta`: what measured it, on which machine)."""
+    return write_json(path, {**spec.to_json(), **meta})
 
 
-def load_tree(path) -> "list[Path_] | DynamicTreeSpec":
-    """Read a tree written by `save_tree` (a static tree, or a dynamic one under "dynamic"; or a bare list of paths)."""
+def spec_from_json(data, source: str = "tree") -> TreeSpec:
+    """The spec `to_json` wrote: `{"paths": [...]}`, `{"dynamic": {...}}`, `{"budgeted": {...}}`, or a bare list of
+    paths."""
+    if isinstance(data, dict) and "budgeted" in data:
+        fields = dict(data["budgeted"])
+        learned = fields.pop("learned", None)
+        try:
+            return BudgetedTreeSpec(None if learned is None else spec_from_json(learned, source), **fields)
+        except TypeError as err:
+            raise InvalidTreeError(f"{source}: bad budgeted tree {data['budgeted']!r}: {err}") from err
+    if isinstance(data, dict) and "dynamic" in data:
+        try:
+            return DynamicTreeSpec(**data["dynamic"])
+        except (TypeError, ValueError) as err:
+            raise InvalidTreeError(f"{source}: bad dynamic tree {data['dynamic']!r}: {err}") from err
+    paths = data["paths"] if isinstance(data, dict) and "paths" in data else data
+    try:
+        return TokenTree.from_paths(paths)
+    except InvalidTreeError as err:
+        raise InvalidTreeError(f"{source}: {err}") from err
+
+
+def load_tree(path) -> TreeSpec:
+    """Read a tree written by `save_tree` (or a bare JSON list of paths)."""
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"tree file {str(path)!r} does not exist")
     try:
-        data = json.loads(path.read_text())
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except UnicodeDecodeError as err:
+        raise InvalidTreeError(f"tree file {str(path)!r} is not UTF-8 text: {err}") from err
     except json.JSONDecodeError as err:
         raise InvalidTreeError(f"tree file {str(path)!r} is not valid JSON: {err}") from err
-    if isinstance(data, dict) and "dynamic" in data:
-        try:
-            return DynamicTreeSpec(**data["dynamic"])
-        except TypeError as err:
-            raise InvalidTreeError(f"tree file {str(path)!r}: bad dynamic tree {data['dynamic']!r}: {err}") from err
-    paths = data["paths"] if isinstance(data, dict) and "paths" in data else data
-    return validate_paths(paths)
+    return spec_from_json(data, f"tree file {str(path)!r}")
 
 
-def resolve_tree(tree, num_heads: int | None) -> "TokenTree | DynamicTreeSpec":
-    """A tree spec from a preset name ('dynamic', 'chain', 'small', 'medusa', 'none'), a JSON tree file (a static
-    tree or `{"dynamic": {...}}`), a list of rank paths, a dict of `DynamicTreeSpec` fields, or a spec itself.
+def resolve_tree(tree, max_depth: int | None = None) -> TreeSpec:
+    """A tree spec from a preset name ('dynamic', 'chain', 'small', 'medusa', 'none'), a JSON tree file, a list of
+    rank paths, a dict of `DynamicTreeSpec` fields, or a spec itself.
 
-    `num_heads` bounds static trees (Medusa's heads); None means a drafter of any depth (EAGLE-3), for which the
-    static presets are built `DEFAULT_DEPTH` deep.
+    `max_depth` shapes the presets (a drafter's heads; None: a drafter of any depth, for which static presets are
+    `DEFAULT_DEPTH` deep). Whether the drafter can fill the tree is `check_drafter`'s to say, once, before decoding.
     """
-    depth = num_heads if num_heads is not None else DEFAULT_DEPTH
-    if isinstance(tree, DynamicTreeSpec):
-        spec = tree
-    elif isinstance(tree, dict):
-        spec = DynamicTreeSpec(**tree)
-    elif tree == "dynamic":
-        spec = DynamicTreeSpec(depth=min(DynamicTreeSpec.depth, depth))
-    elif isinstance(tree, TokenTree):
-        spec = tree
-    elif tree is None or tree == "none":
-        return TokenTree.from_paths([], num_heads)
-    elif isinstance(tree, (str, Path)) and str(tree).endswith(".json"):
-        return resolve_tree(load_tree(tree), num_heads)
-    elif isinstance(tree, str):
+    depth = max_depth if max_depth is not None else DEFAULT_DEPTH
+    if isinstance(tree, (TokenTree, DynamicTreeSpec, BudgetedTreeSpec)):
+        return tree
+    if isinstance(tree, dict):
+        known = {"dynamic", "paths", "budgeted"}
+        return spec_from_json(tree if known & set(tree) else {"dynamic": tree}, "tree")
+    if tree is None or tree == "none":
+        return TokenTree.from_paths([])
+    if tree == "dynamic":
+        return DynamicTreeSpec(depth=min(DynamicTreeSpec.depth, depth))
+    if isinstance(tree, (str, Path)) and str(tree).endswith(".json"):
+        return load_tree(tree)
+    if isinstance(tree, str):
         if tree not in PRESETS:
             raise InvalidTreeError(
-                f"unknown tree preset {tree!r}; choose from {sorted([*PRESETS, 'dynamic', 'none'])} or pass a list "
-                "of paths"
+                f"unknown tree preset {tree!r}; choose from {sorted([*PRESETS, 'dynamic', 'none'])}, a tree JSON "
+                "file or a list of paths"
             )
-        return TokenTree.from_paths(PRESETS[tree](depth), num_heads)
-    else:
-        return TokenTree.from_paths([list(p) for p in tree], num_heads)
-    if num_heads is not None and spec.max_depth > num_heads:
-        raise InvalidTreeError(f"tree has depth {spec.max_depth} but there are only {num_heads} heads")
-    return spec
+        return TokenTree.from_paths(PRESETS[tree](depth))
+    return TokenTree.from_paths([list(p) for p in tree])

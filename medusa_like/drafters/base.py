@@ -40,9 +40,3 @@ def check_fits(hidden_size: int, vocab_size: int, target, fingerprint: str | Non
             f"{what} was trained on a target with fingerprint {fingerprint}, but target {name!r} has fingerprint "
             f"{actual}: same hidden size and vocabulary, another architecture (layers, attention heads or MLP size)"
         )
-
-
-def drafter_dims(drafter) -> tuple[int, int]:
-    """(target hidden size it reads, target vocabulary it proposes) of any drafter."""
-    config = drafter.config
-    return getattr(config, "target_hidden_size", None) or config.hidden_size, config.vocab_size

@@ -25,10 +25,11 @@ import torch
 import torch.nn as nn
 from transformers import AutoConfig, AutoModel, PretrainedConfig
 
-from ..decoding.draft_tree import DraftTree, grow_dynamic, grow_static
+from ..decoding.draft_tree import DraftTree
 from ..decoding.kv_cache import TreeKVCache
-from ..decoding.tree import DynamicTreeSpec
-from .protocol import tree_entries
+from ..decoding.tree import TreeSpec
+from .base import check_fits
+from .kinds import WeightsKind
 from .vocab import DraftVocab
 
 # Config fields that describe a target family's decoder layer; anything else (token ids, dtype, names) is dropped.
@@ -89,6 +90,8 @@ class Eagle3Config:
 class Eagle3Drafter(nn.Module):
     """The draft model's weights and its one-step forward; `Eagle3Proposer` drives it at inference."""
 
+    kind = "eagle3"
+
     def __init__(self, config: Eagle3Config, vocab: DraftVocab | None = None):
         super().__init__()
         self.config = config
@@ -118,6 +121,20 @@ class Eagle3Drafter(nn.Module):
     @property
     def vocab(self) -> DraftVocab:
         return DraftVocab(self.token_ids.cpu(), self.config.vocab_size)
+
+    max_depth = None  # drafts autoregressively: any depth
+
+    def proposer(self, target) -> "Eagle3Proposer":
+        return Eagle3Proposer(self, target)
+
+    def check_fits(self, target) -> None:
+        check_fits(self.config.target_hidden_size, self.config.vocab_size, target)
+
+    def adapt_tree(self, spec: TreeSpec) -> TreeSpec:
+        return spec
+
+    def remember(self, tokens: list[int]) -> None:
+        pass  # the drafter learns in training only
 
     @torch.no_grad()
     def init_from_target(self, target) -> None:
@@ -179,10 +196,13 @@ class Eagle3Proposer:
     the last committed entry, and it attends to every committed entry, its ancestors' entries and itself.
     """
 
+    max_depth = None  # drafts autoregressively: any depth
+
     def __init__(self, drafter: Eagle3Drafter, target):
         self.drafter = drafter
         self.embed = target.get_input_embeddings()
         self.feature_layers = drafter.config.aux_layer_ids
+        self.max_rank = drafter.config.draft_vocab_size
 
     def begin(self, prompt_ids: torch.Tensor, features: torch.Tensor, root: torch.Tensor, capacity: int) -> None:
         self.capacity, self.cache = capacity, None  # sized at the first proposal, when the tree's size is known
@@ -191,23 +211,27 @@ class Eagle3Proposer:
         self.root = root
 
     def accept(self, tokens: torch.Tensor, features: torch.Tensor, bonus: torch.Tensor) -> None:
-        self.pending_features = features
-        self.pending_tokens = torch.cat([tokens[1:], bonus.view(1)])
+        # appended, not replaced: a combined proposer may skip drafting a step, leaving entries still to commit
+        self.pending_features = torch.cat([self.pending_features, features])
+        self.pending_tokens = torch.cat([self.pending_tokens, tokens[1:], bonus.view(1)])
         self.root = bonus
 
-    def propose(self, spec) -> DraftTree:
-        if self.cache is None:
-            self.cache = TreeKVCache(1, self.capacity + tree_entries(spec))
+    def propose(self, spec: TreeSpec) -> DraftTree:
+        if self.cache is None:  # sized for the first spec; a later, larger one is refused by check_room
+            self.cache = TreeKVCache(1, self.capacity + spec.cache_entries)
         root_state = self._commit_pending()  # [1, h]
-        self.committed = self.cache.length
-        max_nodes = 1 + spec.depth * spec.top_k**2 if isinstance(spec, DynamicTreeSpec) else spec.num_nodes
-        self.states = root_state.new_empty(max_nodes, root_state.shape[-1])  # [nodes, h]: output state per node
+        self.committed = committed = self.cache.length
+        self.states = root_state.new_empty(spec.drafted_nodes, root_state.shape[-1])  # [nodes, h]: state per node
         self.states[0] = root_state[0]
-        self.slot_nodes = []  # node id of each tree entry, in cache-slot order after the committed ones
+        entries, device = spec.cache_entries, root_state.device
+        # sees[i, j]: node i attends to the step's tree entry j (its ancestors' and its own; the root's is committed)
+        self.sees = torch.zeros(spec.drafted_nodes, entries, dtype=torch.bool, device=device)  # [nodes, E]
+        # one mask for every depth, a slice of it per frontier: committed entries always visible
+        self.mask = torch.ones(entries, committed + entries, dtype=torch.bool, device=device)  # [E, committed + E]
+        self.eye = torch.eye(entries, dtype=torch.bool, device=device)  # [E, E]
         self._top_k = spec.top_k
-        grow = grow_dynamic if isinstance(spec, DynamicTreeSpec) else grow_static
-        tree = grow(spec, self.root, self._expand)
-        self.cache.rewind(self.committed)  # tree entries are scratch: the next step overwrites them
+        tree = spec.grow(self.root, self._expand)
+        self.cache.rewind(committed)  # tree entries are scratch: the next step overwrites them
         return tree
 
     def _expand(self, frontier, tokens, parents, depth):
@@ -225,39 +249,63 @@ class Eagle3Proposer:
         past, new = self.cache.length, self.pending_tokens.numel()
         self.cache.check_room(new)
         device = self.pending_tokens.device
-        mask = torch.ones(new, past + new, dtype=torch.bool, device=device)
-        mask[:, past:] = torch.ones(new, new, dtype=torch.bool, device=device).tril()
+        mask = torch.ones(new, past + new, dtype=torch.bool, device=device).tril(past)  # [a, past + a]: causal
         feature = self.drafter.fuse(self.pending_features)[None]  # [1, a, h]
         embeds = self.embed(self.pending_tokens)[None]
         positions = torch.arange(past, past + new, device=device)[None]
         out = self.drafter(feature, embeds, positions, mask[None, None], self.cache)  # [1, a, h]
         self.cache.commit_all(new)
+        self.pending_features, self.pending_tokens = self.pending_features[:0], self.pending_tokens[:0]
         return out[0, -1:]
 
     def _tree_entries(self, frontier, tokens, parents, node_depth: int) -> torch.Tensor:
-        """Entries for the frontier nodes (all at `node_depth`): parent's state, own token -> their states [F, h]."""
-        device = frontier.device
-        written = torch.tensor(self.slot_nodes, dtype=torch.long, device=device)  # [m]
-        visible_tree = torch.zeros(frontier.numel(), written.numel(), dtype=torch.bool, device=device)  # [F, m]
-        hop = parents[frontier]
-        while bool((hop > 0).any()):  # ancestors below the root (the root's entry is committed)
-            visible_tree |= (written[None, :] == hop[:, None]) & (hop[:, None] > 0)
-            hop = torch.where(hop > 0, parents[hop.clamp(min=0)], hop)
-        count = frontier.numel()
+        """Entries for the frontier nodes (all at `node_depth`): parent's state, own token -> their states [F, h].
+
+        A frontier node sees what its parent sees (the parent was expanded one depth earlier, so its entry is
+        written) and its own new entry.
+        """
+        count, past = frontier.numel(), self.cache.length
         self.cache.check_room(count)
-        mask = torch.cat(
-            [
-                torch.ones(count, self.committed, dtype=torch.bool, device=device),
-                visible_tree,
-                torch.eye(count, dtype=torch.bool, device=device),
-            ],
-            dim=1,
-        )  # [F, committed + m + F]
-        feature = self.states[parents[frontier]][None]  # [1, F, h]
+        written = past - self.committed  # tree entries so far
+        parent = parents[frontier]  # [F]
+        sees = self.sees[parent]  # [F, E]: the parents' rows (the root's is empty)
+        sees[:, written : written + count] = self.eye[:count, :count]
+        self.sees[frontier] = sees
+        mask = self.mask[:count, : past + count]  # [F, committed + m + F]
+        mask[:, self.committed :] = sees[:, : written + count]
+        feature = self.states[parent][None]  # [1, F, h]
         embeds = self.embed(tokens[frontier])[None]
-        positions = torch.full((1, count), self.committed - 1 + node_depth, device=device)
+        positions = torch.full((1, count), self.committed - 1 + node_depth, device=frontier.device)
         out = self.drafter(feature, embeds, positions, mask[None, None], self.cache)[0]  # [F, h]
         self.cache.commit_all(count)
-        self.slot_nodes.extend(frontier.tolist())
         self.states[frontier] = out
         return out
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# The kind: what the framework asks about the EAGLE-3 drafter (registered in `drafters/registry.py`)
+
+
+def fresh_eagle3(target, draft_vocab_size: int | None = None, aux_layer_ids=None) -> Eagle3Drafter:
+    """A randomly initialised drafter over the full target vocabulary (or its first `draft_vocab_size` tokens)."""
+    vocab_size = target.config.get_text_config().vocab_size
+    config = Eagle3Config.for_target(target.config, draft_vocab_size or vocab_size, aux_layer_ids)
+    return Eagle3Drafter(config, DraftVocab(torch.arange(config.draft_vocab_size), vocab_size))
+
+
+def eagle3_training_module(cfg, target, **shared):
+    """The Lightning module of `cfg.drafter` (conf/drafter/eagle3.yaml), its draft vocabulary counted on the training
+    split of `cfg.data`."""
+    from hydra.utils import instantiate
+
+    from medusa_like.data.split import draft_vocab_from_training_split
+
+    vocab_size = target.config.get_text_config().vocab_size
+    data = cfg.data
+    vocab = draft_vocab_from_training_split(
+        data.dir, int(cfg.drafter.draft_vocab_size), vocab_size, data.val_fraction, data.split_seed
+    )
+    return instantiate(cfg.drafter.module, vocab=vocab, target=target, **shared, _convert_="object")
+
+
+EAGLE3 = WeightsKind("eagle3", "medusa_like.formats.eagle3:CODEC", fresh_eagle3, eagle3_training_module)

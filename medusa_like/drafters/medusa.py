@@ -12,9 +12,11 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from medusa_like.decoding.draft_tree import DraftTree, grow_dynamic
+from medusa_like.decoding.draft_tree import DraftTree
 from medusa_like.decoding.projection import VocabProjection
-from medusa_like.decoding.tree import DynamicTreeSpec
+from medusa_like.decoding.tree import TreeSpec
+from medusa_like.drafters.base import check_fits
+from medusa_like.drafters.kinds import WeightsKind
 from medusa_like.drafters.vocab import DraftVocab
 
 
@@ -50,12 +52,17 @@ class ResBlock(nn.Module):
 
 
 class MedusaHeads(nn.Module):
-    """K draft heads. `forward(hidden, lm_head)` returns logits [K, ..., V] for hidden [..., H]."""
+    """K draft heads. `forward(hidden, lm_head)` returns logits [K, ..., V] for hidden [..., H].
+
+    `draft_vocab`, when set, restricts the heads' projection to its rows at inference (FR-Spec-style)."""
+
+    kind = "medusa"
 
     def __init__(self, config: HeadsConfig, lm_head_weight: torch.Tensor | None = None):
         super().__init__()
         self.config = config
-        # one ModuleList per head, N separate blocks each: stacked blocks never share weights
+        self.draft_vocab: DraftVocab | None = None
+        # one nn.Sequential of N separate blocks per head: stacked blocks never share weights
         self.blocks = nn.ModuleList(
             nn.Sequential(*(ResBlock(config.hidden_size) for _ in range(config.num_layers)))
             for _ in range(config.num_heads)
@@ -72,6 +79,22 @@ class MedusaHeads(nn.Module):
     @property
     def num_heads(self) -> int:
         return self.config.num_heads
+
+    @property
+    def max_depth(self) -> int:
+        return self.config.num_heads
+
+    def proposer(self, target) -> "MedusaProposer":
+        return MedusaProposer(self, target, self.draft_vocab)
+
+    def check_fits(self, target) -> None:
+        check_fits(self.config.hidden_size, self.config.vocab_size, target)
+
+    def adapt_tree(self, spec: TreeSpec) -> TreeSpec:
+        return spec
+
+    def remember(self, tokens: list[int]) -> None:
+        pass  # the heads learn in training only
 
     @torch.no_grad()
     def init_projections_from(self, lm_head_weight: torch.Tensor) -> None:
@@ -105,8 +128,8 @@ class MedusaHeads(nn.Module):
 
 class MedusaProposer:
     """Proposes from the heads on the target's last hidden state at the last accepted token (see
-    `drafters/protocol.py`). Head d's top-k fills depth d; a dynamic tree ranks paths by the sum of the heads'
-    log-probabilities. With a `DraftVocab` the heads' projection is restricted to its rows."""
+    `drafters/protocol.py`). Head d's top-k fills depth d, whatever the path above it; a dynamic tree ranks paths by
+    the sum of the heads' log-probabilities. With a `DraftVocab` the heads' projection is restricted to its rows."""
 
     feature_layers = None  # the last hidden state
 
@@ -115,6 +138,7 @@ class MedusaProposer:
         self.max_depth = heads.num_heads
         self.projection = VocabProjection(target, None if vocab is None else vocab.token_ids)
         self.token_ids = None if vocab is None else vocab.token_ids.to(target.device)
+        self.max_rank = heads.config.vocab_size if vocab is None else vocab.size
 
     def begin(self, prompt_ids: torch.Tensor, features: torch.Tensor, root: torch.Tensor, capacity: int) -> None:
         self.hidden, self.root = features[-1], root
@@ -122,17 +146,40 @@ class MedusaProposer:
     def accept(self, tokens: torch.Tensor, features: torch.Tensor, bonus: torch.Tensor) -> None:
         self.hidden, self.root = features[-1], bonus
 
-    def propose(self, spec) -> DraftTree:
-        if spec.max_depth == 0:
-            return DraftTree.from_static(spec, self.root.view(1))
-        logits = self.heads(self.hidden, self.projection, num_heads=spec.max_depth)  # [D, V]
-        dynamic = isinstance(spec, DynamicTreeSpec)
-        top = (logits.float().log_softmax(-1) if dynamic else logits).topk(spec.top_k, dim=-1)  # [D, k]
-        tokens = top.indices if self.token_ids is None else self.token_ids[top.indices]
-        if not dynamic:  # every node of a static tree is one of the heads' ranked tokens
-            return DraftTree.from_static(spec, torch.cat([self.root.view(1), tokens.flatten()[spec.candidate_index]]))
+    def propose(self, spec: TreeSpec) -> DraftTree:
+        return spec.grow(self.root, self._expand_from(spec) if spec.max_depth else None)
 
-        def expand(frontier, _tokens, _parents, depth):  # heads ignore the path: same children for every node
+    def _expand_from(self, spec: TreeSpec):
+        logits = self.heads(self.hidden, self.projection, num_heads=spec.max_depth)  # [D, V]
+        top = logits.float().log_softmax(-1).topk(spec.top_k, dim=-1)  # [D, k]
+        tokens = top.indices if self.token_ids is None else self.token_ids[top.indices]
+
+        def expand(frontier, _tokens, _parents, depth):  # the same children after every node of a depth
             return tokens[depth - 1].expand(frontier.numel(), -1), top.values[depth - 1].expand(frontier.numel(), -1)
 
-        return grow_dynamic(spec, self.root, expand)
+        return expand
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# The kind: what the framework asks about Medusa heads (registered in `drafters/registry.py`)
+
+
+def fresh_heads(target, num_heads: int = 4, num_layers: int = 1, shared_lm_head: bool = True) -> MedusaHeads:
+    """Zero-initialised heads: they reproduce the target's next-token distribution (lossless, only slower)."""
+    config = target.config.get_text_config()
+    return MedusaHeads(
+        HeadsConfig(config.hidden_size, config.vocab_size, num_heads, num_layers, shared_lm_head),
+        target.get_output_embeddings().weight,
+    )
+
+
+def heads_training_module(cfg, target, **shared):
+    """The Lightning module of `cfg.drafter` (conf/drafter/medusa.yaml) for `target`."""
+    from hydra.utils import instantiate
+
+    lm_head = target.get_output_embeddings().weight
+    heads = instantiate(cfg.drafter.heads, vocab_size=lm_head.shape[0], hidden_size=lm_head.shape[1])
+    return instantiate(cfg.drafter.module, heads_config=heads, target=target, **shared, _convert_="object")
+
+
+MEDUSA = WeightsKind("medusa", "medusa_like.formats.heads_io:CODEC", fresh_heads, heads_training_module)

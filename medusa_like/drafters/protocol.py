@@ -1,4 +1,5 @@
-"""The one protocol between the decoding loop and any drafter.
+"""The interfaces between the framework and any drafter: what the decoding loop calls (`Proposer`), what a drafter
+object is (`Drafter`) and what a drafter kind knows (`DrafterKind`).
 
 The loop owns the target, its KV cache, verification, acceptance and sampling; a drafter only proposes. Each step:
 
@@ -8,22 +9,27 @@ The loop owns the target, its KV cache, verification, acceptance and sampling; a
 
 `features` are what the drafter reads from the target at each position: the concatenated `hidden_states[i]` for
 `i in feature_layers` (EAGLE-3's low, middle and high layers), or the last hidden state after the final norm when
-`feature_layers` is None (Medusa heads). Whatever a proposer proposes, the target decides what is kept, so any
-proposer is lossless; a good one is only faster.
+`feature_layers` is None (Medusa heads; lookup drafters ignore them). Whatever a proposer proposes, the target decides
+what is kept, so any proposer is lossless; a good one is only faster.
+
+A drafter kind (`medusa`, `eagle3`, `lookup`, `combined`) is one object in the drafter's own module, listed once in
+`registry.py`: everything the framework asks about a kind (build one, read and write its files, train it) goes through
+it, so adding a kind is one module and one registry line.
 """
 
-from typing import Protocol
+from pathlib import Path
+from typing import Any, Protocol
 
 import torch
 
 from ..decoding.draft_tree import DraftTree
-from ..decoding.tree import DynamicTreeSpec, TokenTree
-
-TreeSpec = TokenTree | DynamicTreeSpec
+from ..decoding.tree import TreeSpec
 
 
 class Proposer(Protocol):
-    feature_layers: tuple[int, ...] | None
+    feature_layers: tuple[int, ...] | None  # hidden_states the drafter reads; None: the last hidden state
+    max_depth: int | None  # the deepest static tree it can fill (Medusa: its heads); None: any
+    max_rank: int | None  # candidates it can rank after a node (its vocabulary); None: any
 
     def begin(self, prompt_ids: torch.Tensor, features: torch.Tensor, root: torch.Tensor, capacity: int) -> None:
         """Start a sequence: prompt_ids [P], the target's features at every prompt position [P, F], the root token
@@ -31,7 +37,7 @@ class Proposer(Protocol):
         ...
 
     def propose(self, spec: TreeSpec) -> DraftTree:
-        """A candidate tree rooted at the current root token, static (a `TokenTree`) or dynamic."""
+        """A candidate tree rooted at the current root token, within `spec` (at most `spec.max_nodes` nodes)."""
         ...
 
     def accept(self, tokens: torch.Tensor, features: torch.Tensor, bonus: torch.Tensor) -> None:
@@ -39,8 +45,56 @@ class Proposer(Protocol):
         ...
 
 
-def tree_entries(spec: TreeSpec) -> int:
-    """Drafter entries one step can write beyond the committed ones (the drafter's own cache must hold them)."""
-    if isinstance(spec, DynamicTreeSpec):
-        return spec.depth * spec.top_k
-    return spec.num_nodes
+class Drafter(Protocol):
+    """A drafter object: trained weights (an `nn.Module`) or a training-free source."""
+
+    kind: str  # its `DrafterKind`'s name in the registry
+    max_depth: int | None  # the deepest static tree it can fill; None: any
+
+    def proposer(self, target) -> Proposer:
+        """A fresh proposer for one generation with `target`."""
+        ...
+
+    def check_fits(self, target) -> None:
+        """Raise `DrafterMismatchError` (drafters/base.py) when it was made for another target."""
+        ...
+
+    def adapt_tree(self, spec: TreeSpec) -> TreeSpec:
+        """The spec this drafter decodes with when asked for `spec` (a combined drafter merges lookup into it)."""
+        ...
+
+    def remember(self, tokens: list[int]) -> None:
+        """A finished output of the target (lookup stores learn from it; learned drafters ignore it)."""
+        ...
+
+    def to(self, device=None, dtype=None) -> "Drafter": ...
+
+    def eval(self) -> "Drafter": ...
+
+
+class DrafterKind(Protocol):
+    name: str
+    formats: tuple[str, ...]  # what `export` writes; "native" (read back by `read`) first; () if nothing to save
+    trainable: bool
+
+    def fresh(self, target, **options) -> Drafter:
+        """A new drafter for `target` (untrained weights, or an empty lookup source), from config options."""
+        ...
+
+    def recognises(self, config: dict) -> bool:
+        """Whether a drafter directory's config.json was written by one of this kind's formats."""
+        ...
+
+    def read(self, path: Path, target) -> tuple[Drafter, dict]:
+        """(drafter, what the files say about themselves) from a directory in one of this kind's formats."""
+        ...
+
+    def from_checkpoint(self, checkpoint: dict, path: Path, target) -> tuple[Drafter, dict]:
+        """A drafter from a Lightning checkpoint written by this kind's training module."""
+        ...
+
+    def export(self, drafter, out_dir: Path, format: str, target, target_name: str, dtype, overwrite: bool) -> Path: ...
+
+    def training_module(self, cfg: Any, target, **shared):
+        """The Lightning module that trains this kind (trainable kinds only)."""
+        ...

@@ -81,10 +81,6 @@ class DraftVocab:
             )
         return vocab
 
-    def to_target(self, draft_ids: torch.Tensor) -> torch.Tensor:
-        """Draft indices [...] -> target token ids [...]."""
-        return self.token_ids.to(draft_ids.device)[draft_ids]
-
 
 def count_tokens(rows: Iterable[tuple[list[int], list[int]]], vocab_size: int) -> torch.Tensor:
     """Token counts [V] over the supervised positions of (input_ids, loss_mask) rows."""

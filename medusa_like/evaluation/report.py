@@ -1,6 +1,6 @@
 """Rendering an evaluation report: report.json, report.md, PNG plots (matplotlib, Agg) and a rich console table.
 
-The report is the dict built by `eval.evaluate.evaluate`; nothing here measures anything. A losslessness fraction
+The report is the dict built by `medusa_like.evaluation.summary.build_report`; nothing here measures anything. A losslessness fraction
 below 1 opens report.md and the console output with a red warning.
 """
 
@@ -14,14 +14,9 @@ from rich.console import Console  # noqa: E402
 from rich.panel import Panel  # noqa: E402
 from rich.table import Table  # noqa: E402
 
+from medusa_like.evaluation.methods import label  # noqa: E402
 from medusa_like.io import write_json, write_text  # noqa: E402
 
-METHOD_LABELS = {
-    "hf_greedy": "(a) transformers greedy",
-    "hf_prompt_lookup": "(b) transformers prompt lookup",
-    "plain_loop": "(c) our loop, no drafter",
-    "speculative": "(d) speculative",
-}
 PLOTS = {
     "accepted_histogram": "accepted_histogram.png",
     "tau_per_category": "tau_per_category.png",
@@ -103,6 +98,57 @@ def _table(header: list[str], rows: list[list]) -> str:
     return "\n".join(lines)
 
 
+def methods_markdown(report: dict) -> list[str]:
+    """This project's methods side by side (tau, ms per step, speedups), per category, and the sources' shares."""
+    methods = report.get("methods") or {}
+    if not methods:
+        return []
+    parts = ["## This project's methods on the same prompts"]
+    rows = [
+        [
+            label(m),
+            f"{r['tau']:.3f}",
+            f"{r['tokens_per_second']:.2f}",
+            f"{r['speedup']['hf_greedy']:.2f}x",
+            f"{r['speedup']['hf_prompt_lookup']:.2f}x",
+            f"{r['draft_ms_per_step']:.1f}",
+            f"{r['verify_ms_per_step']:.1f}",
+            ", ".join(f"{a:.2f}" for a in r["acceptance_by_depth"][:4]),
+            ", ".join(f"{k} {v:.2f}" for k, v in r["source_share"].items()) or "-",
+        ]
+        for m, r in methods.items()
+    ]
+    header = ["method", "tau", "tokens/s", "vs (a)", "vs (b)", "draft ms/step", "verify ms/step", "accept d1-d4"]
+    parts.append(_table([*header, "accepted tokens by source"], rows))
+    categories = sorted({c for r in methods.values() for c in r["per_category"]})
+    parts.append("Per category: tau / speedup over (a), median of per-prompt ratios")
+    parts.append(
+        _table(
+            ["category", *(label(m) for m in methods)],
+            [
+                [c]
+                + [
+                    f"{r['per_category'][c]['tau']:.2f} / {r['per_category'][c]['speedup_vs_hf_greedy']:.2f}x"
+                    if c in r["per_category"]
+                    else "-"
+                    for r in methods.values()
+                ]
+                for c in categories
+            ],
+        )
+    )
+    lossless = report["losslessness"]
+    if lossless["mismatched"]:
+        parts.append("Mismatches (the target's logit margin between the two tokens at the first difference):")
+        parts.append(
+            _table(
+                ["question", "turn", "first difference", "margin"],
+                [[m["question_id"], m["turn"], m["first_divergence"], m.get("margin")] for m in lossless["mismatched"]],
+            )
+        )
+    return parts
+
+
 def markdown(report: dict) -> str:
     s, setup, speed = report["summary"], report["setup"], report["speed"]
     parts = []
@@ -152,10 +198,10 @@ def markdown(report: dict) -> str:
         parts.append(f"Skipped prompts (too long for the target): {len(report['skipped'])}")
     parts.append("## Speed (median over prompts)")
     rows = []
-    for m, label in METHOD_LABELS.items():
+    for m in speed["median_tokens_per_second"]:
         rows.append(
             [
-                label,
+                label(m),
                 f"{speed['median_tokens_per_second'][m]:.2f}",
                 "1.00x"
                 if m == "hf_greedy"
@@ -166,6 +212,7 @@ def markdown(report: dict) -> str:
             ]
         )
     parts.append(_table(["method", "tokens/s", "vs (a) (paired)", "vs (b) (paired)"], rows))
+    parts.extend(methods_markdown(report))
     acc = report["acceptance"]
     parts.append("## Acceptance per category")
     parts.append(
@@ -207,7 +254,8 @@ def markdown(report: dict) -> str:
     return "\n\n".join(parts) + "\n"
 
 
-def write_markdown(report: dict, out_dir: Path) -> Path:
+def write_report(report: dict, out_dir: Path) -> Path:
+    """report.json and report.md; returns report.md's path."""
     write_report_json(report, out_dir)
     return write_text(out_dir / "report.md", markdown(report))
 
@@ -225,9 +273,9 @@ def print_report(report: dict, out_dir: Path, console: Console | None = None) ->
     table = Table(title=f"speed, {report['losslessness']['prompts']} prompts (median tokens/s)")
     for col in ("method", "tokens/s", "vs (a)", "vs (b)"):
         table.add_column(col, justify="right")
-    for m, label in METHOD_LABELS.items():
+    for m in speed["median_tokens_per_second"]:
         table.add_row(
-            label,
+            label(m),
             f"{speed['median_tokens_per_second'][m]:.2f}",
             "1.00x" if m == "hf_greedy" else f"{speed['speedup']['hf_greedy'][m]:.2f}x",
             "1.00x" if m == "hf_prompt_lookup" else f"{speed['speedup']['hf_prompt_lookup'][m]:.2f}x",

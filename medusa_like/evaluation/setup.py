@@ -1,57 +1,64 @@
 """What the evaluation and tree-search apps share: the model from a config, the question sets, the run directory."""
 
+import json
 from pathlib import Path
 
 import torch
 from omegaconf import DictConfig
 
 from medusa_like.data.prepare import load_model as load_target_model
-from medusa_like.data.split import split_token_counts
+from medusa_like.data.split import draft_vocab_from_training_split
+from medusa_like.decoding.cost_model import CostModel
 from medusa_like.decoding.tree import save_tree
-from medusa_like.drafters.vocab import DraftVocab
+from medusa_like.drafters.combined import COMBINED
+from medusa_like.drafters.lookup import LOOKUP
+from medusa_like.drafters.medusa import MEDUSA
 from medusa_like.evaluation.questions import Question, load_questions, select
-from medusa_like.evaluation.tree_search import search
+from medusa_like.evaluation.tree_search import fastest_prompt_lookup, search
+from medusa_like.formats import load_drafter
 from medusa_like.model import MedusaLikeModel
 
 
-def load_model(cfg: DictConfig) -> MedusaLikeModel:
-    """The target of `cfg.model` with the drafter of `cfg.drafter` (zero-init heads when `drafter.path` is null).
+def load_eval_model(cfg: DictConfig) -> MedusaLikeModel:
+    """The target of `cfg.model` (in `model.dtype`) with the drafter of `cfg.drafter`: the drafter at `drafter.path`
+    (zero-initialised heads when it is null), decoding as `drafter.kind` says: alone (`learned`), merged with lookup
+    (`combined`), or lookup only (`lookup`).
 
-    A drafter made for another target raises `medusa_like.drafters.base.DrafterMismatchError` naming what differs.
+    A drafter or store made for another target raises `medusa_like.drafters.base.DrafterMismatchError`.
     """
     if cfg.drafter.path is not None and not Path(cfg.drafter.path).exists():
         raise FileNotFoundError(
             f"drafter.path={cfg.drafter.path!r} does not exist (a drafter directory or a .ckpt file)"
         )
-    dtype = cfg.target.dtype
-    target, tokenizer = load_target_model(
-        cfg.model, **({"dtype": dtype} if "dtype" in cfg.model.loader and dtype else {})
-    )
-    if dtype:
-        target = target.to(getattr(torch, dtype))
-    model = MedusaLikeModel.from_pretrained(
-        target,
-        drafter=cfg.drafter.path,
-        tokenizer=tokenizer,
-        num_heads=cfg.drafter.num_heads,
-        backend=cfg.target.backend,
-    )
-    size = cfg.drafter.get("draft_vocab_size")
-    if size and model.drafter_kind == "medusa":  # restrict the heads' projection to the training data's top tokens
-        vocab_size = target.config.get_text_config().vocab_size
-        split = cfg.validation  # the training data's split settings
-        model.draft_vocab = medusa_draft_vocab(
-            cfg.drafter.vocab_data, size, vocab_size, split.val_fraction, split.split_seed
-        )
-    return model
+    if cfg.drafter.kind not in ("combined", "learned", "lookup"):
+        raise ValueError(f"drafter.kind must be combined, learned or lookup, got {cfg.drafter.kind!r}")
+    target, tokenizer = load_target_model(cfg.model)
+    if cfg.drafter.kind == "lookup":
+        drafter = LOOKUP.fresh(target, store=cfg.drafter.store)
+    else:
+        # without drafter.path: fresh zero-initialised Medusa heads (`drafter.num_heads`), as smoke runs and tests use
+        path = cfg.drafter.path
+        learned = MEDUSA.fresh(target, num_heads=cfg.drafter.num_heads) if path is None else load_drafter(path, target)
+        size = cfg.drafter.get("draft_vocab_size")
+        if size and learned.kind == "medusa":  # restrict the heads' projection to the training data's top tokens
+            vocab_size = target.config.get_text_config().vocab_size
+            split = cfg.validation  # the training data's split settings
+            learned.draft_vocab = draft_vocab_from_training_split(
+                cfg.drafter.vocab_data, int(size), vocab_size, split.val_fraction, split.split_seed
+            )
+        drafter = learned if cfg.drafter.kind == "learned" else COMBINED.fresh(target, learned, cfg.drafter.store)
+    return MedusaLikeModel(target, tokenizer, drafter, backend=cfg.target.backend, target_name=cfg.model.name_or_path)
 
 
-def medusa_draft_vocab(data_dir: str, size: int, vocab_size: int, val_fraction: float, split_seed: int) -> DraftVocab:
-    """The `size` most frequent assistant tokens of a training dataset's training split (`data.dir`), for Medusa heads."""
-    if not data_dir:
-        raise ValueError("drafter.draft_vocab_size for Medusa heads needs drafter.vocab_data=<the training data.dir>")
-    counts, _ = split_token_counts(data_dir, vocab_size, val_fraction, split_seed)
-    return DraftVocab.from_counts(counts, int(size))
+def apply_tree_settings(model: MedusaLikeModel, tree) -> dict:
+    """What a tree file from the tree search holds besides the tree: its cost model (given to the drafter, refused when
+    measured for another target or dtype) and the fastest `prompt_lookup_num_tokens`; {} for other trees."""
+    if not (isinstance(tree, str) and tree.endswith(".json") and Path(tree).is_file()):
+        return {}
+    data = json.loads(Path(tree).read_text(encoding="utf-8"))
+    if data.get("cost_model") and model.drafter_kind in ("combined", "lookup"):
+        model.drafter.state.cost_model = CostModel.from_json(data["cost_model"], model.target)
+    return {key: data[key] for key in ("cost_model", "prompt_lookup_num_tokens") if key in data}
 
 
 def question_set(data: DictConfig, validation: DictConfig) -> list[Question]:
@@ -90,22 +97,34 @@ def calibration_prompts(cfg: DictConfig, model) -> list[torch.Tensor]:
 
 
 def run_search(cfg: DictConfig, model, out_path: Path) -> dict:
-    """Search with `cfg.tree_search`, save the chosen tree to `out_path`; return what was measured."""
+    """Search with `cfg.tree_search`, save the chosen tree to `out_path` with what a run of it needs on this machine
+    (the cost model of a budgeted tree, the fastest `prompt_lookup_num_tokens`); return what was measured."""
     prompts = calibration_prompts(cfg, model)
     ts = cfg.tree_search
+    timing = prompts[: max(ts.timing_prompts, 1)]
     result = search(
-        model, prompts, ts.timing_prompts, cfg.eval.max_new_tokens, ts.budget, ts.budgets, ts.dynamic, cfg.eval.k_max
+        model,
+        prompts,
+        ts.timing_prompts,
+        cfg.eval.max_new_tokens,
+        ts.budget,
+        ts.budgets,
+        ts.dynamic,
+        cfg.eval.k_max,
+        ts.get("budgeted"),
     )
+    prompt_lookup, prompt_lookup_rows = fastest_prompt_lookup(model, timing, cfg.eval.max_new_tokens, ts.prompt_lookup)
     meta = dict(
         calibration={"source": ts.calibration.source, "prompts": len(prompts)},
         target=str(cfg.model.name_or_path),
         drafter=None if cfg.drafter.path is None else str(cfg.drafter.path),
         timings=result["timings"],
+        prompt_lookup_num_tokens=prompt_lookup,
+        prompt_lookup_timings=prompt_lookup_rows,
     )
-    if result["kind"] == "dynamic":
-        spec = result["spec"]
-        save_tree([], out_path, dynamic={"depth": spec.depth, "top_k": spec.top_k, "num_nodes": spec.num_nodes}, **meta)
-    else:
+    if result["kind"] == "static":
         meta.update(budget=result["label"], predicted_tau=result["predicted_tau"], head_topk_accuracy=result["topk"])
-        save_tree(result["spec"], out_path, **meta)
-    return {**result, "path": str(out_path)}
+    if result["kind"] == "budgeted":
+        meta.update(cost_model=model.drafter.state.cost_model.to_json())
+    save_tree(model.resolve_tree(result["spec"]), out_path, **meta)
+    return {**result, "path": str(out_path), "prompt_lookup_num_tokens": prompt_lookup}

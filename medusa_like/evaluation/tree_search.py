@@ -15,21 +15,20 @@ Both are then timed the same way, and the fastest is kept (`tree=auto`):
 A budget counts candidate nodes, the root (the target's own next token) excluded: budget 0 is plain decoding.
 """
 
-import time
 from collections.abc import Callable, Sequence
 
 import torch
 
-from medusa_like.decoding.generate import tree_size
-from medusa_like.decoding.tree import DynamicTreeSpec, expected_acceptance, greedy_tree
+from medusa_like.decoding.tree import BudgetedTreeSpec, DynamicTreeSpec, expected_acceptance, greedy_tree
+from medusa_like.evaluation.methods import hf_runner, loop_runner
 from medusa_like.evaluation.metrics import (
-    median,
     rank_accuracy,
     rank_counts,
     summarize_decode,
     target_ranks,
     topk_from_counts,
 )
+from medusa_like.evaluation.timing import median_tps, time_methods
 
 Path_ = tuple[int, ...]
 
@@ -100,20 +99,6 @@ def predicted_tau(paths, topk: Sequence[Sequence[float]]) -> float:
 # Timing
 
 
-def time_call(fn: Callable[[], int]) -> tuple[int, float]:
-    """(new tokens, wall seconds) of fn(), which returns the number of new tokens."""
-    start = time.perf_counter()
-    n = fn()
-    return n, time.perf_counter() - start
-
-
-def tree_label(spec) -> str:
-    """A short name for a tree spec: its node budget for static trees, d<depth>k<top_k>n<nodes> for dynamic ones."""
-    if isinstance(spec, DynamicTreeSpec):
-        return f"d{spec.depth}k{spec.top_k}n{spec.num_nodes}"
-    return str(spec)
-
-
 def time_trees(
     model,
     prompts: Sequence[torch.Tensor],
@@ -122,7 +107,8 @@ def time_trees(
     eos_token_id=None,
     progress: Callable[[], None] | None = None,
 ) -> list[dict]:
-    """Run every tree on every prompt, interleaved per prompt after one warm-up pass on the first prompt.
+    """Run every tree on every prompt with the timing harness (`timing.time_methods`: interleaved per prompt in
+    rotated order, after a short warm-up on the first prompt).
 
     `trees` maps a key (a node budget, or a label) to anything `model.resolve_tree` takes: rank paths or a
     `DynamicTreeSpec`. Returns one row per tree: key, nodes, depth, measured tau, mean accepted draft tokens, median
@@ -130,43 +116,20 @@ def time_trees(
     """
     if not prompts:
         raise ValueError("timing trees needs at least one prompt")
-
     compiled = {b: model.resolve_tree(spec) for b, spec in trees.items()}
-
-    def run(ids, tree, limit=max_new_tokens):
-        return model.generate(ids, max_new_tokens=limit, tree=tree, eos_token_id=eos_token_id)
-
-    for tree in compiled.values():  # warm-up: allocator, kernels, thread pools
-        run(prompts[0], tree, min(max_new_tokens, 8))
-    stats: dict = {b: [] for b in trees}
-    speeds: dict = {b: [] for b in trees}
-    for i, ids in enumerate(prompts):
-        order = list(trees)
-        order = order[i % len(order) :] + order[: i % len(order)]  # rotate so no tree always runs first
-        for b in order:
-            out = None
-
-            def call(b=b, ids=ids):
-                nonlocal out
-                out = run(ids, compiled[b])
-                return out.stats.new_tokens
-
-            n, seconds = time_call(call)
-            stats[b].append(out.stats.as_dict())
-            speeds[b].append(n / seconds)
-        if progress is not None:
-            progress()
+    runners = {b: loop_runner(model, tree, eos_token_id) for b, tree in compiled.items()}
+    results = time_methods(runners, prompts, max_new_tokens, min(max_new_tokens, 8), progress)
     rows = []
     for b, tree in compiled.items():
-        summary = summarize_decode(stats[b])
+        summary = summarize_decode([r["stats"] for r in results[b]])
         rows.append(
             {
                 "budget": b,
-                "nodes": tree_size(tree),
+                "nodes": tree.max_nodes,
                 "depth": tree.max_depth,
                 "tau": summary["tau"],
                 "mean_accepted_draft": summary["mean_accepted_draft"],
-                "tokens_per_second": median(speeds[b]),
+                "tokens_per_second": median_tps(results[b]),
                 "draft_ms_per_step": summary["draft_ms_per_step"],
                 "verify_ms_per_step": summary["verify_ms_per_step"],
             }
@@ -198,7 +161,27 @@ def dynamic_candidates(grid) -> dict[str, DynamicTreeSpec]:
     specs = [DynamicTreeSpec(*map(int, row)) for row in grid]
     if not specs:
         raise ValueError("tree_search.dynamic needs at least one [depth, top_k, num_nodes] row")
-    return {tree_label(s): s for s in specs}
+    return {s.label: s for s in specs}
+
+
+def budgeted_candidates(learned_grid, num_nodes, lookup_depth: int, with_learned: bool) -> dict[str, BudgetedTreeSpec]:
+    """Budgeted trees: each learned dynamic setting of `learned_grid` (none for lookup alone) x each node budget."""
+    learned = [DynamicTreeSpec(*map(int, row)) for row in learned_grid] if with_learned else [None]
+    specs = [BudgetedTreeSpec(spec, int(n), int(lookup_depth)) for spec in learned for n in num_nodes]
+    if not specs:
+        raise ValueError("tree_search.budgeted needs at least one node budget (and one learned row for a drafter)")
+    return {s.label: s for s in specs}
+
+
+def fastest_prompt_lookup(model, prompts, max_new_tokens: int, candidates) -> tuple[int, list[dict]]:
+    """transformers' prompt lookup at each `prompt_lookup_num_tokens` of `candidates`, timed with the harness: the
+    fastest value on this machine and the rows (value, median tokens/s)."""
+    eos = model.eos_token_ids()
+    pad = model.tokenizer.pad_token_id if model.tokenizer.pad_token_id is not None else (eos[0] if eos else None)
+    runners = {int(n): hf_runner(model.target, eos, pad, int(n)) for n in candidates}
+    results = time_methods(runners, prompts, max_new_tokens, min(max_new_tokens, 8))
+    rows = [{"prompt_lookup_num_tokens": n, "tokens_per_second": median_tps(results[n])} for n in runners]
+    return max(rows, key=lambda r: r["tokens_per_second"])["prompt_lookup_num_tokens"], rows
 
 
 def greedy_sequences(model, prompts, max_new_tokens: int) -> list[tuple[torch.Tensor, int]]:
@@ -210,13 +193,23 @@ def greedy_sequences(model, prompts, max_new_tokens: int) -> list[tuple[torch.Te
     return out
 
 
-def search(model, prompts, timing_prompts: int, max_new_tokens: int, budget, budgets, dynamic_grid, k_max=10):
+def search(
+    model, prompts, timing_prompts: int, max_new_tokens: int, budget, budgets, dynamic_grid, k_max=10, budgeted=None
+):
     """The fastest tree for `model`'s drafter on `prompts` (dict: kind, tree spec, timings, calibration).
 
+    Combined and lookup drafters: budgeted trees, `budgeted.learned` settings x `budgeted.num_nodes`, all timed.
     Medusa heads: static trees built from the heads' measured accuracies, one per budget (`budget` fixes one).
     EAGLE-3: the dynamic settings of `dynamic_grid`, all timed.
     """
     timing = prompts[: max(timing_prompts, 1)]
+    if budgeted is not None and model.drafter_kind in ("combined", "lookup"):  # lookup merged in: budgeted trees
+        trees = budgeted_candidates(
+            budgeted.learned, budgeted.num_nodes, budgeted.lookup_depth, model.drafter_kind == "combined"
+        )
+        rows = time_trees(model, timing, trees, max_new_tokens)
+        best = fastest(rows)["budget"]
+        return {"kind": "budgeted", "label": best, "spec": trees[best], "timings": rows, "topk": None}
     if model.max_depth is None:  # a drafter of any depth: dynamic trees
         trees = dynamic_candidates(dynamic_grid)
         rows = time_trees(model, timing, trees, max_new_tokens)

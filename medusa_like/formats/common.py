@@ -8,9 +8,12 @@ config, or any unknown file are never overwritten.
 """
 
 import json
+import logging
 import os
+import pickle
 import shutil
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -19,8 +22,21 @@ from safetensors.torch import load_file
 
 from medusa_like.io import remove_stale_temporaries, temporary_name, write_json
 
+log = logging.getLogger(__name__)
+
 MARKER = ".medusa_like_export"
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth")
+
+
+@dataclass(frozen=True)
+class Codec:
+    """A drafter kind's files, both directions (the kind reaches its codec through `drafters/kinds.py`)."""
+
+    formats: tuple[str, ...]  # what `export` writes; "native" first
+    recognises: Callable[[dict], bool]  # config.json -> written by one of these formats?
+    read: Callable  # (directory, target) -> (drafter, meta)
+    from_checkpoint: Callable  # (loaded checkpoint, path, target) -> (drafter, meta)
+    export: Callable  # (drafter, out_dir, format, target, target_name, dtype, overwrite) -> out_dir
 
 
 class FormatError(ValueError):
@@ -35,6 +51,28 @@ def drafter_source(path: str | Path, error: type[FormatError] = FormatError) -> 
     if path.is_file() and path.suffix != ".ckpt":
         raise error(f"{path} is a file: expected a drafter directory with config.json, or a .ckpt")
     return path
+
+
+def read_checkpoint(path: Path, key: str) -> dict:
+    """A training checkpoint as a dict holding `state_dict` and the training module's `key` entry; refuses truncated
+    files and checkpoints of anything else with a `FormatError` naming the file."""
+    try:
+        checkpoint = torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError:
+        # Lightning may store hyper-parameters as arbitrary objects, which only a full unpickling restores
+        log.warning("%s holds more than tensors: unpickling it fully (load checkpoints you trust only)", path)
+        try:
+            checkpoint = torch.load(path, map_location="cpu", weights_only=False)
+        except (RuntimeError, EOFError, OSError, pickle.UnpicklingError) as err:
+            raise FormatError(f"{path} is not a readable torch checkpoint (truncated or corrupted?): {err}") from err
+    except (RuntimeError, EOFError, OSError) as err:
+        raise FormatError(f"{path} is not a readable torch checkpoint (truncated or corrupted?): {err}") from err
+    if not isinstance(checkpoint, dict) or key not in checkpoint or "state_dict" not in checkpoint:
+        keys = sorted(checkpoint) if isinstance(checkpoint, dict) else type(checkpoint).__name__
+        raise FormatError(
+            f"{path} is not a medusa_like training checkpoint: expected 'state_dict' and {key!r}, got {keys}"
+        )
+    return checkpoint
 
 
 def read_config(directory: Path) -> dict:

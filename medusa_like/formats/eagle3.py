@@ -26,15 +26,16 @@ import json
 from pathlib import Path
 
 import torch
+from huggingface_hub.errors import StrictDataclassError
 from safetensors.torch import save_file
 
-from medusa_like.drafters.base import check_fits
+from medusa_like.drafters.base import CHECKPOINT_KEY, check_fits
 from medusa_like.drafters.eagle3 import Eagle3Config, Eagle3Drafter
 from medusa_like.drafters.vocab import DraftVocab, DraftVocabError
-from medusa_like.formats.common import FormatError, read_config, read_safetensors, write_export
+from medusa_like.formats.common import Codec, FormatError, read_config, read_safetensors, write_export
 from medusa_like.targets import target_fingerprint
 
-FORMATS = ("native", "eagle3", "eagle3_sglang")
+FORMATS = ("native", "eagle3", "eagle3_sglang", "gguf")  # gguf: llama.cpp, in `gguf.py`
 WEIGHTS = "model.safetensors"
 ARCHITECTURE = "LlamaForCausalLMEagle3"
 _LAYER_PARTS = ("self_attn.", "mlp.", "input_layernorm.", "hidden_norm.", "post_attention_layernorm.")
@@ -139,9 +140,13 @@ def write_eagle3(
     dtype: torch.dtype | None = None,
     overwrite: bool = False,
 ) -> Path:
-    """Write `drafter` as `fmt` ("native", "eagle3" for vLLM, "eagle3_sglang") into `out_dir`, as one unit (`common.write_export`); returns the directory."""
+    """Write `drafter` as `fmt` ("native", "eagle3" for vLLM, "eagle3_sglang", "gguf" for llama.cpp) into `out_dir`, as one unit (`common.write_export`); returns the directory."""
     if fmt not in FORMATS:
         raise ValueError(f"an EAGLE-3 drafter exports as one of {FORMATS}, not {fmt!r}")
+    if fmt == "gguf":
+        from medusa_like.formats.gguf import write_gguf  # gguf.py builds on this module
+
+        return write_gguf(drafter, out_dir, target, target_name, dtype, overwrite)
     check_fits(drafter.config.target_hidden_size, drafter.config.vocab_size, target, source="being exported")
     if fmt != "native" and (reason := llama_refusal(drafter)):
         raise FormatError(
@@ -176,7 +181,10 @@ def read_eagle3(directory: str | Path, target) -> tuple[Eagle3Drafter, dict]:
     ours = config.get("medusa_like") or {}
     text = target.config.get_text_config()
     if ours.get("config"):
-        eagle = Eagle3Config(**{**ours["config"], "aux_layer_ids": tuple(ours["config"]["aux_layer_ids"])})
+        try:
+            eagle = Eagle3Config(**{**ours["config"], "aux_layer_ids": tuple(ours["config"]["aux_layer_ids"])})
+        except (KeyError, TypeError, ValueError) as err:
+            raise FormatError(f"{directory / 'config.json'}: medusa_like.config is not an EAGLE-3 config: {err}") from err
     else:
         eagle = _config_from_engine(config, target, directory)
     check_fits(eagle.target_hidden_size, eagle.vocab_size, target, ours.get("target_fingerprint"), f"from {directory}")
@@ -195,7 +203,7 @@ def read_eagle3(directory: str | Path, target) -> tuple[Eagle3Drafter, dict]:
     except DraftVocabError as err:
         raise FormatError(f"{file}: {err}") from err
     _check_embeddings(tensors, target, file)
-    drafter = Eagle3Drafter(eagle, vocab)
+    drafter = build_drafter(eagle, vocab, directory / "config.json")
     expected = {_engine_name(name): t for name, t in drafter.state_dict().items()}
     missing, extra = sorted(set(expected) - set(tensors)), sorted(set(tensors) - set(expected))
     if missing or extra:
@@ -214,6 +222,40 @@ def read_eagle3(directory: str | Path, target) -> tuple[Eagle3Drafter, dict]:
     drafter = drafter.to(next(iter(dtypes)))
     drafter.load_state_dict(state, strict=True)
     meta = {"format": "native" if "config" in ours else "eagle3", "target": ours.get("target")}
+    return drafter.eval(), meta
+
+
+def build_drafter(config: Eagle3Config, vocab: DraftVocab, source) -> Eagle3Drafter:
+    """The drafter a stored config describes; a layer config transformers cannot build is a `FormatError` naming
+    `source`, not a traceback from inside transformers."""
+    try:
+        return Eagle3Drafter(config, vocab)
+    except (ValueError, TypeError, KeyError, AttributeError, StrictDataclassError) as err:
+        raise FormatError(f"{source}: its EAGLE-3 layer config cannot be built by transformers: {err}") from err
+
+
+def eagle3_from_checkpoint(checkpoint: dict, path: Path, target) -> tuple[Eagle3Drafter, dict]:
+    """(drafter, meta) from a loaded training checkpoint (`common.read_checkpoint`), checked against `target`."""
+    info = checkpoint[CHECKPOINT_KEY]
+    try:
+        config = Eagle3Config(**info["config"])
+        vocab = DraftVocab(torch.tensor(info["draft_token_ids"], dtype=torch.long), config.vocab_size)
+    except (KeyError, TypeError, ValueError) as err:
+        raise FormatError(f"{path}: {CHECKPOINT_KEY} does not describe an EAGLE-3 drafter: {err}") from err
+    check_fits(config.target_hidden_size, config.vocab_size, target, info.get("target_fingerprint"), f"from {path}")
+    drafter = build_drafter(config, vocab, path)
+    state = {k.removeprefix("drafter."): v for k, v in checkpoint["state_dict"].items() if k.startswith("drafter.")}
+    try:
+        drafter.load_state_dict(state, strict=True)
+    except RuntimeError as err:
+        raise FormatError(f"{path}: the drafter's weights do not match its config: {err}") from err
+    meta = {
+        "format": "checkpoint",
+        "target": info.get("target"),
+        "target_fingerprint": info.get("target_fingerprint"),
+        "global_step": checkpoint.get("global_step"),
+        "epoch": checkpoint.get("epoch"),
+    }
     return drafter.eval(), meta
 
 
@@ -250,3 +292,6 @@ def _check_embeddings(tensors: dict, target, file: Path) -> None:
                     f"{file}: {name} is not the target's input embedding: a drafter with other embeddings drafts "
                     "from the wrong token vectors"
                 )
+
+
+CODEC = Codec(FORMATS, is_eagle3_config, read_eagle3, eagle3_from_checkpoint, write_eagle3)

@@ -1,20 +1,18 @@
 """Exact export and import of draft heads: our native directory, the original Medusa layout, vLLM and TGI.
 
-    save_heads(heads, "runs/x/heads", target, "smollm2-135m-instruct")       # native: config.json + model.safetensors
     export_heads(heads, "out/vllm", "vllm", target_model=target, target_name="HuggingFaceTB/SmolLM2-135M-Instruct")
-    heads = load_heads("out/vllm", target)                                   # any of the four, detected from config
-    heads, meta = heads_from_checkpoint("runs/x/checkpoints/last.ckpt")
+    heads, meta = read_heads("out/vllm", target)                             # any of the four, detected from config
+    heads, meta = heads_from_checkpoint(checkpoint, path)                    # a loaded training checkpoint
 
 Loading is strict: every tensor's name and shape is checked against the layout its config.json describes (a missing,
 extra or misshapen tensor is an error naming it, never a silent random init), and the heads are checked against the
 target (hidden size, vocabulary, and for native exports and checkpoints the target's architecture fingerprint). A file
 that stores the target's lm_head for shared heads must hold exactly that lm_head. An export is written into a temporary
-directory and renamed (`common.write_export`), so an interrupted export never leaves a half-written file. The layouts themselves live in `medusa_heads.py`.
+directory and renamed (`common.write_export`), so an interrupted export never leaves a half-written file. The layouts themselves live in
+`medusa_layouts.py`.
 """
 
 import json
-import logging
-import pickle
 from pathlib import Path
 
 import torch
@@ -23,9 +21,9 @@ from transformers import PreTrainedModel
 
 from medusa_like.drafters.base import CHECKPOINT_KEY, DrafterMismatchError, check_fits, target_name
 from medusa_like.drafters.medusa import HeadsConfig, MedusaHeads
-from medusa_like.formats import medusa_heads as layouts
-from medusa_like.formats.common import drafter_source, read_config, read_safetensors, same_weights, write_export
-from medusa_like.formats.medusa_heads import (
+from medusa_like.formats import medusa_layouts as layouts
+from medusa_like.formats.common import Codec, read_config, read_safetensors, same_weights, write_export
+from medusa_like.formats.medusa_layouts import (
     FORMATS,
     MEDUSA,
     NATIVE,
@@ -37,9 +35,6 @@ from medusa_like.formats.medusa_heads import (
     check_shapes,
 )
 from medusa_like.targets import target_fingerprint
-
-log = logging.getLogger(__name__)
-
 
 # ---- export ----
 
@@ -84,8 +79,7 @@ def _layout(fmt: str, heads: MedusaHeads, target: PreTrainedModel, target_name: 
 def export_heads(
     heads: MedusaHeads,
     out_dir: str | Path,
-    format: str = NATIVE,
-    *,
+    format: str,
     target_model: PreTrainedModel,
     target_name: str,
     dtype: torch.dtype | None = None,
@@ -106,13 +100,6 @@ def export_heads(
         "config.json": lambda path: path.write_text(json.dumps(config, indent=2) + "\n"),
     }
     return write_export(out_dir, files, {"drafter": "medusa", "format": format}, overwrite)
-
-
-def save_heads(
-    heads: MedusaHeads, out_dir: str | Path, target_model: PreTrainedModel, target_name: str, overwrite: bool = False
-) -> Path:
-    """Native export: config.json (sizes, shared projection, target name and fingerprint) + model.safetensors."""
-    return export_heads(heads, out_dir, NATIVE, target_model=target_model, target_name=target_name, overwrite=overwrite)
 
 
 # ---- import ----
@@ -163,68 +150,39 @@ def _read_directory(path: Path, target: PreTrainedModel) -> tuple[MedusaHeads, d
     return _build(parsed.config, parsed.blocks, parsed.projections), parsed.meta
 
 
-def read_heads(path: str | Path, target_model: PreTrainedModel) -> tuple[MedusaHeads, dict]:
-    """`load_heads`, also returning what the source says about itself: format, target name, fingerprint."""
-    path = drafter_source(path, HeadsFormatError)
-    if path.is_file():
-        heads, meta = heads_from_checkpoint(path)
-        cfg = heads.config
-        check_fits(cfg.hidden_size, cfg.vocab_size, target_model, meta["target_fingerprint"], f"from {path}")
-        return heads, {**meta, "format": "checkpoint"}
-    return _read_directory(path, target_model)
-
-
-def load_heads(path: str | Path, target_model: PreTrainedModel) -> MedusaHeads:
-    """Heads from a native, Medusa, vLLM or TGI directory (detected from config.json) or a training checkpoint.
+def read_heads(path: Path, target_model: PreTrainedModel) -> tuple[MedusaHeads, dict]:
+    """Heads from a native, Medusa, vLLM or TGI directory (detected from config.json), checked against the target,
+    and what the directory says about itself: format, target name, fingerprint.
 
     Shared-projection heads come back with `lm_heads = None`: pass the target's lm_head to their forward.
     """
-    return read_heads(path, target_model)[0]
+    return _read_directory(Path(path), target_model)
 
 
 # ---- training checkpoints ----
 
 
-def torch_load(path: Path) -> dict:
-    try:
-        return torch.load(path, map_location="cpu", weights_only=True)
-    except pickle.UnpicklingError:
-        # Lightning may store hyper-parameters as arbitrary objects, which only a full unpickling restores
-        log.warning("%s holds more than tensors: unpickling it fully (load checkpoints you trust only)", path)
-        return torch.load(path, map_location="cpu", weights_only=False)
-
-
-def heads_from_checkpoint(ckpt_path: str | Path) -> tuple[MedusaHeads, dict]:
-    """(heads, meta) from a training checkpoint; meta = {heads_config, target, target_fingerprint, step, epoch}.
+def heads_from_checkpoint(checkpoint: dict, path: Path, target_model: PreTrainedModel) -> tuple[MedusaHeads, dict]:
+    """(heads, meta) from a loaded training checkpoint (`common.read_checkpoint`), checked against the target.
 
     The training module's contract: state_dict["heads.*"] holds the heads and checkpoint["medusa_like"] holds
     {"heads_config": HeadsConfig.to_dict(), "target": str, "target_fingerprint": str}.
     """
-    path = Path(ckpt_path)
-    if not path.is_file():
-        raise FileNotFoundError(f"checkpoint {path} does not exist")
-    try:
-        checkpoint = torch_load(path)
-    except (RuntimeError, EOFError, OSError, pickle.UnpicklingError) as err:
-        raise HeadsFormatError(f"{path} is not a readable torch checkpoint (truncated or corrupted?): {err}") from err
-    if not isinstance(checkpoint, dict) or CHECKPOINT_KEY not in checkpoint or "state_dict" not in checkpoint:
-        keys = sorted(checkpoint) if isinstance(checkpoint, dict) else type(checkpoint).__name__
-        raise HeadsFormatError(
-            f"{path} is not a medusa_like training checkpoint: expected 'state_dict' and {CHECKPOINT_KEY!r}, got {keys}"
-        )
     info = checkpoint[CHECKPOINT_KEY]
     try:
         cfg = HeadsConfig(**info["heads_config"])
-    except (KeyError, TypeError) as err:
+    except (KeyError, TypeError, ValueError) as err:
         raise HeadsFormatError(f"{path}: {CHECKPOINT_KEY}['heads_config'] is unusable: {err}") from err
     state = {k.removeprefix("heads."): v for k, v in checkpoint["state_dict"].items() if k.startswith("heads.")}
     spec = layouts.native_spec(cfg)
     layout = f"its heads_config (num_heads={cfg.num_heads}, num_layers={cfg.num_layers}, shared={cfg.shared_lm_head})"
     check_names(state, spec, f"{path} state_dict['heads.*']", layout)
     check_shapes(state, spec, path, layout)
+    check_fits(cfg.hidden_size, cfg.vocab_size, target_model, info.get("target_fingerprint"), f"from {path}")
     blocks = {name: t for name, t in state.items() if name.startswith("blocks.")}
     own = None if cfg.shared_lm_head else [state[layouts.projection_name(NATIVE, k, 0)] for k in range(cfg.num_heads)]
     meta = {
+        "format": "checkpoint",
         "heads_config": cfg.to_dict(),
         "target": info.get("target"),
         "target_fingerprint": info.get("target_fingerprint"),
@@ -232,3 +190,14 @@ def heads_from_checkpoint(ckpt_path: str | Path) -> tuple[MedusaHeads, dict]:
         "epoch": checkpoint.get("epoch"),
     }
     return _build(cfg, blocks, own), meta
+
+
+def is_heads_config(config: dict) -> bool:
+    try:
+        layouts.detect_format(config)
+    except ValueError:
+        return False
+    return True
+
+
+CODEC = Codec(FORMATS, is_heads_config, read_heads, heads_from_checkpoint, export_heads)

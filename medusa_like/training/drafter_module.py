@@ -29,11 +29,10 @@ class DrafterModule(L.LightningModule):
         target_name: str,
         optimizer: Callable,  # partial(torch.optim.AdamW, lr=...) from Hydra (`_partial_: true`)
         scheduler: Callable | None = None,  # partial(schedule, ...) called with (optimizer, total_steps=...)
-        target_dtype: str | None = None,  # e.g. bfloat16: the frozen target's dtype for training (features, labels)
         hidden_cache_dir: str | None = None,  # cache the target's hidden states here during the first epoch
     ):
         super().__init__()
-        self.target = freeze(target.to(getattr(torch, target_dtype)) if target_dtype else target)
+        self.target = freeze(target)  # in its own dtype: `model.dtype`, which the loader applied
         self.target_name = target_name
         self.optimizer_factory, self.scheduler_factory = optimizer, scheduler
         self.cache = HiddenStateCache(hidden_cache_dir) if hidden_cache_dir else None

@@ -17,8 +17,10 @@ from transformers import DynamicCache
 from medusa_like.drafters.base import check_fits
 from medusa_like.drafters.eagle3 import Eagle3Config, Eagle3Drafter
 from medusa_like.drafters.vocab import DraftVocab
+from medusa_like.targets import output_logits
 from medusa_like.training.drafter_module import DrafterModule
-from medusa_like.training.ttt import shift_left, soft_cross_entropy, step_weights, supervised_rows, unrolled_mask
+from medusa_like.training.losses import decay_weights, shift_left
+from medusa_like.training.ttt import soft_cross_entropy, supervised_rows, unrolled_mask
 
 _PROJECTION_ROWS = 1024  # positions per chunk of the target's full projection (bounds memory: 1024 x V floats)
 
@@ -36,12 +38,11 @@ class Eagle3Module(DrafterModule):
         scheduler: Callable | None = None,  # partial(schedule, ...) called with (optimizer, total_steps=...)
         aux_layer_ids: list[int] | None = None,  # null: layers 2, L/2 and L-3
         ttt_steps: int = 4,  # unrolled draft steps (EAGLE-3: 7)
-        target_dtype: str | None = None,  # e.g. bfloat16: the frozen target's dtype for training (features, labels)
         decay: float = 0.8,  # step j's loss is weighted decay^j
         init_from_target: bool = True,  # start lm_head and the final norm from the target's
         hidden_cache_dir: str | None = None,  # cache the target's hidden states here during the first epoch
     ):
-        super().__init__(target, target_name, optimizer, scheduler, target_dtype, hidden_cache_dir)
+        super().__init__(target, target_name, optimizer, scheduler, hidden_cache_dir)
         if ttt_steps < 1 or not 0 < decay <= 1:
             raise ValueError(f"need ttt_steps >= 1 and 0 < decay <= 1, got ttt_steps={ttt_steps}, decay={decay}")
         check_fits(target.config.get_text_config().hidden_size, vocab.target_vocab_size, target, source="being trained")
@@ -85,7 +86,7 @@ class Eagle3Module(DrafterModule):
     def _forward(self, batch: dict):
         """Returns (weighted loss, loss per step [S], [(top-1 hits, supervised rows)] per step)."""
         input_ids, attention_mask = batch["input_ids"], batch["attention_mask"]  # [B, T]
-        wanted = supervised_rows(batch["loss_mask"], attention_mask, torch.ones_like(attention_mask, dtype=torch.bool))
+        wanted = supervised_rows(batch["loss_mask"], attention_mask)  # [B, T]
         aux, teacher_logp, labelled = self._target_outputs(batch, wanted)  # [B, T, n*h], [B, T, N], [B, T]
         if not labelled.any():
             raise ValueError(
@@ -109,7 +110,7 @@ class Eagle3Module(DrafterModule):
             accuracy.append((hits.detach(), valid.sum()))
             feature = state  # the next step reads the drafter's own output
         per_step = torch.stack(losses)  # [S]
-        loss = (step_weights(self.ttt_steps, self.decay, per_step.device) * per_step).sum()
+        loss = (decay_weights(self.ttt_steps, self.decay, device=per_step.device) * per_step).sum()
         if not torch.isfinite(loss):
             raise FloatingPointError(
                 f"non-finite loss {loss.item()} (per step {per_step.tolist()}) at step {self.global_step} on rows "
@@ -125,11 +126,10 @@ class Eagle3Module(DrafterModule):
         hidden = self.target_hidden(batch, self.drafter.config.aux_layer_ids)  # [B, T, (n+1)*h]
         size = self.target.config.get_text_config().hidden_size
         aux, last = hidden[..., :-size], hidden[..., -size:]
-        projection = self.target.get_output_embeddings()
         rows = self.drafter.token_ids
         draft_logits, in_vocab = [], []
         for chunk in last[wanted].split(_PROJECTION_ROWS):  # [n, h]
-            full = projection(chunk.to(projection.weight.dtype)).float()  # [n, V]
+            full = output_logits(self.target, chunk).float()  # [n, V]: soft-capped as the target decodes
             draft_logits.append(full[:, rows])
             in_vocab.append(self.drafter_vocab_mask[full.argmax(-1)])
         teacher = last.new_zeros(*last.shape[:-1], rows.numel(), dtype=torch.float32)  # [B, T, N]

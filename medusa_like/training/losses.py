@@ -1,4 +1,5 @@
-"""Head targets, losses and accuracies: pure tensor functions used by the Lightning module.
+"""Head targets, losses and accuracies: pure tensor functions used by the Lightning modules (`shift_left` and
+`decay_weights` by both drafters', the rest by the Medusa heads').
 
 Head k (1-based) reads the target's last hidden state at position t and is trained on token t + 1 + k, where that
 token is an assistant token (`loss_mask`). The optional soft label for head k at t is the target's own next-token
@@ -24,11 +25,18 @@ def head_labels(input_ids: torch.Tensor, loss_mask: torch.Tensor, num_heads: int
     return labels
 
 
-def shifted(hidden: torch.Tensor, k: int) -> torch.Tensor:
-    """hidden [B, T, H] -> [B, T, H] with out[:, t] = hidden[:, t + k] (zeros past the end)."""
+def shift_left(x: torch.Tensor, k: int, fill=0) -> torch.Tensor:
+    """x [B, T, ...] -> out[:, t] = x[:, t + k], `fill` past the end."""
     if k == 0:
-        return hidden
-    return F.pad(hidden[:, k:], (0, 0, 0, k))
+        return x
+    pad = torch.full_like(x[:, :k], fill)
+    return torch.cat([x[:, k:], pad], dim=1)
+
+
+def decay_weights(count: int, decay: float, first: int = 0, device=None) -> torch.Tensor:
+    """[count]: decay ** i for i = first .. first + count - 1. A draft stops at its first miss, so later steps (and
+    later heads) matter less: Medusa weighs head k = 1..K by decay^k, EAGLE-3 step j = 0..S-1 by decay^j."""
+    return decay ** torch.arange(first, first + count, dtype=torch.float32, device=device)
 
 
 def head_losses(
@@ -64,8 +72,3 @@ def topk_correct(logits: torch.Tensor, labels: torch.Tensor, ks: tuple[int, ...]
     top = logits.topk(max(ks), dim=-1).indices  # [K, N, max_k]
     hits = top == labels.unsqueeze(-1)  # [K, N, max_k]
     return {k: (hits[..., :k].any(-1) & valid).sum(-1) for k in ks}
-
-
-def head_weights(num_heads: int, decay: float, device=None) -> torch.Tensor:
-    """[K]: decay ** k for head k = 1..K (later heads are harder and matter less: a draft stops at its first miss)."""
-    return decay ** torch.arange(1, num_heads + 1, dtype=torch.float32, device=device)

@@ -9,13 +9,13 @@ from collections.abc import Callable
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 from torchmetrics import MeanMetric
 
 from medusa_like.drafters.base import check_fits
 from medusa_like.drafters.medusa import HeadsConfig, MedusaHeads
+from medusa_like.targets import output_logits
 from medusa_like.training.drafter_module import DrafterModule
-from medusa_like.training.losses import IGNORE, head_labels, head_losses, head_weights, shifted, topk_correct
+from medusa_like.training.losses import IGNORE, decay_weights, head_labels, head_losses, shift_left, topk_correct
 
 TOPK = (1, 5)
 
@@ -34,10 +34,9 @@ class MedusaHeadsModule(DrafterModule):
         decay: float = 0.8,
         kl_weight: float = 0.0,  # mix of the soft-label KL to the target's own distribution
         kl_temperature: float = 1.0,
-        target_dtype: str | None = None,  # e.g. bfloat16: the frozen target's dtype for training
         hidden_cache_dir: str | None = None,  # cache the target's hidden states here during the first epoch
     ):
-        super().__init__(target, target_name, optimizer, scheduler, target_dtype, hidden_cache_dir)
+        super().__init__(target, target_name, optimizer, scheduler, hidden_cache_dir)
         if not 0 <= kl_weight <= 1 or not 0 < decay <= 1:
             raise ValueError(f"need 0 <= kl_weight <= 1 and 0 < decay <= 1, got kl_weight={kl_weight}, decay={decay}")
         check_fits(heads_config.hidden_size, heads_config.vocab_size, target, source="being trained")
@@ -93,10 +92,10 @@ class MedusaHeadsModule(DrafterModule):
         if self.kl_weight > 0:
             with torch.no_grad():
                 teacher = torch.stack(
-                    [self._project(shifted(hidden, k)[selected]) for k in range(1, self.heads.num_heads + 1)]
+                    [self._project(shift_left(hidden, k)[selected]) for k in range(1, self.heads.num_heads + 1)]
                 )  # [K, N, V]: the target's logits at t + k
         per_head, counts = head_losses(logits, labels, teacher, self.kl_weight, self.kl_temperature)
-        loss = (head_weights(self.heads.num_heads, self.decay, per_head.device) * per_head).sum()
+        loss = (decay_weights(self.heads.num_heads, self.decay, first=1, device=per_head.device) * per_head).sum()
         if not torch.isfinite(loss):
             raise FloatingPointError(
                 f"non-finite loss {loss.item()} (per head {per_head.tolist()}) at step {self.global_step} on rows "
@@ -105,6 +104,6 @@ class MedusaHeadsModule(DrafterModule):
         return loss, per_head.detach(), counts, topk_correct(logits.detach(), labels, TOPK)
 
     def _project(self, x: torch.Tensor) -> torch.Tensor:
-        """The target's frozen projection on head features [..., H] -> logits [..., V], in the features' dtype."""
-        proj = self.target.get_output_embeddings()
-        return F.linear(x.to(proj.weight.dtype), proj.weight, proj.bias).to(x.dtype)
+        """The target's frozen projection (soft-capped as it decodes) on head features [..., H] -> logits [..., V],
+        in the features' dtype."""
+        return output_logits(self.target, x).to(x.dtype)

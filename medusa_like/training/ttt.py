@@ -7,20 +7,14 @@ step j at row t covers step 0's entries 0..t (the committed prefix) and the entr
 drafted path), which is the mask `unrolled_mask` builds over the concatenated keys of all steps.
 
 The label of step j at row t is the target's own distribution after token t + 1 + j, restricted to the draft
-vocabulary; rows whose predicted token is not an assistant token, or whose target argmax lies outside the draft
-vocabulary, are left out (EAGLE-3's recipe).
+vocabulary; rows whose predicted token is not an assistant token (`supervised_rows`), or whose target argmax lies
+outside the draft vocabulary (`Eagle3Module`, which computes that argmax), are left out (EAGLE-3's recipe).
 """
 
 import torch
 import torch.nn.functional as F
 
-
-def shift_left(x: torch.Tensor, k: int, fill=0) -> torch.Tensor:
-    """x [B, T, ...] -> out[:, t] = x[:, t + k], `fill` past the end."""
-    if k == 0:
-        return x
-    pad = torch.full_like(x[:, :k], fill)
-    return torch.cat([x[:, k:], pad], dim=1)
+from medusa_like.training.losses import shift_left
 
 
 def unrolled_mask(attention_mask: torch.Tensor, step: int) -> torch.Tensor:
@@ -34,11 +28,10 @@ def unrolled_mask(attention_mask: torch.Tensor, step: int) -> torch.Tensor:
     return torch.cat(blocks, dim=-1)[:, None]
 
 
-def supervised_rows(loss_mask: torch.Tensor, attention_mask: torch.Tensor, in_vocab: torch.Tensor) -> torch.Tensor:
-    """[B, T] bool: position s has a label (the target's distribution after token s, for token s + 1) iff token s + 1
-    is a real assistant token and the target's argmax at s is in the draft vocabulary."""
-    next_supervised = shift_left(loss_mask.bool() & attention_mask.bool(), 1, fill=False)
-    return next_supervised & in_vocab
+def supervised_rows(loss_mask: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+    """loss_mask, attention_mask [B, T] -> [B, T] bool: position s may have a label (the target's distribution after
+    token s, for token s + 1) iff token s + 1 is a real assistant token."""
+    return shift_left(loss_mask.bool() & attention_mask.bool(), 1, fill=False)
 
 
 def soft_cross_entropy(logits: torch.Tensor, teacher_logp: torch.Tensor) -> torch.Tensor:
@@ -47,8 +40,3 @@ def soft_cross_entropy(logits: torch.Tensor, teacher_logp: torch.Tensor) -> torc
         return logits.sum() * 0.0
     logq = F.log_softmax(logits.float(), dim=-1)
     return -(teacher_logp.exp() * logq).sum(-1).mean()
-
-
-def step_weights(steps: int, decay: float, device=None) -> torch.Tensor:
-    """[steps]: decay ** j for step j = 0..steps-1 (a draft stops at its first miss: later steps matter less)."""
-    return decay ** torch.arange(steps, dtype=torch.float32, device=device)

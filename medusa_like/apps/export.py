@@ -1,0 +1,84 @@
+"""Export a trained drafter: `medusa-export drafter.path=<dir or .ckpt> format=<format> out=<dir>`.
+
+Medusa heads export as native, medusa, vllm or tgi; the EAGLE-3 drafter as native or eagle3 (vLLM and SGLang). The
+drafter is loaded strictly and checked against the target of the `model` group (hidden size, vocabulary and, where
+recorded, the architecture fingerprint); the target also supplies the lm_head that the Medusa and vLLM layouts store
+for shared-projection heads. `export(cfg)` is importable; `main` is the Hydra app behind `medusa-export` and
+`python -m train.export`.
+"""
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import hydra
+import torch
+from omegaconf import DictConfig
+
+from medusa_like.apps import CONFIG_DIR
+from medusa_like.cli import ConfigError, check_config, one_line_errors
+from medusa_like.data.prepare import load_model
+from medusa_like.formats import export_drafter, read_drafter
+from medusa_like.runs import resolved, save_config
+from medusa_like.targets import resolve_target
+
+
+@dataclass(frozen=True)
+class Flag:
+    """A true/false config value (`overwrite=yes` would otherwise pass as a truthy string)."""
+
+    def check(self, key: str, value) -> None:
+        if not isinstance(value, bool):
+            raise ConfigError(f"config key {key}: expected true or false, got {value!r}")
+
+
+@dataclass(frozen=True)
+class FloatDtype:
+    """The name of a torch floating-point dtype (float32, bfloat16, ...), or null when `optional`."""
+
+    optional: bool = False
+
+    def check(self, key: str, value) -> None:
+        if value is None and self.optional:
+            return
+        dtype = getattr(torch, value, None) if isinstance(value, str) else None
+        if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+            expected = "a torch floating-point dtype name such as float32 or bfloat16" + (" or null" * self.optional)
+            raise ConfigError(f"config key {key}: expected {expected}, got {value!r}")
+
+
+EXPORT_CHECKS = {
+    "overwrite": Flag(),
+    "dtype": FloatDtype(optional=True),
+    "target_dtype": FloatDtype(),
+}
+
+
+def config_target_name(cfg: DictConfig) -> str:
+    """The target name written into config.json: ours for native, one a serving engine can open for the others."""
+    if cfg.get("base_model"):
+        return str(cfg.base_model)
+    target = str(cfg.model.name_or_path)
+    return target if cfg.format == "native" else resolve_target(target)
+
+
+def export(cfg: DictConfig) -> Path:
+    """Read `drafter.path`, check it against the target, write it as `format` to `out`; returns the output directory."""
+    check_config(cfg, EXPORT_CHECKS)
+    save_config(resolved(cfg), Path(cfg.paths.output_dir))
+    overrides = {"dtype": cfg.target_dtype, "device": "cpu"} if "dtype" in cfg.model.loader else {}
+    target, _ = load_model(cfg.model, **overrides)
+    drafter, source = read_drafter(cfg.drafter.path, target)
+    dtype = getattr(torch, cfg.dtype) if cfg.get("dtype") else None
+    out = export_drafter(
+        drafter, cfg.out, cfg.format, target, config_target_name(cfg), dtype=dtype, overwrite=cfg.overwrite
+    )
+    kind = type(drafter).__name__
+    print(f"read {source['format']} {kind} from {cfg.drafter.path}")
+    print(f"wrote format={cfg.format} to {out}: {sorted(p.name for p in out.iterdir())}")
+    return out
+
+
+@hydra.main(version_base="1.3", config_path=CONFIG_DIR, config_name="export")
+def main(cfg: DictConfig) -> None:
+    with one_line_errors():
+        export(cfg)

@@ -1,0 +1,76 @@
+"""Train a drafter on a frozen target with Lightning; exports it to <run dir>/drafter at the end.
+
+    medusa-train experiment=smollm2_eagle3                   # the default experiment (builds its data first)
+    medusa-train model=tiny_llama data=tiny debug=fdr        # a fast dev run on a tiny random model
+
+`train(cfg)` is importable, so tests and notebooks run it on a composed config; `main` is the Hydra app behind
+`medusa-train` and the checkout's `python -m train.train`.
+"""
+
+import logging
+import sys
+from pathlib import Path
+
+import hydra
+import lightning as L
+from hydra.utils import instantiate
+from omegaconf import DictConfig
+
+from medusa_like.apps import CONFIG_DIR
+from medusa_like.cli import TRAIN_CHECKS, check_config, one_line_errors
+from medusa_like.data.prepare import ensure_dataset, load_model
+from medusa_like.formats import save_drafter
+from medusa_like.io import write_json
+from medusa_like.runs import last_checkpoint, resolved, save_config
+from medusa_like.training.build import build_module
+
+log = logging.getLogger(__name__)
+
+
+def instantiate_all(group: DictConfig | None) -> list:
+    """The objects of a callbacks/logger group; entries without `_target_` (an experiment's settings for a logger
+    that was switched off, say) are left out."""
+    return [instantiate(c) for c in (group or {}).values() if "_target_" in c]
+
+
+def train(cfg: DictConfig) -> dict[str, float]:
+    """Build the data if needed, fit, export; returns the final metrics (also written to <run dir>/metrics.json)."""
+    check_config(cfg, TRAIN_CHECKS)
+    L.seed_everything(cfg.seed, workers=True)
+    out_dir = Path(cfg.paths.output_dir)
+    run_config = resolved(cfg)
+    save_config(run_config, out_dir)
+    target, tokenizer = load_model(cfg.model)
+    ensure_dataset(cfg, target, tokenizer)
+    datamodule = instantiate(cfg.data.module)
+    module = build_module(cfg, target)
+    callbacks = instantiate_all(cfg.get("callbacks"))
+    loggers = instantiate_all(cfg.get("logger"))
+    trainer: L.Trainer = instantiate(cfg.trainer, callbacks=callbacks, logger=loggers or False)
+    for logger in trainer.loggers:
+        logger.log_hyperparams(run_config)
+
+    trainer.fit(module, datamodule=datamodule, ckpt_path=last_checkpoint(cfg.get("ckpt_path"), out_dir))
+
+    metrics = {k: float(v) for k, v in trainer.callback_metrics.items()}
+    if trainer.is_global_zero:
+        if cfg.get("export_drafter"):
+            path = save_drafter(module.drafter, out_dir / "drafter", target, cfg.model.name_or_path)
+            log.info("drafter exported to %s", path)
+        write_json(out_dir / "metrics.json", dict(sorted(metrics.items())))
+        log.info("validation: %s", {k: round(v, 4) for k, v in sorted(metrics.items()) if k.startswith("val/acc")})
+    _finish_wandb()
+    return metrics
+
+
+def _finish_wandb() -> None:
+    """Close the W&B run so its offline directory is complete before the process (or the next test) goes on."""
+    wandb = sys.modules.get("wandb")
+    if wandb is not None and wandb.run is not None:
+        wandb.finish()
+
+
+@hydra.main(version_base="1.3", config_path=CONFIG_DIR, config_name="train")
+def main(cfg: DictConfig) -> None:
+    with one_line_errors():
+        train(cfg)

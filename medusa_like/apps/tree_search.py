@@ -1,0 +1,75 @@
+"""Tree search: the tree that decodes fastest on this machine for a drafter (config: conf/eval.yaml).
+
+    medusa-tree-search drafter.path=runs/<run>/drafter                      # budget=auto: time, keep the fastest
+    medusa-tree-search drafter.path=... tree_search.budget=16 tree_search.out=trees/h16.json   # Medusa heads
+    medusa-evaluate drafter.path=... tree=trees/h16.json ...                # use it
+
+Calibration prompts: the first turns of `tree_search.calibration` (the validation split by default, never trained on).
+Medusa heads: each head's top-1..top-10 accuracy is measured teacher-forced over the target's greedy answers, the best
+tree of each budget is built best-first, and every budget is timed. EAGLE-3: every (depth, top_k, num_nodes) of
+`tree_search.dynamic` is timed. Combined and lookup drafters (`drafter.kind`): every budgeted tree of
+`tree_search.budgeted` is timed, and the machine's cost model is saved with the winner. transformers' prompt lookup is
+timed at each `tree_search.prompt_lookup` value, for the evaluation's baseline. The fastest is saved as a tree JSON that `tree=` accepts. `tree_search(cfg)` is
+importable; `main` is the Hydra app behind `medusa-tree-search` and `python -m eval.tree_search`.
+"""
+
+import logging
+from pathlib import Path
+
+import hydra
+import torch
+from omegaconf import DictConfig, OmegaConf
+from rich.console import Console
+from rich.table import Table
+
+from medusa_like.apps import CONFIG_DIR
+from medusa_like.cli import EVAL_CHECKS, check_config, one_line_errors
+from medusa_like.evaluation.setup import load_eval_model, run_dir, run_search, set_threads
+
+log = logging.getLogger(__name__)
+
+COLUMNS = ("tree", "nodes", "depth", "tau", "accepted draft/step", "draft ms/step", "verify ms/step", "tokens/s")
+
+
+def print_search(result: dict, console: Console | None = None) -> None:
+    console = console or Console()
+    if result["timings"]:
+        table = Table(title="tree budgets (calibration prompts)")
+        for col in COLUMNS:
+            table.add_column(col, justify="right")
+        for r in result["timings"]:
+            mark = " *" if r["budget"] == result["label"] else ""
+            table.add_row(
+                f"{r['budget']}{mark}",
+                str(r["nodes"]),
+                str(r["depth"]),
+                f"{r['tau']:.2f}",
+                f"{r['mean_accepted_draft']:.2f}",
+                f"{r['draft_ms_per_step']:.1f}",
+                f"{r['verify_ms_per_step']:.1f}",
+                f"{r['tokens_per_second']:.1f}",
+            )
+        console.print(table)
+    if result["topk"]:
+        console.print("head top-1 accuracy: " + ", ".join(f"{t[0]:.2f}" for t in result["topk"]))
+    console.print(f"fastest transformers prompt lookup: prompt_lookup_num_tokens={result['prompt_lookup_num_tokens']}")
+    console.print(f"saved tree {result['label']} to {result['path']}")
+
+
+def tree_search(cfg: DictConfig) -> dict:
+    """Load the model, search, save and print; returns `evaluation.setup.run_search`'s result."""
+    check_config(cfg, EVAL_CHECKS)
+    set_threads(cfg.eval.threads)
+    torch.manual_seed(cfg.seed)
+    model = load_eval_model(cfg)
+    out_path = Path(cfg.tree_search.out) if cfg.tree_search.out else run_dir(cfg) / "tree.json"
+    result = run_search(cfg, model, out_path)
+    print_search(result)
+    return result
+
+
+@hydra.main(version_base="1.3", config_path=CONFIG_DIR, config_name="eval")
+def main(cfg: DictConfig) -> None:
+    log.info("config:\n%s", OmegaConf.to_yaml(cfg))
+    with one_line_errors():
+        tree_search(cfg)

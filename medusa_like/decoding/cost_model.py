@@ -1,0 +1,113 @@
+"""What a decoding step costs on this machine: the target's verification forward against the number of tree nodes.
+
+    cost = measure_cost_model(target)               # ~1-3 s: forwards of 1..32 nodes after a 128-token prefix
+    cost.verify_ms(12)                              # interpolated
+    save_tree(spec, "tree.json", cost_model=cost.to_json())
+    cost = CostModel.from_json(data, target)        # refused for another target or dtype
+
+A budgeted tree (`drafters/combined.py`) picks each step's node budget to maximise expected tokens per second from
+it: on a CPU a forward over 16 nodes costs ~1.6x one over a single token in fp32, ~1x in bf16; on a GPU ~1x up to 64.
+"""
+
+import platform
+import time
+from dataclasses import dataclass
+
+import torch
+
+from medusa_like.targets import target_fingerprint
+
+from .attention import pick_backend, tree_attention
+from .generate import target_forward
+from .kv_cache import TreeKVCache
+from .projection import VocabProjection
+
+SIZES = (1, 2, 4, 8, 16, 32)
+
+
+class CostModelMismatchError(ValueError):
+    """A cost model measured for another target, dtype or device."""
+
+
+@dataclass
+class CostModel:
+    nodes: list[int]  # tree sizes measured, root included, ascending
+    verify_ms: list[float]  # milliseconds of one target forward over that many nodes
+    target_fingerprint: str
+    dtype: str
+    device: str
+    machine: str = platform.machine()
+
+    def verify(self, num_nodes: int) -> float:
+        """Milliseconds to verify `num_nodes` nodes: linear between measured sizes, extrapolated beyond them."""
+        nodes, ms = self.nodes, self.verify_ms
+        if num_nodes <= nodes[0]:
+            return ms[0]
+        for i in range(1, len(nodes)):
+            if num_nodes <= nodes[i]:
+                share = (num_nodes - nodes[i - 1]) / (nodes[i] - nodes[i - 1])
+                return ms[i - 1] + share * (ms[i] - ms[i - 1])
+        slope = (ms[-1] - ms[-2]) / (nodes[-1] - nodes[-2]) if len(nodes) > 1 else 0.0
+        return ms[-1] + slope * (num_nodes - nodes[-1])
+
+    def to_json(self) -> dict:
+        return {
+            "nodes": list(self.nodes),
+            "verify_ms": [round(x, 4) for x in self.verify_ms],
+            "target_fingerprint": self.target_fingerprint,
+            "dtype": self.dtype,
+            "device": self.device,
+            "machine": self.machine,
+        }
+
+    @classmethod
+    def from_json(cls, data: dict, target) -> "CostModel":
+        """The cost model `to_json` wrote, refused unless it was measured for this target, dtype and device type."""
+        try:
+            model = cls(**data)
+        except TypeError as err:
+            raise CostModelMismatchError(f"not a cost model: {err}") from err
+        if len(model.nodes) != len(model.verify_ms) or not model.nodes:
+            raise CostModelMismatchError("a cost model needs one time per measured tree size")
+        model.check_fits(target)
+        return model
+
+    def check_fits(self, target) -> None:
+        wanted = (target_fingerprint(target.config), str(target.dtype), target.device.type)
+        have = (self.target_fingerprint, self.dtype, self.device)
+        if wanted != have:
+            raise CostModelMismatchError(
+                f"cost model measured for (fingerprint, dtype, device) {have}, but this target is {wanted}: "
+                "measure it again (eval.tree_search) for this target"
+            )
+
+
+@torch.inference_mode()
+def measure_cost_model(target, sizes=SIZES, prefix: int = 128, repeats: int = 5) -> CostModel:
+    """Median time of the target's forward and vocabulary projection over `sizes` chain-shaped trees after a
+    `prefix`-token context: what verifying a tree of that many nodes costs."""
+    device = target.device
+    vocab = target.config.get_text_config().vocab_size
+    generator = torch.Generator().manual_seed(0)
+    context = torch.randint(0, vocab, (1, prefix), generator=generator).to(device)
+    cache = TreeKVCache.for_model(target, prefix + max(sizes))
+    lm_head = VocabProjection(target)
+    times = []
+    with tree_attention(target, pick_backend("auto", device)):
+        target_forward(target, context, torch.arange(prefix, device=device)[None], cache, None)
+        cache.commit_all(prefix)
+        for size in sizes:
+            tokens = torch.randint(0, vocab, (1, size), generator=generator).to(device)
+            positions = torch.arange(prefix, prefix + size, device=device)[None]
+            mask = torch.ones(size, size, dtype=torch.bool, device=device).tril()[None, None]
+            samples = []
+            for _ in range(repeats + 1):  # the first is a warm-up
+                start = time.perf_counter()
+                hidden, _ = target_forward(target, tokens, positions, cache, mask)
+                lm_head(hidden).argmax(-1)
+                if device.type == "cuda":
+                    torch.cuda.synchronize()
+                samples.append(1000 * (time.perf_counter() - start))
+                cache.rewind(prefix)
+            times.append(sorted(samples[1:])[repeats // 2])
+    return CostModel(list(sizes), times, target_fingerprint(target.config), str(target.dtype), device.type)

@@ -1,0 +1,128 @@
+"""The decoding methods an evaluation times, written once: name -> label, description and runner factory.
+
+Each factory takes a `MethodContext` and returns a `timing.Runner`. Adding a method (another proposer, another
+baseline) is one entry in `METHODS`; the report, its tables and the speed summary follow it.
+"""
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from medusa_like.evaluation.timing import Runner
+
+REFERENCE = "hf_greedy"  # the output every method must reproduce token for token
+BASELINES = ("hf_greedy", "hf_prompt_lookup")  # speedups are reported against each of these
+SPECULATIVE = "speculative"  # the method under evaluation: its acceptance and losslessness are reported
+
+
+@dataclass(frozen=True)
+class MethodContext:
+    """What the runner factories need: the model, the evaluated tree, EOS/pad ids and the baselines' settings."""
+
+    model: object  # MedusaLikeModel
+    tree: object  # a resolved tree spec (`model.resolve_tree`)
+    eos: list[int]
+    pad: int | None
+    prompt_lookup_num_tokens: int
+
+    @property
+    def combined(self) -> bool:
+        return self.model.drafter_kind == "combined"
+
+    def alone(self, part: str):
+        """The combined drafter's learned drafter or lookup decoding alone, on the same target."""
+        model = self.model
+        drafter = model.drafter.learned if part == "learned" else model.drafter.lookup
+        return type(model)(model.target, model.tokenizer, drafter, backend=model.backend, target_name=model.target_name)
+
+
+def hf_runner(target, eos: list[int], pad: int | None, prompt_lookup: int | None = None) -> Runner:
+    """transformers `generate`, greedy (with prompt-lookup decoding when `prompt_lookup` is set)."""
+    kwargs = dict(do_sample=False, num_beams=1, eos_token_id=eos or None, pad_token_id=pad)
+    if prompt_lookup:
+        kwargs["prompt_lookup_num_tokens"] = prompt_lookup
+
+    def run(ids: torch.Tensor, max_new_tokens: int):
+        # an all-ones mask: ids equal to the pad id (random models, EOS-as-pad templates) must not be masked out
+        out = target.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens, **kwargs)
+        return out[0, ids.shape[1] :].tolist(), None
+
+    return run
+
+
+def loop_runner(model, tree, eos: list[int]) -> Runner:
+    """This project's decoding loop with `tree` (any spec `model.generate` takes; "none": no drafter)."""
+
+    def run(ids: torch.Tensor, max_new_tokens: int):
+        # remember=False: the benchmark hands each prompt's answer to the output store after every method ran it
+        out = model.generate(ids, max_new_tokens=max_new_tokens, tree=tree, eos_token_id=eos, remember=False)
+        return out.new_tokens.tolist(), out.stats.as_dict()
+
+    return run
+
+
+@dataclass(frozen=True)
+class Method:
+    label: str  # short, for tables
+    description: str  # for the report's setup section
+    make: Callable[[MethodContext], Runner]
+    applies: Callable[[MethodContext], bool] = lambda c: True
+
+
+METHODS: dict[str, Method] = {
+    "hf_greedy": Method(
+        "(a) transformers greedy",
+        "(a) transformers generate, greedy: the reference",
+        lambda c: hf_runner(c.model.target, c.eos, c.pad),
+    ),
+    "hf_prompt_lookup": Method(
+        "(b) transformers prompt lookup",
+        "(b) transformers prompt-lookup decoding",
+        lambda c: hf_runner(c.model.target, c.eos, c.pad, c.prompt_lookup_num_tokens),
+    ),
+    "plain_loop": Method(
+        "(c) our loop, no drafter",
+        "(c) this project's loop without a drafter (same cache and backend)",
+        lambda c: loop_runner(c.model, c.model.resolve_tree("none"), c.eos),
+    ),
+    "learned": Method(
+        "(e) learned drafter alone",
+        "(e) the combined tree's learned drafter alone, with its part of the tree",
+        lambda c: loop_runner(c.alone("learned"), c.tree.learned_part, c.eos),
+        lambda c: c.combined,
+    ),
+    "lookup": Method(
+        "(f) lookup alone",
+        "(f) lookup alone (context and output store), no training, the same node budget",
+        lambda c: loop_runner(c.alone("lookup"), c.tree, c.eos),
+        lambda c: c.combined,
+    ),
+    SPECULATIVE: Method(
+        "(d) speculative",
+        "(d) speculative decoding with the drafter (for a combined drafter: learned + lookup in one tree)",
+        lambda c: loop_runner(c.model, c.tree, c.eos),
+    ),
+}
+
+
+def label(name: str) -> str:
+    """A method's table label; its name when it is not registered (a report written by another version)."""
+    return METHODS[name].label if name in METHODS else name
+
+
+def make_runners(model, tree, prompt_lookup_num_tokens: int, names=None) -> dict[str, Runner]:
+    """One runner per registered method that applies to `model`'s drafter (or per method of `names`), with the
+    evaluated `tree`. The reference and the speculative method always run."""
+    eos = model.eos_token_ids()
+    pad = model.tokenizer.pad_token_id
+    context = MethodContext(
+        model, tree, eos, pad if pad is not None else (eos[0] if eos else None), prompt_lookup_num_tokens
+    )
+    unknown = set(names or ()) - set(METHODS)
+    if unknown:
+        raise ValueError(f"eval.methods: unknown methods {sorted(unknown)}; known: {list(METHODS)}")
+    wanted = set(names or METHODS) | {REFERENCE, SPECULATIVE, *BASELINES}
+    return {
+        name: method.make(context) for name, method in METHODS.items() if name in wanted and method.applies(context)
+    }

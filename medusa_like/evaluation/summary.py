@@ -1,0 +1,273 @@
+"""The evaluation report's content, assembled from the per-prompt records of `benchmark.run_questions`.
+
+`build_report` makes the dict that report.json holds (summary, setup, definitions, acceptance, head accuracy, speed,
+losslessness, tree sweep, per-prompt rows, skipped prompts), then writes report.json, report.md and the plots
+(`report`). The definitions follow `medusa_like.evaluation.metrics`.
+"""
+
+import platform
+
+import torch
+import transformers
+
+from medusa_like.evaluation import metrics
+from medusa_like.evaluation.methods import BASELINES, METHODS, REFERENCE, SPECULATIVE
+from medusa_like.evaluation.report import print_report, write_plots, write_report
+from medusa_like.evaluation.tree_search import (
+    budgeted_candidates,
+    dynamic_candidates,
+    head_topk_accuracy,
+    predicted_tau,
+    time_trees,
+    trees_for_budgets,
+)
+
+DEFINITIONS = {
+    "tau": "generated tokens / target forwards over all prompts; prefill forward and bonus token included",
+    "mean_accepted_draft": "draft tokens accepted per tree step, bonus token excluded",
+    "acceptance_by_depth": "[d-1]: share of tree steps that accepted at least d draft tokens",
+    "draft_ms_per_step": "milliseconds per tree step spent in the drafter proposing the tree",
+    "verify_ms_per_step": "milliseconds per tree step spent verifying it: target forward, acceptance, commits",
+    "tokens_per_second": "new tokens / wall seconds of the whole call (prefill included); median over prompts",
+    "speedup": "median tokens/s of the method / median tokens/s of the baseline (paired: median of per-prompt ratios)",
+    "losslessness": "share of prompts whose speculative tokens equal transformers' greedy tokens, same length",
+    "head_accuracy": "teacher-forced on the reference answers: head k at position t predicts token t+1+k",
+}
+
+
+def acceptance_section(records: list[dict]) -> dict:
+    stats = [r[SPECULATIVE]["stats"] for r in records]
+    section = metrics.summarize_decode(stats)
+    section["histogram"] = metrics.accepted_histogram(stats)
+    section["per_category"] = {
+        cat: metrics.summarize_decode([r[SPECULATIVE]["stats"] for r in group])
+        for cat, group in metrics.group_by(records, "category").items()
+    }
+    return section
+
+
+def losslessness_section(model, records: list[dict], methods: list[str]) -> dict:
+    """The speculative method's share of outputs equal to the reference, each mismatch with the target's logit margin
+    at the first differing token (near zero: a near-tie that bf16 rounding can flip; large: a bug), and the share of
+    every other method of this project."""
+    pairs = [(r[SPECULATIVE]["tokens"], r[REFERENCE]["tokens"]) for r in records]
+    section = metrics.losslessness(pairs)
+    section["mismatched"] = [
+        {
+            "question_id": records[i]["question_id"],
+            "turn": records[i]["turn"],
+            "first_divergence": d,
+            **divergence_margin(model, records[i], d),
+        }
+        for i, d in zip(section.pop("mismatch_index"), section.pop("first_divergence"), strict=True)
+    ]
+    section["per_method"] = {
+        m: metrics.losslessness([(r[m]["tokens"], r[REFERENCE]["tokens"]) for r in records])["fraction"]
+        for m in methods
+        if m not in BASELINES
+    }
+    section["definition"] = "speculative tokens == transformers greedy tokens: same length, equal token for token"
+    return section
+
+
+@torch.inference_mode()
+def divergence_margin(model, record: dict, index: int) -> dict:
+    """The target's logits after prompt + reference[:index]: the reference's and the speculative method's tokens
+    there, and the margin between them (the target's own forward in the evaluated dtype)."""
+    reference, ours = record[REFERENCE]["tokens"], record[SPECULATIVE]["tokens"]
+    if index >= len(reference) or index >= len(ours):
+        return {"margin": None, "note": "one output ends where the other goes on (an EOS decided differently)"}
+    ids = torch.tensor([record["prompt_ids"] + reference[:index]], device=model.device)
+    logits = model.target(ids).logits[0, -1].float()  # [V]
+    return {
+        "reference_token": reference[index],
+        "speculative_token": ours[index],
+        "margin": float(logits[reference[index]] - logits[ours[index]]),
+    }
+
+
+def methods_section(records: list[dict], methods: list[str], speed: dict) -> dict:
+    """Every method of this project (the ones with decoding stats): tau, acceptance, ms per step, tokens/s and
+    speedups, overall and per category; for a combined tree, the share of accepted tokens each source proposed."""
+    section = {}
+    for m in methods:
+        if records[0][m]["stats"] is None:
+            continue
+        stats = [r[m]["stats"] for r in records]
+        row = metrics.summarize_decode(stats)
+        row["tokens_per_second"] = speed["median_tokens_per_second"][m]
+        row["speedup"] = {b: speed["speedup"][b][m] for b in BASELINES}
+        row["per_category"] = {}
+        for cat, group in metrics.group_by(records, "category").items():
+            per = metrics.summarize_decode([r[m]["stats"] for r in group])
+            ratios = [r[m]["tps"] / r[REFERENCE]["tps"] for r in group]
+            per["speedup_vs_hf_greedy"] = metrics.median(ratios)
+            row["per_category"][cat] = per
+        row["source_share"] = source_share(stats)
+        section[m] = row
+    return section
+
+
+def source_share(stats: list[dict]) -> dict:
+    """Accepted draft tokens each source proposed / all accepted draft tokens (a token two sources proposed counts for
+    both, so shares may add up to more than 1)."""
+    accepted = sum(sum(s["accepted_draft"]) for s in stats)
+    counts: dict[str, int] = {}
+    for s in stats:
+        for name, n in s.get("accepted_by_source", {}).items():
+            counts[name] = counts.get(name, 0) + n
+    return {name: n / max(accepted, 1) for name, n in sorted(counts.items())}
+
+
+def head_accuracy_section(topk: list[list[float]] | None) -> dict:
+    """Medusa heads only: head k's top-j accuracy."""
+    if topk is None:
+        return {}
+    return {f"head{k + 1}": {f"top{j + 1}": acc for j, acc in enumerate(row)} for k, row in enumerate(topk)}
+
+
+def prompt_rows(records: list[dict], methods: list[str]) -> list[dict]:
+    rows = []
+    for r in records:
+        spec = r[SPECULATIVE]
+        rows.append(
+            {
+                "question_id": r["question_id"],
+                "category": r["category"],
+                "turn": r["turn"],
+                "prompt_tokens": r["prompt_tokens"],
+                "new_tokens": {m: len(r[m]["tokens"]) for m in methods},
+                "tokens_per_second": {m: r[m]["tps"] for m in methods},
+                "tau": spec["stats"]["tau"],
+                "accepted_draft": spec["stats"]["accepted_draft"],
+                "match": metrics.outputs_match(spec["tokens"], r[REFERENCE]["tokens"]),
+            }
+        )
+    return rows
+
+
+def sweep_section(model, prompts: list, topk, cfg, main_tree, records: list[dict]) -> list[dict]:
+    """tau and tokens/s against tree size on the first prompts: Medusa trees of the sweep budgets (from this run's head
+    accuracies) or EAGLE-3's dynamic trees of `tree_search.dynamic`; without a sweep, the main run alone."""
+    prompts = prompts[: cfg.eval.sweep.prompts]
+    kind, budgeted = model.drafter_kind, cfg.tree_search.budgeted
+    if kind in ("combined", "lookup"):
+        trees = budgeted_candidates(budgeted.learned, budgeted.num_nodes, budgeted.lookup_depth, kind == "combined")
+    elif model.max_depth is None:
+        trees = dynamic_candidates(cfg.tree_search.dynamic) if cfg.eval.sweep.prompts else {}
+    else:
+        trees = trees_for_budgets(topk, list(cfg.eval.sweep.budgets)) if topk is not None else {}
+    if not prompts or not trees:
+        summary = metrics.summarize_decode([r[SPECULATIVE]["stats"] for r in records])
+        tps = metrics.median(r[SPECULATIVE]["tps"] for r in records)
+        label = main_tree.label if model.max_depth is None else main_tree.max_nodes - 1
+        return [
+            {
+                "budget": label,
+                "nodes": main_tree.max_nodes,
+                "depth": main_tree.max_depth,
+                "tau": summary["tau"],
+                "mean_accepted_draft": summary["mean_accepted_draft"],
+                "tokens_per_second": tps,
+                "source": "main run",
+            }
+        ]
+    rows = time_trees(model, prompts, trees, cfg.eval.max_new_tokens, model.eos_token_ids())
+    for row in rows:
+        if topk is not None:
+            row["predicted_tau"] = predicted_tau(trees[row["budget"]], topk)
+        row["source"] = f"sweep over {len(prompts)} prompts"
+    return rows
+
+
+def drafter_parameters(model) -> int:
+    """Trained parameters of the evaluated drafter (a combined drafter's learned part; lookup has none)."""
+    kind = model.drafter_kind
+    if kind == "lookup":
+        return 0
+    return sum(p.numel() for p in (model.drafter.learned if kind == "combined" else model.drafter).parameters())
+
+
+def setup_section(cfg, model, tree, tree_name: str, questions: list, methods: list[str], prompt_lookup) -> dict:
+    return {
+        "target": str(cfg.model.name_or_path),
+        "drafter": None if cfg.drafter.path is None else str(cfg.drafter.path),
+        "drafter_kind": model.drafter_kind,
+        "drafter_parameters": drafter_parameters(model),
+        "tree": {"name": tree_name, "nodes": tree.max_nodes, "depth": tree.max_depth},
+        "data": {"source": cfg.data.source, "path": cfg.data.path, "questions": len(questions)},
+        "max_new_tokens": cfg.eval.max_new_tokens,
+        "prompt_lookup_num_tokens": prompt_lookup,
+        "dtype": str(model.target.dtype),
+        "device": str(model.device),
+        "backend": model.backend,
+        "threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "machine": platform.machine(),
+        "methods": {name: METHODS[name].description for name in methods},
+    }
+
+
+def summary_section(acceptance: dict, speed: dict, lossless: dict, tree: dict) -> dict:
+    vs_a = speed["speedup"]["hf_greedy"]
+    vs_b = speed["speedup"]["hf_prompt_lookup"]
+    return {
+        "tau": acceptance["tau"],
+        "mean_accepted_draft": acceptance["mean_accepted_draft"],
+        "speedup_vs_hf_greedy": vs_a[SPECULATIVE],
+        "speedup_vs_hf_prompt_lookup": vs_b[SPECULATIVE],
+        "speculative_tokens_per_second": speed["median_tokens_per_second"][SPECULATIVE],
+        "draft_ms_per_step": acceptance["draft_ms_per_step"],
+        "verify_ms_per_step": acceptance["verify_ms_per_step"],
+        "losslessness": lossless["fraction"],
+        "lossless": lossless["fraction"] == 1.0,
+        "tree_nodes": tree["nodes"],
+    }
+
+
+def teacher_forced_topk(model, records: list[dict], k_max: int) -> list[list[float]]:
+    """Medusa heads' top-k accuracy, teacher-forced over the reference's answers."""
+    sequences = [
+        (torch.cat([torch.tensor(r["prompt_ids"]), torch.tensor(r[REFERENCE]["tokens"])])[None], len(r["prompt_ids"]))
+        for r in records
+    ]
+    return head_topk_accuracy(model, sequences, k_max)
+
+
+def build_report(
+    cfg, model, all_records, tree, tree_name, search_result, questions, out_dir, prompt_lookup=None
+) -> dict:
+    """The report (json, markdown, plots) from the per-prompt records."""
+    skipped = [r for r in all_records if r.get("skipped")]
+    records = [r for r in all_records if not r.get("skipped")]
+    if not records:
+        raise ValueError(f"every prompt was skipped ({len(skipped)}): {skipped[0]['skipped']}")
+    topk = None
+    if cfg.eval.head_accuracy and model.drafter_kind == "medusa":
+        topk = teacher_forced_topk(model, records, cfg.eval.k_max)
+
+    methods = [m for m in METHODS if m in records[0]]
+    acceptance = acceptance_section(records)
+    speed = metrics.speed_summary([{m: r[m]["tps"] for m in methods} for r in records], BASELINES)
+    lossless = losslessness_section(model, records, methods)
+    setup = setup_section(cfg, model, tree, tree_name, questions, methods, prompt_lookup)
+    prompts = [torch.tensor(r["prompt_ids"])[None] for r in records]
+    report = {
+        "summary": summary_section(acceptance, speed, lossless, setup["tree"]),
+        "setup": setup,
+        "definitions": DEFINITIONS,
+        "acceptance": acceptance,
+        "head_accuracy": head_accuracy_section(topk),
+        "speed": speed,
+        "methods": methods_section(records, methods, speed),
+        "losslessness": lossless,
+        "tree_sweep": sweep_section(model, prompts, topk, cfg, tree, records),
+        "tree_search": search_result,
+        "prompts": prompt_rows(records, methods),
+        "skipped": [{k: r[k] for k in ("question_id", "turn", "prompt_tokens", "skipped")} for r in skipped],
+    }
+    report["plots"] = write_plots(report, out_dir)
+    write_report(report, out_dir)
+    print_report(report, out_dir)
+    return report

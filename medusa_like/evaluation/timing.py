@@ -1,0 +1,77 @@
+"""The one timing harness of evaluation, tree search and the core benchmark.
+
+A method is a runner, `run(ids [1, T], max_new_tokens) -> (new token ids, DecodeStats.as_dict() or None)`. Every runner
+first runs once untimed (allocator, kernels, thread pools); then, per prompt, every runner runs once, in an order
+rotated from prompt to prompt so that drift on a shared machine hits every method alike. A method's speed is the median
+of its per-prompt tokens/s (`metrics.median`), new tokens over wall seconds of the whole call, prefill included.
+
+    runners = {"plain": loop_runner(model, "none", eos), "spec": loop_runner(model, tree, eos)}
+    results = time_methods(runners, prompts, max_new_tokens=128)      # {"plain": [per-prompt result, ...], ...}
+    median_tps(results["spec"])
+"""
+
+import time
+from collections.abc import Callable, Sequence
+
+import torch
+
+from medusa_like.evaluation.metrics import median, tokens_per_second
+
+Runner = Callable[[torch.Tensor, int], tuple[list[int], dict | None]]
+
+
+def rotated(names: Sequence[str], rotation: int) -> list[str]:
+    """`names` starting at position `rotation` (modulo their number)."""
+    names = list(names)
+    shift = rotation % len(names) if names else 0
+    return names[shift:] + names[:shift]
+
+
+def warm_up(runners: dict[str, Runner], ids: torch.Tensor, max_new_tokens: int) -> None:
+    """Every runner once on `ids`, untimed."""
+    for run in runners.values():
+        run(ids, max_new_tokens)
+
+
+def run_interleaved(runners: dict[str, Runner], ids: torch.Tensor, max_new_tokens: int, rotation: int) -> dict:
+    """Every runner once on one prompt, in rotated order: {name: {tokens, stats, seconds, tps}}."""
+    result = {}
+    for name in rotated(runners, rotation):
+        start = time.perf_counter()
+        tokens, stats = runners[name](ids, max_new_tokens)
+        seconds = time.perf_counter() - start
+        result[name] = {
+            "tokens": tokens,
+            "stats": stats,
+            "seconds": seconds,
+            "tps": tokens_per_second(len(tokens), seconds),
+        }
+    return result
+
+
+def time_methods(
+    runners: dict[str, Runner],
+    prompts: Sequence[torch.Tensor],
+    max_new_tokens: int,
+    warmup_tokens: int | None = None,
+    progress: Callable[[], None] | None = None,
+) -> dict[str, list[dict]]:
+    """Warm up on the first prompt (`warmup_tokens` new tokens, default `max_new_tokens`), then time every runner on
+    every prompt, interleaved; returns {name: [run_interleaved's result per prompt]}."""
+    if not prompts:
+        raise ValueError("timing needs at least one prompt")
+    if not runners:
+        raise ValueError("timing needs at least one method")
+    warm_up(runners, prompts[0], max_new_tokens if warmup_tokens is None else warmup_tokens)
+    results: dict[str, list[dict]] = {name: [] for name in runners}
+    for i, ids in enumerate(prompts):
+        for name, result in run_interleaved(runners, ids, max_new_tokens, i).items():
+            results[name].append(result)
+        if progress is not None:
+            progress()
+    return results
+
+
+def median_tps(results: Sequence[dict]) -> float:
+    """The median tokens/s of one method's per-prompt results."""
+    return median(r["tps"] for r in results)

@@ -1,0 +1,53 @@
+"""The timing harness shared by evaluation, tree search and the core benchmark: warm-up first, methods interleaved
+in an order rotated per prompt, per-prompt tokens/s, medians."""
+
+import pytest
+import torch
+
+from medusa_like.evaluation.methods import METHODS, REFERENCE, SPECULATIVE
+from medusa_like.evaluation.timing import median_tps, rotated, time_methods
+
+
+def recording_runners(calls: list, names=("a", "b", "c")):
+    """Runners that record (name, prompt length, max_new_tokens) and return that many tokens of the prompt's length."""
+
+    def make(name):
+        def run(ids: torch.Tensor, max_new_tokens: int):
+            calls.append((name, ids.shape[1], max_new_tokens))
+            return [ids.shape[1]] * max_new_tokens, {"new_tokens": max_new_tokens}
+
+        return run
+
+    return {name: make(name) for name in names}
+
+
+def test_warm_up_then_every_prompt_in_rotated_order():
+    calls = []
+    prompts = [torch.zeros(1, n, dtype=torch.long) for n in (3, 4, 5, 6)]
+    results = time_methods(recording_runners(calls), prompts, max_new_tokens=7, warmup_tokens=2)
+    assert calls[:3] == [("a", 3, 2), ("b", 3, 2), ("c", 3, 2)]  # warm-up: the first prompt, few tokens, untimed
+    timed = calls[3:]
+    orders = [[name for name, _, _ in timed[i : i + 3]] for i in range(0, len(timed), 3)]
+    assert orders == [["a", "b", "c"], ["b", "c", "a"], ["c", "a", "b"], ["a", "b", "c"]]
+    assert [length for _, length, _ in timed] == [3] * 3 + [4] * 3 + [5] * 3 + [6] * 3
+    assert all(n == 7 for _, _, n in timed)
+    assert list(results) == ["a", "b", "c"]
+    for runs in results.values():
+        assert [r["tokens"][0] for r in runs] == [3, 4, 5, 6]  # one result per prompt, in prompt order
+        for r in runs:
+            assert r["tps"] == pytest.approx(len(r["tokens"]) / r["seconds"])
+        middle = sorted(r["tps"] for r in runs)[1:3]  # four prompts: the median is the mean of the middle two
+        assert median_tps(runs) == pytest.approx(sum(middle) / 2)
+
+
+def test_rotation_and_refusals():
+    assert rotated(["x", "y", "z"], 4) == ["y", "z", "x"]
+    with pytest.raises(ValueError, match="at least one prompt"):
+        time_methods(recording_runners([]), [], max_new_tokens=1)
+    with pytest.raises(ValueError, match="at least one method"):
+        time_methods({}, [torch.zeros(1, 2, dtype=torch.long)], max_new_tokens=1)
+
+
+def test_the_methods_registry_names_the_reference_and_the_evaluated_method():
+    assert REFERENCE in METHODS and SPECULATIVE in METHODS
+    assert len({m.label for m in METHODS.values()}) == len(METHODS)  # the report's tables tell them apart

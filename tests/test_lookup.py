@@ -1,0 +1,347 @@
+"""Lookup drafting and the combined tree: the n-gram index, the output store, merging, scoring, the cost-aware
+budget, the cost model's files, and losslessness of every source alone and combined on every family and backend."""
+
+import json
+
+import pytest
+import torch
+
+from medusa_like.decoding.cost_model import CostModel, CostModelMismatchError, measure_cost_model
+from medusa_like.decoding.generate import speculative_generate
+from medusa_like.decoding.sampling import warp_logits
+from medusa_like.decoding.tree import BudgetedTreeSpec, DynamicTreeSpec, TokenTree, load_tree, save_tree, spec_from_json
+from medusa_like.drafters.base import DrafterMismatchError
+from medusa_like.drafters.combined import CombinedDrafter, CombinedProposer, SessionState, best_rate
+from medusa_like.drafters.eagle3 import EAGLE3
+from medusa_like.drafters.lookup import ContextLookup, Continuation, LookupDrafter, NgramIndex, OutputStore
+from medusa_like.model import MedusaLikeModel
+from medusa_like.targets import target_fingerprint
+
+from .conftest import FAMILIES, VOCAB, greedy_reference, random_heads, random_prompts, tiny_target
+
+BACKENDS = ("eager", "sdpa", "flash")
+
+
+def flat_cost(target, per_node_ms: float = 0.0) -> CostModel:
+    """A cost model where verifying more nodes costs `per_node_ms` each on top of 10 ms."""
+    nodes = [1, 2, 4, 8, 16, 32, 64]
+    return CostModel(
+        nodes, [10.0 + per_node_ms * n for n in nodes], target_fingerprint(target.config), str(target.dtype), "cpu"
+    )
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# The n-gram index
+
+
+def test_index_finds_the_longest_suffix_and_every_continuation_as_a_branch():
+    index = NgramIndex(max_n=3)
+    index.extend([1, 2, 3, 4, 9, 2, 3, 5, 7, 2, 3])
+    found = {c.path: c for c in index.continuations([8, 2, 3], depth=2)}
+    # "2 3" occurred twice before the end: followed by "4 9" and by "5 7"
+    assert set(found) == {(4,), (4, 9), (5,), (5, 7)}
+    assert found[(4,)].frequency == pytest.approx(0.5) and found[(4, 9)].frequency == pytest.approx(1.0)
+    assert found[(4,)].match_length == 2
+    # the 3-gram "9 2 3" matches once: only its continuation is drafted; compared backwards, "4 9 2 3" agrees: 4
+    longest = index.continuations([4, 9, 2, 3], depth=1)
+    assert [(c.path, c.match_length) for c in longest] == [((5,), 4)]
+
+
+def test_index_without_a_match_drafts_nothing_and_never_drafts_past_the_end():
+    index = NgramIndex()
+    index.extend([1, 2, 3])
+    assert index.continuations([7], depth=4) == []
+    assert index.continuations([1, 2, 3], depth=4) == []  # the only "2 3" is the end itself: no continuation
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# The output store
+
+
+def test_store_insertion_lookup_and_documents_never_joined():
+    store = OutputStore(max_tokens=100)
+    store.add([5, 6, 7, 8])
+    store.add([7, 8, 1])
+    assert len(store) == 2 and store.num_tokens == 7
+    paths = {c.path for c in store.candidates([3, 7], depth=3)}
+    assert paths == {(8,), (8, 1)}  # no continuation runs from one answer into the next
+    assert store.contains([5, 6, 7, 8]) and not store.contains([5, 6, 7])
+
+
+def test_store_evicts_oldest_answers_at_its_bound():
+    store = OutputStore(max_tokens=20)
+    for start in range(0, 60, 6):
+        store.add(list(range(start, start + 6)))
+    assert store.num_tokens <= 20
+    assert not store.contains(list(range(0, 6)))  # the oldest went first
+    assert store.contains(list(range(54, 60)))  # the newest stays
+    assert store.candidates([0, 1], depth=2) == []  # evicted answers are gone from the index too
+    assert {c.path for c in store.candidates([55, 56], depth=2)} == {(57,), (57, 58)}
+
+
+def test_store_save_load_round_trip_and_clear_errors(tmp_path):
+    target = tiny_target("llama")
+    store = OutputStore(max_tokens=50, fingerprint=target_fingerprint(target.config))
+    store.add([1, 2, 3, 4])
+    store.add([3, 4, 9])
+    path = store.save(tmp_path / "store.json")
+    loaded = OutputStore.load(path, target)
+    assert list(loaded.documents) == list(store.documents) and loaded.max_tokens == 50
+    assert [c.path for c in loaded.candidates([3, 4], 1)] == [c.path for c in store.candidates([3, 4], 1)]
+
+    cut = tmp_path / "cut.json"
+    cut.write_bytes(path.read_bytes()[:20])
+    with pytest.raises(ValueError, match="not JSON"):
+        OutputStore.load(cut)
+    foreign = tmp_path / "foreign.json"
+    foreign.write_text(json.dumps({"paths": [[0]]}))
+    with pytest.raises(ValueError, match="not an output store"):
+        OutputStore.load(foreign)
+    other = tiny_target("llama", num_hidden_layers=3)
+    with pytest.raises(DrafterMismatchError, match="fingerprint"):
+        OutputStore.load(path, other)
+    with pytest.raises(FileNotFoundError):
+        OutputStore.load(tmp_path / "nowhere.json")
+
+
+def test_store_seeded_from_token_ids_and_texts(tmp_path):
+    ids = tmp_path / "ids.jsonl"
+    ids.write_text("[1, 2, 3]\n\n[4, 5]\n")
+    assert list(OutputStore.seed(ids).documents) == [[1, 2, 3], [4, 5]]
+    texts = tmp_path / "texts.jsonl"
+    texts.write_text('{"text": "ab"}\nplain line\n')
+
+    class CharTokenizer:
+        def __call__(self, text, add_special_tokens=False):
+            return {"input_ids": [ord(c) for c in text]}
+
+    assert list(OutputStore.seed(texts, CharTokenizer()).documents) == [[97, 98], [ord(c) for c in "plain line"]]
+    with pytest.raises(ValueError, match="tokenizer"):
+        OutputStore.seed(texts)
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text("[1, -2]\n")
+    with pytest.raises(ValueError, match="bad.jsonl:1"):
+        OutputStore.seed(bad)
+
+
+def test_an_answer_enters_the_store_only_after_its_generation():
+    """While a prompt is generated its own answer is never in the store: nothing is added before the call returns,
+    and `remember=False` (what an evaluation running several methods on one prompt uses) adds nothing at all."""
+    target = tiny_target("llama")
+    model = MedusaLikeModel(target, None, LookupDrafter(), backend="sdpa")
+    store = model.drafter.store
+    prompt = random_prompts(1, seed=3, min_len=8, max_len=8)[0]
+    sizes = []
+    out = model.generate(prompt, max_new_tokens=24, eos_token_id=[], streamer=lambda tokens: sizes.append(len(store)))
+    assert sizes and set(sizes) == {0}  # at every step of the generation, the store was empty
+    assert len(store) == 1 and store.contains(out.new_tokens.tolist())
+    model.generate(prompt, max_new_tokens=24, eos_token_id=[], remember=False)
+    assert len(store) == 1
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Merging, scoring, the budget
+
+
+class ScriptedSource:
+    """A lookup source whose candidates are given: the inputs of the merge under test, not the merge itself."""
+
+    def __init__(self, name: str, continuations: list[Continuation]):
+        self.name, self.continuations = name, continuations
+
+    def begin(self, history):
+        pass
+
+    def extend(self, tokens):
+        pass
+
+    def candidates(self, history, depth):
+        return [c for c in self.continuations if len(c.path) <= depth]
+
+
+def merged_tree(sources, num_nodes: int, per_node_ms: float = 0.0):
+    target = tiny_target("llama")
+    proposer = CombinedProposer(target, None, sources, SessionState(flat_cost(target, per_node_ms)))
+    prompt = torch.tensor([1, 2, 3])
+    proposer.begin(prompt, torch.zeros(3, 32), torch.tensor(4), capacity=64)
+    return proposer, proposer.propose(BudgetedTreeSpec(None, num_nodes, lookup_depth=4))
+
+
+def paths_of(tree) -> set[tuple[int, ...]]:
+    tokens, parents = tree.tokens.tolist(), tree.parents.tolist()
+    paths = [()]
+    for i in range(1, len(tokens)):
+        paths.append(paths[parents[i]] + (tokens[i],))
+    return set(paths[1:])
+
+
+def test_two_sources_proposing_the_same_prefix_give_one_path():
+    a = ScriptedSource("a", [Continuation((7,), 1.0, 5), Continuation((7, 8), 1.0, 5)])
+    b = ScriptedSource("b", [Continuation((7,), 1.0, 5), Continuation((7, 9), 1.0, 5)])
+    _, tree = merged_tree([a, b], num_nodes=8)
+    assert paths_of(tree) == {(7,), (7, 8), (7, 9)}
+    assert tree.num_nodes == 4
+    assert tree.source_names == ("a", "b")
+    by_path = dict(zip([None, *sorted(paths_of(tree), key=len)], tree.sources.tolist(), strict=True))
+    assert by_path[(7,)] == 0b11  # proposed by both
+
+
+def test_scores_order_the_kept_nodes_and_the_budget_is_never_exceeded():
+    likely = [Continuation((5,), 1.0, 8), Continuation((5, 6), 1.0, 8), Continuation((5, 6, 7), 1.0, 8)]
+    unlikely = [Continuation((9,), 0.2, 1), Continuation((9, 3), 0.2, 1)]
+    _, tree = merged_tree([ScriptedSource("s", likely + unlikely)], num_nodes=3)
+    assert tree.num_nodes - 1 == 3
+    assert paths_of(tree) == {(5,), (5, 6), (5, 6, 7)}  # the three likeliest, not the improbable branch
+    for budget in (1, 2, 4):
+        _, tree = merged_tree([ScriptedSource("s", likely + unlikely)], num_nodes=budget)
+        assert tree.num_nodes - 1 <= budget
+
+
+def test_costly_verification_cuts_unlikely_nodes():
+    """With free verification every candidate is worth verifying; when each node costs as much as a whole forward,
+    only nodes likely enough to pay for themselves are kept."""
+    weak = [Continuation((9,), 0.3, 1), Continuation((9, 3), 0.3, 1), Continuation((4,), 0.3, 1)]
+    _, free = merged_tree([ScriptedSource("s", weak)], num_nodes=8, per_node_ms=0.0)
+    _, dear = merged_tree([ScriptedSource("s", weak)], num_nodes=8, per_node_ms=10.0)
+    assert free.num_nodes == 4 and dear.num_nodes < free.num_nodes
+
+
+def test_best_rate_maximises_expected_tokens_per_second():
+    target = tiny_target("llama")
+    cost = flat_cost(target, per_node_ms=1.0)  # verify(n) = 10 + n ms
+    scores = {(1,): 0.9, (2,): 0.05}
+    n, rate = best_rate(scores, cost, draft_ms=0.0)
+    assert n == 1  # the 0.05 node adds 0.05 tokens for 1 ms: less than the 1.9 / 13 tokens per ms it dilutes
+    assert rate == pytest.approx(1.9 / (cost.verify(2) + 1.0))
+
+
+def test_calibration_learns_from_outcomes():
+    """A source whose candidates the target keeps rejecting gets a lower estimate after a few steps."""
+    source = ScriptedSource("s", [Continuation((7,), 1.0, 5)])
+    proposer, _ = merged_tree([source], num_nodes=4)
+    before = next(iter(proposer.last.values())).q
+    for _ in range(10):
+        proposer.propose(BudgetedTreeSpec(None, 4, 4))
+        proposer.accept(torch.tensor([4]), torch.zeros(1, 32), torch.tensor(8))  # the target said 8, not 7
+    after = proposer.calibration.estimate(next(iter(proposer.last.values())).keys[0], 1.0)
+    assert after < before / 2
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# The cost model
+
+
+def test_cost_model_is_saved_with_the_tree_and_refused_for_another_target(tmp_path):
+    target = tiny_target("llama")
+    cost = measure_cost_model(target, sizes=(1, 4), prefix=8, repeats=1)
+    assert cost.nodes == [1, 4] and all(ms > 0 for ms in cost.verify_ms)
+    spec = BudgetedTreeSpec(DynamicTreeSpec(2, 2, 3), num_nodes=6, lookup_depth=5)
+    path = save_tree(spec, tmp_path / "tree.json", cost_model=cost.to_json())
+    assert load_tree(path) == spec
+    stored = json.loads(path.read_text())["cost_model"]
+    assert CostModel.from_json(stored, target).verify_ms == pytest.approx(cost.verify_ms, abs=1e-3)
+    with pytest.raises(CostModelMismatchError, match="fingerprint"):
+        CostModel.from_json(stored, tiny_target("qwen2"))
+    with pytest.raises(CostModelMismatchError):
+        CostModel.from_json(stored, target.to(torch.float64))
+
+
+def test_cost_model_interpolates_and_extrapolates():
+    target = tiny_target("llama")
+    cost = CostModel([1, 4], [10.0, 16.0], target_fingerprint(target.config), "torch.float32", "cpu")
+    assert cost.verify(1) == 10.0 and cost.verify(2) == pytest.approx(12.0) and cost.verify(7) == pytest.approx(22.0)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Losslessness
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_every_source_and_their_combination_is_lossless(family, backend):
+    """Each lookup source alone and both (budgeted trees), and both merged with random-weight EAGLE-3 and Medusa
+    drafters on static, dynamic and budgeted trees: token for token the target's greedy output, drafts accepted."""
+    target = tiny_target(family)
+    prompts = random_prompts(2, seed=11, min_len=6, max_len=20)
+    references = [greedy_reference(target, p, 24).tolist() for p in prompts]
+    budgeted_tree = {"budgeted": {"num_nodes": 6, "lookup_depth": 6, "learned": None}}
+    runs = [
+        ("context", LookupDrafter(use=("context",)), budgeted_tree),
+        ("store", LookupDrafter(use=("store",)), budgeted_tree),
+        ("lookup", LookupDrafter(), "dynamic"),
+    ]
+    for learned_name, learned in (("eagle3", EAGLE3.fresh(target)), ("medusa", random_heads(num_heads=3))):
+        combined = CombinedDrafter(learned, LookupDrafter())
+        runs += [(f"{learned_name}+lookup", combined, tree) for tree in ("dynamic", [[0], [1], [0, 0]], budgeted_tree)]
+    accepted = {}
+    for name, drafter, tree in runs:
+        drafter.state.cost_model = flat_cost(target, per_node_ms=0.5)
+        model = MedusaLikeModel(target, None, drafter, backend=backend)
+        repeats = 2 if name == "store" else 1  # the store drafts from earlier answers: ask again
+        for prompt, reference in zip(prompts * repeats, references * repeats, strict=True):
+            out = model.generate(prompt, max_new_tokens=24, tree=tree, eos_token_id=[])
+            assert out.new_tokens.tolist() == reference, (name, tree)
+            accepted[name] = accepted.get(name, 0) + sum(out.stats.accepted_draft)
+    # tiny random targets repeat themselves: every source must have had drafts accepted, not only rejected
+    assert all(count > 0 for count in accepted.values()), accepted
+
+
+def test_combined_tree_counts_each_sources_accepted_tokens():
+    target = tiny_target("llama")
+    drafter = CombinedDrafter(EAGLE3.fresh(target), LookupDrafter(), flat_cost(target))
+    model = MedusaLikeModel(target, None, drafter, backend="sdpa")
+    prompt = random_prompts(1, seed=5, min_len=10, max_len=10)[0]
+    model.generate(prompt, max_new_tokens=40, eos_token_id=[])
+    out = model.generate(prompt, max_new_tokens=40, eos_token_id=[])  # the store now holds the first answer
+    assert out.stats.accepted_by_source.get("store", 0) > 0
+    assert sum(out.stats.accepted_by_source.values()) >= sum(out.stats.accepted_draft)
+
+
+@pytest.mark.parametrize("family", ("mistral",))
+def test_sampling_through_the_combined_tree_follows_the_target(family):
+    """temperature > 0: the second token (the first a tree verifies) has the target's exact two-step marginal, while
+    the lookup store, seeded with the target's own likely continuations, gets its drafts accepted often."""
+    target = tiny_target(family)
+    prompt = random_prompts(1, seed=6, min_len=5, max_len=5)[0]
+    temperature, top_k = 0.05, 8
+    with torch.no_grad():
+        p1 = warp_logits(target(prompt).logits[0, -1], temperature, top_k)  # [V]
+        extended = torch.cat([prompt.expand(VOCAB, -1), torch.arange(VOCAB)[:, None]], dim=1)
+        p2 = warp_logits(target(extended).logits[:, -1], temperature, top_k)  # [V, V]
+    exact = p1 @ p2
+    n, accepted = 400, 0
+    counts = torch.zeros_like(exact)
+    seeds = [[int(t), int(p2[t].argmax())] for t in p1.topk(4).indices]  # "t -> its likeliest next token"
+    for seed in range(n):
+        store = OutputStore()
+        for doc in seeds:
+            store.add(doc)
+        drafter = LookupDrafter(store, ContextLookup())
+        drafter.state.cost_model = flat_cost(target)
+        proposer = drafter.proposer(target)
+        generator = torch.Generator().manual_seed(seed)
+        out = speculative_generate(
+            target,
+            proposer,
+            prompt,
+            BudgetedTreeSpec(None, 4, 2),
+            2,
+            temperature=temperature,
+            top_k=top_k,
+            generator=generator,
+        )
+        counts[out.new_tokens[1]] += 1
+        accepted += out.stats.accepted_draft[0]
+    assert accepted > n // 4
+    # 4 standard deviations of a bin's frequency, summed over the support: a TV bound that fails ~never by chance
+    support = int((exact > 0).sum())
+    bound = 0.5 * support * 4 * (0.25 / n) ** 0.5
+    total_variation = 0.5 * (counts / n - exact).abs().sum().item()
+    assert total_variation < min(bound, 0.2), (total_variation, bound)
+
+
+def test_budgeted_tree_json_round_trip_and_static_learned_part():
+    spec = BudgetedTreeSpec(TokenTree.from_paths([[0], [1], [0, 0]]), num_nodes=5, lookup_depth=3)
+    again = spec_from_json(spec.to_json())
+    assert again.learned.paths == spec.learned.paths and again.num_nodes == 5 and again.lookup_depth == 3
+    assert spec.max_depth == 3 and spec.max_nodes == 6 and spec.top_k == 2
