@@ -60,7 +60,7 @@ bench: $(STAMP)
 # llama.cpp on this CPU: build it from the llama-cpp-python source distribution (cached), export `make run`'s drafter
 # as GGUF and time speculative decoding with it against plain decoding and llama.cpp's own lookup (not part of CI)
 llamacpp: $(STAMP)
-	$(PY) -m eval.llamacpp drafter=$(RUN_DIR)/train/drafter out=$(RUN_DIR)/llamacpp
+	$(PY) -m eval.llamacpp drafter.path=$(RUN_DIR)/train/drafter hydra.run.dir=$(RUN_DIR)/llamacpp
 
 
 lint: $(STAMP)

@@ -66,13 +66,15 @@ class FloatDtype(Check):
     """The name of a torch floating-point dtype (float32, bfloat16, ...), or null when `optional`."""
 
     optional: bool = False
+    words: tuple[str, ...] = ()  # other names accepted too (GGUF's f32, f16, q8_0)
 
     def check(self, key: str, value) -> None:
-        if value is None and self.optional:
+        if (value is None and self.optional) or (isinstance(value, str) and value in self.words):
             return
         dtype = getattr(torch, value, None) if isinstance(value, str) else None
         if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
             expected = "a torch floating-point dtype name such as float32 or bfloat16" + (" or null" * self.optional)
+            expected += f" (or one of {list(self.words)})" if self.words else ""
             raise ConfigError(f"config key {key}: expected {expected}, got {value!r}")
 
 
@@ -215,7 +217,9 @@ def computes_in_bf16() -> bool:
     """Whether this machine runs bf16 matrix products natively: a CUDA GPU, or a CPU with AVX512-BF16 (or AMX).
     Elsewhere (AVX2-only CPUs) torch emulates bf16, about 10x slower than fp32."""
     cpu = torch.cpu
-    native = any(getattr(cpu, name, lambda: False)() for name in ("_is_avx512_bf16_supported", "_is_amx_tile_supported"))
+    native = any(
+        getattr(cpu, name, lambda: False)() for name in ("_is_avx512_bf16_supported", "_is_amx_tile_supported")
+    )
     return torch.cuda.is_available() or native
 
 

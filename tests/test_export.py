@@ -13,9 +13,9 @@ from safetensors.torch import load_file, save_file
 
 from medusa_like.drafters.base import DrafterMismatchError
 from medusa_like.drafters.medusa import MedusaHeads
-from medusa_like.formats import load_drafter, save_drafter
+from medusa_like.formats import load_drafter, read_drafter, save_drafter
 from medusa_like.formats.common import FormatError
-from medusa_like.formats.heads_io import export_heads, heads_from_checkpoint, read_heads
+from medusa_like.formats.heads_io import export_heads, read_heads
 from medusa_like.targets import target_fingerprint
 
 from .conftest import HIDDEN, VOCAB, compose_config, random_heads, tiny_target
@@ -337,8 +337,8 @@ def write_checkpoint(path: Path, heads: MedusaHeads, target, fingerprint: str | 
 def test_checkpoint_to_every_format(target, tmp_path):
     heads = random_heads(K, 1, shared=True, seed=1)
     ckpt = write_checkpoint(tmp_path / "last.ckpt", heads, target)
-    from_ckpt, meta = heads_from_checkpoint(ckpt)
-    assert meta["target"] == "tiny/base" and meta["global_step"] == 12
+    from_ckpt, meta = read_drafter(ckpt, target)
+    assert meta["target"] == "tiny/base" and meta["global_step"] == 12 and meta["format"] == "checkpoint"
     assert torch.equal(logits(from_ckpt, target), logits(heads, target))
     for fmt in ("native", "medusa", "vllm", "tgi"):
         out = export(load_drafter(ckpt, target), tmp_path, fmt, target, fmt)
@@ -353,17 +353,17 @@ def test_checkpoint_errors(target, tmp_path):
     state = {"state_dict": {"heads.blocks.0.0.linear.weight": torch.zeros(H, H)}, "epoch": 0}
     torch.save(state, tmp_path / "plain.ckpt")
     with pytest.raises(FormatError, match="not a medusa_like training checkpoint"):
-        heads_from_checkpoint(tmp_path / "plain.ckpt")
+        read_drafter(tmp_path / "plain.ckpt", target)
     good = write_checkpoint(tmp_path / "good.ckpt", heads, target).read_bytes()
     (tmp_path / "cut.ckpt").write_bytes(good[: len(good) // 2])
     with pytest.raises(FormatError, match="not a readable torch checkpoint"):
-        heads_from_checkpoint(tmp_path / "cut.ckpt")
+        read_drafter(tmp_path / "cut.ckpt", target)
     ckpt = write_checkpoint(tmp_path / "less.ckpt", random_heads(K, 1, seed=1), target)
     checkpoint = torch.load(ckpt, weights_only=True)
     del checkpoint["state_dict"]["heads.blocks.1.0.linear.weight"]
     torch.save(checkpoint, ckpt)
     with pytest.raises(FormatError, match=r"missing tensors 'blocks\.1\.0\.linear\.weight'"):
-        heads_from_checkpoint(ckpt)
+        read_drafter(ckpt, target)
 
 
 # ---- the Hydra entry point ----

@@ -140,7 +140,7 @@ def test_oracle_drafter_accepts_full_depth_on_dynamic_trees(family, spec):
 
 def test_untrained_heads_are_lossless_and_reproduce_the_base_distribution():
     target = tiny_target("llama")
-    model = MedusaLikeModel.from_pretrained(target, drafter=None, num_heads=3)
+    model = MedusaLikeModel.from_pretrained(target, drafter="medusa", num_heads=3)
     prompt = random_prompts(1, seed=5)[0]
     hidden = target.base_model(prompt).last_hidden_state[0, -1]
     head_logits = model.drafter(hidden, target.get_output_embeddings())  # [3, V]
@@ -361,7 +361,9 @@ def test_from_pretrained_loads_the_target_in_the_dtype_and_on_the_device_asked(t
     tokenizer.save_pretrained(tmp_path / "target")
     prompt = random_prompts(1, seed=8)[0]
     for dtype in (torch.bfloat16, "float16"):
-        model = MedusaLikeModel.from_pretrained(str(tmp_path / "target"), dtype=dtype, device="cpu", drafter="medusa", num_heads=2)
+        model = MedusaLikeModel.from_pretrained(
+            str(tmp_path / "target"), dtype=dtype, device="cpu", drafter="medusa", num_heads=2
+        )
         want = getattr(torch, dtype) if isinstance(dtype, str) else dtype
         assert model.target.dtype == want and model.device == torch.device("cpu")
         assert {p.dtype for p in model.drafter.parameters()} == {want}

@@ -108,7 +108,7 @@ def test_installed_console_script_trains_a_drafter_outside_the_checkout(venv, tm
     ("override", "message"),
     [
         ("dtype=bfloat", "config key dtype: expected a torch floating-point dtype name"),
-        ("target_dtype=int8", "config key target_dtype: expected a torch floating-point dtype name"),
+        ("model.dtype=int8", "config key model.dtype: expected a torch floating-point dtype name"),
         ("overwrite=yes", "config key overwrite: expected true or false, got 'yes'"),
     ],
 )

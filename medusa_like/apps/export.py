@@ -7,7 +7,6 @@ for shared-projection heads. `export(cfg)` is importable; `main` is the Hydra ap
 `python -m train.export`.
 """
 
-from dataclasses import dataclass
 from pathlib import Path
 
 import hydra
@@ -15,41 +14,18 @@ import torch
 from omegaconf import DictConfig
 
 from medusa_like.apps import CONFIG_DIR
-from medusa_like.cli import ConfigError, check_config, one_line_errors
+from medusa_like.cli import Flag, FloatDtype, check_config, one_line_errors
 from medusa_like.data.prepare import load_model
 from medusa_like.formats import export_drafter, read_drafter
+from medusa_like.formats.gguf import PRECISIONS
 from medusa_like.runs import resolved, save_config
 from medusa_like.targets import resolve_target
 
-
-@dataclass(frozen=True)
-class Flag:
-    """A true/false config value (`overwrite=yes` would otherwise pass as a truthy string)."""
-
-    def check(self, key: str, value) -> None:
-        if not isinstance(value, bool):
-            raise ConfigError(f"config key {key}: expected true or false, got {value!r}")
-
-
-@dataclass(frozen=True)
-class FloatDtype:
-    """The name of a torch floating-point dtype (float32, bfloat16, ...), or null when `optional`."""
-
-    optional: bool = False
-
-    def check(self, key: str, value) -> None:
-        if value is None and self.optional:
-            return
-        dtype = getattr(torch, value, None) if isinstance(value, str) else None
-        if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
-            expected = "a torch floating-point dtype name such as float32 or bfloat16" + (" or null" * self.optional)
-            raise ConfigError(f"config key {key}: expected {expected}, got {value!r}")
-
-
+GGUF_TYPES = tuple(PRECISIONS)  # `dtype` of format=gguf: f32, f16, q8_0
 EXPORT_CHECKS = {
     "overwrite": Flag(),
-    "dtype": FloatDtype(optional=True),
-    "target_dtype": FloatDtype(),
+    "dtype": FloatDtype(optional=True, words=GGUF_TYPES),
+    "model.dtype": FloatDtype(optional=True),
 }
 
 
@@ -65,10 +41,10 @@ def export(cfg: DictConfig) -> Path:
     """Read `drafter.path`, check it against the target, write it as `format` to `out`; returns the output directory."""
     check_config(cfg, EXPORT_CHECKS)
     save_config(resolved(cfg), Path(cfg.paths.output_dir))
-    overrides = {"dtype": cfg.target_dtype, "device": "cpu"} if "dtype" in cfg.model.loader else {}
-    target, _ = load_model(cfg.model, **overrides)
+    target, _ = load_model(cfg.model, device="cpu")
     drafter, source = read_drafter(cfg.drafter.path, target)
-    dtype = getattr(torch, cfg.dtype) if cfg.get("dtype") else None
+    dtype = cfg.get("dtype")
+    dtype = getattr(torch, dtype) if dtype and dtype not in GGUF_TYPES else dtype
     out = export_drafter(
         drafter, cfg.out, cfg.format, target, config_target_name(cfg), dtype=dtype, overwrite=cfg.overwrite
     )

@@ -357,7 +357,10 @@ def expected_acceptance(paths, rank_accuracy: list[list[float]]) -> float:
 
 # A prior used only to shape the presets: head d's rank-r accuracy falls with depth and rank, roughly as measured for
 # Medusa-1 heads (top-1 about 0.6 for head 1, lower for later heads).
-PRESET_PRIOR = [[0.60 * 0.55**r for r in range(10)], *[[(0.45 - 0.08 * d) * 0.6**r for r in range(10)] for d in range(4)]]
+PRESET_PRIOR = [
+    [0.60 * 0.55**r for r in range(10)],
+    *[[(0.45 - 0.08 * d) * 0.6**r for r in range(10)] for d in range(4)],
+]
 
 DEFAULT_DEPTH = 4  # static presets for a drafter of any depth
 

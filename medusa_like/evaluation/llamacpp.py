@@ -12,7 +12,7 @@ the longest n-gram and m-gram it accepts: it drafts nothing while the sequence i
 stays at most 2,048), and each step verifies one token, exactly plain decoding.
 
 Every run is one `llama-speculative-simple` process per prompt, greedy (`--temp 0`), the same number of threads for
-the target and the drafter, under `flock /tmp/medusa_bench.lock` so no two benchmarks overlap:
+the target and the drafter, holding the lock `flock /tmp/medusa_bench.lock` takes, so no two benchmarks overlap:
 
     plain              --spec-type ngram-simple, its n-gram 1024 + 1024 long    plain decoding in the same executable
     eagle3-<p> d=<n>   --spec-type draft-eagle3 -md drafter.gguf --spec-draft-n-max n    p: f32 | f16 | q8_0
@@ -200,23 +200,27 @@ def run_prompt(
     lock: str = BENCH_LOCK,
     timeout: float = 600,
 ) -> dict:
-    """One greedy generation of `prompt` under `setting`, timed under the benchmark lock; its parsed figures."""
+    """One greedy generation of `prompt` under `setting`, run holding the benchmark lock (the wait for it is not
+    part of `timeout`); its parsed figures."""
     command = [
-        "flock", lock, str(binary), "-m", str(target_gguf), "-p", prompt, "-n", str(max_new_tokens),
+        str(binary), "-m", str(target_gguf), "-p", prompt, "-n", str(max_new_tokens),
         "-c", str(ctx_size), "--temp", "0", "--seed", "0",
         "-t", str(threads), "-tb", str(threads), "-td", str(threads), "-tbd", str(threads),
         *setting.arguments(),
     ]  # fmt: skip
-    done = subprocess.run(command, capture_output=True, text=True, timeout=timeout)
+    with bench_lock(lock):
+        done = subprocess.run(command, capture_output=True, text=True, timeout=timeout)
     text = done.stdout + done.stderr
     if done.returncode != 0:
         raise RuntimeError(f"{setting.name}: llama.cpp exited with {done.returncode}:\n{text[-2000:]}")
     return parse_output(text)
 
 
-def run_settings(binary, target_gguf, prompts: list[str], settings: list[Setting], **options) -> list[Result]:
+def run_settings(
+    binary, target_gguf, prompts: list[str], settings: list[Setting], progress: Path | None = None, **options
+) -> list[Result]:
     """Every setting on every prompt, prompt by prompt (the settings interleaved, so a change in the machine's load
-    falls on all of them alike); the figures summed per setting."""
+    falls on all of them alike); the figures summed per setting, and written to `progress` after each prompt."""
     results = [Result(s.name, s.spec_type, s.n_max) for s in settings]
     for i, prompt in enumerate(prompts):
         for setting, result in zip(settings, results, strict=True):
@@ -227,6 +231,8 @@ def run_settings(binary, target_gguf, prompts: list[str], settings: list[Setting
             result.drafted += figures["drafted"]
             result.accepted += figures["accepted"]
         log.info("llama.cpp: prompt %d/%d done", i + 1, len(prompts))
+        if progress is not None:
+            write_json(progress, {"prompts_done": i + 1, "llamacpp": [r.to_dict() for r in results]})
     for r in results:
         log.info("%-16s %6.1f tok/s  acceptance %s", r.name, r.tokens_per_second, r.acceptance)
     return results
@@ -375,7 +381,7 @@ def measure(cfg) -> dict | None:
     settings += [Setting(mode, mode) for mode in run.lookup]
     options = dict(threads=run.threads, max_new_tokens=run.max_new_tokens, ctx_size=run.ctx_size)
     load_before = os.getloadavg()
-    results = run_settings(binary, target_file, texts, settings, **options)
+    results = run_settings(binary, target_file, texts, settings, out_dir / "llamacpp_partial.json", **options)
     load_after = os.getloadavg()
     torch.set_num_threads(run.threads)
     model = MedusaLikeModel(target, tokenizer, drafter)

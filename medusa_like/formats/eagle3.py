@@ -184,7 +184,9 @@ def read_eagle3(directory: str | Path, target) -> tuple[Eagle3Drafter, dict]:
         try:
             eagle = Eagle3Config(**{**ours["config"], "aux_layer_ids": tuple(ours["config"]["aux_layer_ids"])})
         except (KeyError, TypeError, ValueError) as err:
-            raise FormatError(f"{directory / 'config.json'}: medusa_like.config is not an EAGLE-3 config: {err}") from err
+            raise FormatError(
+                f"{directory / 'config.json'}: medusa_like.config is not an EAGLE-3 config: {err}"
+            ) from err
     else:
         eagle = _config_from_engine(config, target, directory)
     check_fits(eagle.target_hidden_size, eagle.vocab_size, target, ours.get("target_fingerprint"), f"from {directory}")
