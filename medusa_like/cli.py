@@ -215,7 +215,7 @@ class RunDirectoryCheck(Callback):
 
 def computes_in_bf16() -> bool:
     """Whether this machine runs bf16 matrix products natively: a CUDA GPU, or a CPU with AVX512-BF16 (or AMX).
-    Elsewhere (AVX2-only CPUs) torch emulates bf16, about 10x slower than fp32."""
+    Elsewhere (AVX2-only CPUs) torch emulates bf16, several times slower than fp32."""
     cpu = torch.cpu
     native = any(
         getattr(cpu, name, lambda: False)() for name in ("_is_avx512_bf16_supported", "_is_amx_tile_supported")

@@ -133,9 +133,9 @@ class CombinedProposer:
                     key,
                 )
         lookup_ms = 1000 * (time.perf_counter() - start)
-        lookup_rate = best_rate(path_scores(candidates), self.cost, lookup_ms)[1]
-        ran_learned = self.learned is not None and spec.learned is not None and self._learned_pays(lookup_rate)
+        ran_learned = self.learned is not None and spec.learned is not None and self._learned_pays()
         if ran_learned:
+            lookup_rate = best_rate(path_scores(candidates), self.cost, lookup_ms)[1]  # before the learned nodes
             start = time.perf_counter()
             tree = self.learned.propose(spec.learned)
             self.state.learned_ms = _ema(self.state.learned_ms, 1000 * (time.perf_counter() - start))
@@ -188,7 +188,7 @@ class CombinedProposer:
             key = learned_key(probability, len(path))
             self._add(candidates, path, self.calibration.estimate(key, probability), bit, key)
 
-    def _learned_pays(self, lookup_rate: float) -> bool:
+    def _learned_pays(self) -> bool:
         """Run the learned drafter unless its measured gain in tokens/s fell below 1; probe it now and then."""
         gain = self.state.learned_gain
         return gain is None or gain > 1.0 or self.step % PROBE_EVERY == 0
