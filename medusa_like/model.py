@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 
 from medusa_like.decoding.attention import pick_backend
+from medusa_like.decoding.few_row_linear import use_few_row_linears, worth_swapping
 from medusa_like.decoding.generate import GenerateOutput, StopChecker, speculative_generate
 from medusa_like.decoding.tree import TreeSpec, resolve_tree
 from medusa_like.drafters.protocol import Drafter, Proposer
@@ -26,11 +27,24 @@ DEFAULT_DRAFTER = "lookup"  # without a trained drafter: lookup drafting from th
 
 
 class MedusaLikeModel:
-    def __init__(self, target, tokenizer, drafter: Drafter, backend: str = "auto", target_name: str | None = None):
+    def __init__(
+        self,
+        target,
+        tokenizer,
+        drafter: Drafter,
+        backend: str = "auto",
+        target_name: str | None = None,
+        few_row_linear: bool | None = None,
+    ):
+        """`few_row_linear`: compute the few rows of a tree step with the weight as left operand (see
+        `decoding/few_row_linear.py`; swaps the target's and drafter's `nn.Linear`s in place); None: on fp32 CPUs."""
         drafter.check_fits(target)
         self.target = freeze(target)
         self.tokenizer = tokenizer
         self.drafter = drafter.to(device=self.device, dtype=self.target.dtype).eval()
+        if few_row_linear if few_row_linear is not None else worth_swapping(self.target):
+            use_few_row_linears(self.target)
+            use_few_row_linears(self.drafter)
         self.backend = pick_backend(backend, self.device)
         self.target_name = target_name or getattr(target.config, "name_or_path", None)
 
@@ -43,6 +57,7 @@ class MedusaLikeModel:
         backend: str = "auto",
         dtype: torch.dtype | str | None = None,
         device: torch.device | str | None = None,
+        few_row_linear: bool | None = None,
         **drafter_options,
     ) -> "MedusaLikeModel":
         """`target`: a hub id, a local directory, the default's name, or a loaded model (then pass `tokenizer`).
@@ -63,7 +78,7 @@ class MedusaLikeModel:
             drafter = kind_named(drafter).fresh(target, **drafter_options)
         elif isinstance(drafter, (str, Path)):
             drafter = load_drafter(drafter, target)
-        return cls(target, tokenizer, drafter, backend=backend, target_name=target_name)
+        return cls(target, tokenizer, drafter, backend=backend, target_name=target_name, few_row_linear=few_row_linear)
 
     @property
     def device(self) -> torch.device:

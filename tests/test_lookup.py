@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from medusa_like.decoding.cost_model import CostModel, CostModelMismatchError, measure_cost_model
+from medusa_like.decoding.few_row_linear import linear_kernel
 from medusa_like.decoding.generate import speculative_generate
 from medusa_like.decoding.sampling import warp_logits
 from medusa_like.decoding.tree import BudgetedTreeSpec, DynamicTreeSpec, TokenTree, load_tree, save_tree, spec_from_json
@@ -25,8 +26,9 @@ BACKENDS = ("eager", "sdpa", "flash")
 def flat_cost(target, per_node_ms: float = 0.0) -> CostModel:
     """A cost model where verifying more nodes costs `per_node_ms` each on top of 10 ms."""
     nodes = [1, 2, 4, 8, 16, 32, 64]
+    times = [10.0 + per_node_ms * n for n in nodes]
     return CostModel(
-        nodes, [10.0 + per_node_ms * n for n in nodes], target_fingerprint(target.config), str(target.dtype), "cpu"
+        nodes, times, target_fingerprint(target.config), str(target.dtype), "cpu", linear_kernel(target)
     )
 
 
@@ -275,8 +277,8 @@ def test_every_source_and_their_combination_is_lossless(family, backend):
         runs += [(f"{learned_name}+lookup", combined, tree) for tree in ("dynamic", [[0], [1], [0, 0]], budgeted_tree)]
     accepted = {}
     for name, drafter, tree in runs:
-        drafter.state.cost_model = flat_cost(target, per_node_ms=0.5)
         model = MedusaLikeModel(target, None, drafter, backend=backend)
+        drafter.state.cost_model = flat_cost(model.target, per_node_ms=0.5)
         repeats = 2 if name == "store" else 1  # the store drafts from earlier answers: ask again
         for prompt, reference in zip(prompts * repeats, references * repeats, strict=True):
             out = model.generate(prompt, max_new_tokens=24, tree=tree, eos_token_id=[])
@@ -288,8 +290,9 @@ def test_every_source_and_their_combination_is_lossless(family, backend):
 
 def test_combined_tree_counts_each_sources_accepted_tokens():
     target = tiny_target("llama")
-    drafter = CombinedDrafter(EAGLE3.fresh(target), LookupDrafter(), flat_cost(target))
+    drafter = CombinedDrafter(EAGLE3.fresh(target), LookupDrafter())
     model = MedusaLikeModel(target, None, drafter, backend="sdpa")
+    drafter.state.cost_model = flat_cost(model.target)
     prompt = random_prompts(1, seed=5, min_len=10, max_len=10)[0]
     model.generate(prompt, max_new_tokens=40, eos_token_id=[])
     out = model.generate(prompt, max_new_tokens=40, eos_token_id=[])  # the store now holds the first answer

@@ -6,7 +6,8 @@
     cost = CostModel.from_json(data, target)        # refused for another target or dtype
 
 A budgeted tree (`drafters/combined.py`) picks each step's node budget to maximise expected tokens per second from
-it: on a CPU a forward over 16 nodes costs ~1.6x one over a single token in fp32, ~1x in bf16; on a GPU ~1x up to 64.
+it: on a 2-core CPU in fp32 a forward over 16 nodes costs ~1.6x one over a single token with `nn.Linear`, less with
+`few_row_linear.py`'s layers (~1x up to 6 nodes); ~1x in bf16 where the CPU computes in it; on a GPU ~1x up to 64.
 """
 
 import platform
@@ -18,6 +19,7 @@ import torch
 from medusa_like.targets import target_fingerprint
 
 from .attention import pick_backend, tree_attention
+from .few_row_linear import linear_kernel
 from .generate import target_forward
 from .kv_cache import TreeKVCache
 from .projection import VocabProjection
@@ -36,6 +38,7 @@ class CostModel:
     target_fingerprint: str
     dtype: str
     device: str
+    linears: str = "nn.Linear"  # what computed the linear layers (`few_row_linear.linear_kernel`)
     machine: str = platform.machine()
 
     def verify(self, num_nodes: int) -> float:
@@ -57,6 +60,7 @@ class CostModel:
             "target_fingerprint": self.target_fingerprint,
             "dtype": self.dtype,
             "device": self.device,
+            "linears": self.linears,
             "machine": self.machine,
         }
 
@@ -73,11 +77,11 @@ class CostModel:
         return model
 
     def check_fits(self, target) -> None:
-        wanted = (target_fingerprint(target.config), str(target.dtype), target.device.type)
-        have = (self.target_fingerprint, self.dtype, self.device)
+        wanted = (target_fingerprint(target.config), str(target.dtype), target.device.type, linear_kernel(target))
+        have = (self.target_fingerprint, self.dtype, self.device, self.linears)
         if wanted != have:
             raise CostModelMismatchError(
-                f"cost model measured for (fingerprint, dtype, device) {have}, but this target is {wanted}: "
+                f"cost model measured for (fingerprint, dtype, device, linears) {have}, but this target is {wanted}: "
                 "measure it again (eval.tree_search) for this target"
             )
 
@@ -110,4 +114,6 @@ def measure_cost_model(target, sizes=SIZES, prefix: int = 128, repeats: int = 5)
                 samples.append(1000 * (time.perf_counter() - start))
                 cache.rewind(prefix)
             times.append(sorted(samples[1:])[repeats // 2])
-    return CostModel(list(sizes), times, target_fingerprint(target.config), str(target.dtype), device.type)
+    return CostModel(
+        list(sizes), times, target_fingerprint(target.config), str(target.dtype), device.type, linear_kernel(target)
+    )

@@ -24,6 +24,7 @@ tree, and the output stays exactly the target's.
 import math
 import time
 from bisect import bisect_right
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -283,6 +284,9 @@ class CombinedDrafter:
     def eval(self) -> "CombinedDrafter":
         self.learned = self.learned.eval()
         return self
+
+    def modules(self) -> Iterator[torch.nn.Module]:
+        return self.learned.modules()
 
 
 def fresh_combined(target, learned="eagle3", store=None, cost_model: CostModel | None = None, **options):

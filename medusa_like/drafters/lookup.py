@@ -14,8 +14,11 @@ proposer with no learned drafter: `MedusaLikeModel.from_pretrained(target, draft
 
 import json
 from collections import deque
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+
+import torch
 
 from medusa_like.io import write_json
 from medusa_like.targets import target_fingerprint
@@ -326,6 +329,9 @@ class LookupDrafter:
 
     def eval(self) -> "LookupDrafter":
         return self
+
+    def modules(self) -> Iterator[torch.nn.Module]:
+        return iter(())
 
 
 def fresh_lookup(

@@ -18,6 +18,7 @@ it, so adding a kind is one module and one registry line.
 """
 
 from pathlib import Path
+from collections.abc import Iterator
 from typing import Any, Protocol
 
 import torch
@@ -70,6 +71,10 @@ class Drafter(Protocol):
     def to(self, device=None, dtype=None) -> "Drafter": ...
 
     def eval(self) -> "Drafter": ...
+
+    def modules(self) -> Iterator[torch.nn.Module]:
+        """The torch modules it computes with (none for lookup), as `nn.Module.modules` gives them."""
+        ...
 
 
 class DrafterKind(Protocol):

@@ -47,7 +47,14 @@ def load_eval_model(cfg: DictConfig) -> MedusaLikeModel:
                 cfg.drafter.vocab_data, int(size), vocab_size, split.val_fraction, split.split_seed
             )
         drafter = learned if cfg.drafter.kind == "learned" else COMBINED.fresh(target, learned, cfg.drafter.store)
-    return MedusaLikeModel(target, tokenizer, drafter, backend=cfg.target.backend, target_name=cfg.model.name_or_path)
+    return MedusaLikeModel(
+        target,
+        tokenizer,
+        drafter,
+        backend=cfg.target.backend,
+        target_name=cfg.model.name_or_path,
+        few_row_linear=cfg.target.get("few_row_linear"),
+    )
 
 
 def apply_tree_settings(model: MedusaLikeModel, tree) -> dict:

@@ -1,0 +1,56 @@
+"""Linear-layer benchmark: what verifying N tree nodes costs with `nn.Linear` and with `FewRowLinear`.
+
+    python -m eval.bench_linear                      # default target, fp32, this machine
+    python -m eval.bench_linear --rounds 5 --out bench_linear.json
+
+Two copies of the target, one with its own `nn.Linear` layers and one with `decoding/few_row_linear.py`'s, are timed
+alternately (`measure_cost_model`: one forward plus the vocabulary projection over N nodes after a 128-token prefix,
+median of repeats), round after round, so that both see the same machine load. Prints the table and writes JSON.
+"""
+
+import argparse
+import copy
+import statistics
+
+import torch
+from rich.console import Console
+from rich.table import Table
+
+from medusa_like.decoding.cost_model import measure_cost_model
+from medusa_like.decoding.few_row_linear import use_few_row_linears
+from medusa_like.io import write_json
+from medusa_like.targets import DEFAULT_TARGET, load_target
+
+SIZES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--target", default=DEFAULT_TARGET)
+    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--rounds", type=int, default=5, help="alternating rounds; the median round is reported")
+    parser.add_argument("--out", default="bench_linear.json")
+    args = parser.parse_args()
+
+    stock, _ = load_target(args.target, dtype=args.dtype)
+    few_row = copy.deepcopy(stock)
+    use_few_row_linears(few_row)
+    times = {"nn.Linear": [], "few_row": []}
+    for _ in range(args.rounds):
+        for name, target in (("nn.Linear", stock), ("few_row", few_row)):
+            times[name].append(measure_cost_model(target, SIZES).verify_ms)
+    median = {name: [statistics.median(col) for col in zip(*rounds)] for name, rounds in times.items()}
+
+    table = Table(title=f"target forward over N nodes, ms ({args.dtype}, {torch.get_num_threads()} threads)")
+    table.add_column("linears")
+    for size in SIZES:
+        table.add_column(str(size), justify="right")
+    for name, ms in median.items():
+        table.add_row(name, *(f"{x:.0f}" for x in ms))
+    table.add_row("ratio", *(f"{a / b:.2f}" for a, b in zip(median["nn.Linear"], median["few_row"])))
+    Console().print(table)
+    write_json(args.out, {"target": args.target, "dtype": args.dtype, "nodes": list(SIZES), "verify_ms": median})
+
+
+if __name__ == "__main__":
+    main()
