@@ -34,7 +34,15 @@ class MethodContext:
         """The combined drafter's learned drafter or lookup decoding alone, on the same target."""
         model = self.model
         drafter = model.drafter.learned if part == "learned" else model.drafter.lookup
-        return type(model)(model.target, model.tokenizer, drafter, backend=model.backend, target_name=model.target_name)
+        # few_row_linear=False: the target's and drafters' layers stay as the evaluated model chose them
+        return type(model)(
+            model.target,
+            model.tokenizer,
+            drafter,
+            backend=model.backend,
+            target_name=model.target_name,
+            few_row_linear=False,
+        )
 
 
 def hf_runner(target, eos: list[int], pad: int | None, prompt_lookup: int | None = None) -> Runner:
