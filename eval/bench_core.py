@@ -22,7 +22,8 @@ from medusa_like.decoding.attention import tree_attention
 from medusa_like.decoding.generate import target_forward
 from medusa_like.decoding.kv_cache import TreeKVCache
 from medusa_like.decoding.projection import VocabProjection
-from medusa_like.decoding.tree import PRESET_PRIOR, TokenTree, greedy_tree
+from medusa_like.decoding.tree import TokenTree
+from medusa_like.decoding.tree_presets import PRESET_PRIOR, greedy_tree
 from medusa_like.evaluation.methods import hf_runner, loop_runner
 from medusa_like.evaluation.timing import median_tps, time_methods
 from medusa_like.io import write_json

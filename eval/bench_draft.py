@@ -27,7 +27,8 @@ from rich.table import Table
 
 from medusa_like.decoding.generate import target_forward
 from medusa_like.decoding.kv_cache import TreeKVCache
-from medusa_like.decoding.tree import DynamicTreeSpec, TokenTree, chain
+from medusa_like.decoding.tree import DynamicTreeSpec, TokenTree
+from medusa_like.decoding.tree_presets import chain
 from medusa_like.drafters.eagle3 import Eagle3Config, Eagle3Drafter, Eagle3Proposer
 from medusa_like.drafters.vocab import DraftVocab
 from medusa_like.formats import load_drafter

@@ -39,7 +39,7 @@ def main() -> None:
     for _ in range(args.rounds):
         for name, target in (("nn.Linear", stock), ("few_row", few_row)):
             times[name].append(measure_cost_model(target, SIZES).verify_ms)
-    median = {name: [statistics.median(col) for col in zip(*rounds)] for name, rounds in times.items()}
+    median = {name: [statistics.median(col) for col in zip(*rounds, strict=True)] for name, rounds in times.items()}
 
     table = Table(title=f"target forward over N nodes, ms ({args.dtype}, {torch.get_num_threads()} threads)")
     table.add_column("linears")
@@ -47,7 +47,7 @@ def main() -> None:
         table.add_column(str(size), justify="right")
     for name, ms in median.items():
         table.add_row(name, *(f"{x:.0f}" for x in ms))
-    table.add_row("ratio", *(f"{a / b:.2f}" for a, b in zip(median["nn.Linear"], median["few_row"])))
+    table.add_row("ratio", *(f"{a / b:.2f}" for a, b in zip(median["nn.Linear"], median["few_row"], strict=True)))
     Console().print(table)
     write_json(args.out, {"target": args.target, "dtype": args.dtype, "nodes": list(SIZES), "verify_ms": median})
 

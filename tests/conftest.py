@@ -69,19 +69,36 @@ TINY_TRAIN = ("model=tiny_llama", "data=tiny", "logger=none", "distill.progress=
 
 
 @pytest.fixture
-def cfg_train(tmp_path):
-    """The training config on the tiny llama and the tiny data, no logger."""
-    return compose_config("train", tmp_path, *TINY_TRAIN)
+def train_cfg(tmp_path):
+    """`train_cfg(*overrides)`: the training config on the tiny llama and the tiny data, no logger; its run directory
+    is this test's `tmp_path` unless `out_dir` names another."""
+
+    def compose(*overrides: str, out_dir: Path | None = None, data_dir: Path | None = None):
+        return compose_config("train", out_dir or tmp_path, *TINY_TRAIN, *overrides, data_dir=data_dir)
+
+    return compose
 
 
 @pytest.fixture
-def cfg_eval(tmp_path):
-    return compose_config("eval", tmp_path, "model=tiny_llama")
+def eval_cfg(tmp_path):
+    """`eval_cfg(*overrides)`: the evaluation config on the tiny llama, run in `tmp_path` unless `out_dir` says."""
+
+    def compose(*overrides: str, out_dir: Path | None = None):
+        return compose_config("eval", out_dir or tmp_path, "model=tiny_llama", *overrides)
+
+    return compose
 
 
 @pytest.fixture
-def cfg_export(tmp_path):
-    return compose_config("export", tmp_path, "model=tiny_llama", "drafter.path=none", f"out={tmp_path / 'out'}")
+def export_cfg(tmp_path):
+    """`export_cfg(*overrides)`: the export config on the tiny llama, run in `tmp_path`, writing to `tmp_path/out`."""
+
+    def compose(*overrides: str):
+        return compose_config(
+            "export", tmp_path, "model=tiny_llama", "drafter.path=none", f"out={tmp_path / 'out'}", *overrides
+        )
+
+    return compose
 
 
 def random_prompts(n: int, seed: int = 0, min_len: int = 2, max_len: int = 40) -> list[torch.Tensor]:

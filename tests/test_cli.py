@@ -9,7 +9,7 @@ import pytest
 
 from medusa_like.cli import EVAL_CHECKS, TRAIN_CHECKS, ConfigError, check_config
 from medusa_like.data.naming import source_name
-from tests.conftest import TINY_TRAIN, compose_config
+from tests.conftest import TINY_TRAIN
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -23,23 +23,23 @@ ROOT = Path(__file__).resolve().parents[1]
         ("trainer.max_steps=1.5", r"trainer.max_steps: expected an integer >= -1, got 1.5"),
     ],
 )
-def test_bad_train_values_name_the_key_before_anything_runs(override, pattern, tmp_path):
+def test_bad_train_values_name_the_key_before_anything_runs(override, pattern, tmp_path, train_cfg):
     from train.train import train
 
-    cfg = compose_config("train", tmp_path, *TINY_TRAIN, override)
+    cfg = train_cfg(override)
     with pytest.raises(ConfigError, match=pattern):
         train(cfg)
     assert not any(tmp_path.iterdir())  # nothing built, nothing written
 
 
-def test_bad_eval_values_and_good_defaults(tmp_path):
-    check_config(compose_config("eval", tmp_path, "model=tiny_llama"), EVAL_CHECKS)
+def test_bad_eval_values_and_good_defaults(train_cfg, eval_cfg):
+    check_config(eval_cfg(), EVAL_CHECKS)
     for drafter in ("medusa", "eagle3"):
-        check_config(compose_config("train", tmp_path, *TINY_TRAIN, f"drafter={drafter}"), TRAIN_CHECKS)
+        check_config(train_cfg(f"drafter={drafter}"), TRAIN_CHECKS)
     with pytest.raises(ConfigError, match=r"eval.max_new_tokens: expected an integer >= 1, got -3"):
-        check_config(compose_config("eval", tmp_path, "eval.max_new_tokens=-3"), EVAL_CHECKS)
+        check_config(eval_cfg("eval.max_new_tokens=-3"), EVAL_CHECKS)
     with pytest.raises(ConfigError, match=r"data.limit: expected an integer >= 1 or null, got 'all'"):
-        check_config(compose_config("eval", tmp_path, "data.limit=all"), EVAL_CHECKS)
+        check_config(eval_cfg("data.limit=all"), EVAL_CHECKS)
 
 
 def run(module: str, *overrides: str, **env: str) -> subprocess.CompletedProcess:
@@ -67,14 +67,12 @@ def test_expected_failures_print_one_line_and_full_error_keeps_the_traceback(tmp
     assert verbose.returncode == 1 and "Traceback" in verbose.stderr
 
 
-def test_different_local_sources_get_different_data_directories(tmp_path):
+def test_different_local_sources_get_different_data_directories(tmp_path, train_cfg):
     a, b = tmp_path / "A.jsonl", tmp_path / "sub" / "A.jsonl"
     b.parent.mkdir()
     a.write_text("{}\n")
     b.write_text("{}\n")
-    dirs = {
-        compose_config("train", tmp_path, "model=tiny_llama", "data=local", f"data.source={s}").data.dir for s in (a, b)
-    }
+    dirs = {train_cfg("data=local", f"data.source={s}").data.dir for s in (a, b)}
     assert len(dirs) == 2 and all("/local-A-" in d for d in dirs)
     assert {Path(d).name for d in dirs} == {f"local-{source_name(str(a))}", f"local-{source_name(str(b))}"}
     assert source_name(str(a)).startswith("A-") and source_name(str(a)) != source_name(str(b))

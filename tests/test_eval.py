@@ -36,21 +36,11 @@ def write_jsonl(path: Path, records) -> Path:
     return path
 
 
-@pytest.fixture
-def eval_cfg(tmp_path):
-    """The evaluation config on the tiny llama, its run directory under this test's `tmp_path`."""
-
-    def compose(*overrides: str):
-        return compose_config("eval", tmp_path / "hydra", "model=tiny_llama", *overrides)
-
-    return compose
-
-
 @pytest.fixture(scope="module")
 def report(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("eval")
     questions = write_jsonl(tmp / "questions.jsonl", QUESTIONS)
-    cfg = compose_config(
+    cfg = compose_config(  # not the eval_cfg fixture: composed once for the module's tests
         "eval",
         tmp / "hydra",
         "model=tiny_llama",
@@ -226,25 +216,29 @@ def test_missing_drafter(tmp_path, eval_cfg):
         load_model(eval_cfg(f"drafter.path={tmp_path / 'none'}"))
 
 
-def small_eval(tmp_path: Path, questions: list[dict], *overrides: str):
-    path = write_jsonl(tmp_path / "q.jsonl", questions)
-    return compose_config(
-        "eval",
-        tmp_path / "hydra",
-        "model=tiny_llama",
-        f"data.path={path}",
-        "tree=chain",
-        "eval.max_new_tokens=4",
-        "eval.sweep.prompts=0",
-        "eval.head_accuracy=false",
-        "eval.warmup=false",
-        f"out_dir={tmp_path / 'run'}",
-        *overrides,
-    )
+@pytest.fixture
+def small_eval(tmp_path, eval_cfg):
+    """`small_eval(questions, *overrides)`: a short evaluation of `questions` on the chain tree, reports in
+    `tmp_path/run`."""
+
+    def compose(questions: list[dict], *overrides: str):
+        path = write_jsonl(tmp_path / "q.jsonl", questions)
+        return eval_cfg(
+            f"data.path={path}",
+            "tree=chain",
+            "eval.max_new_tokens=4",
+            "eval.sweep.prompts=0",
+            "eval.head_accuracy=false",
+            "eval.warmup=false",
+            f"out_dir={tmp_path / 'run'}",
+            *overrides,
+        )
+
+    return compose
 
 
-def test_a_killed_evaluation_keeps_its_prompts_and_resumes(tmp_path):
-    first = evaluate(small_eval(tmp_path, QUESTIONS))
+def test_a_killed_evaluation_keeps_its_prompts_and_resumes(tmp_path, small_eval):
+    first = evaluate(small_eval(QUESTIONS))
     log_path = tmp_path / "run" / "prompts.jsonl"
     lines = log_path.read_text().splitlines(keepends=True)
     assert len(lines) == 3 == first["acceptance"]["prompts"]  # one line per prompt, written as it finished
@@ -252,23 +246,23 @@ def test_a_killed_evaluation_keeps_its_prompts_and_resumes(tmp_path):
     log_path.write_text(lines[0] + lines[1][:25])  # killed while writing the second prompt's line
     (tmp_path / "run" / "report.json").unlink()
     with pytest.raises(FileExistsError, match="eval.resume=true"):
-        evaluate(small_eval(tmp_path, QUESTIONS))
-    resumed = evaluate(small_eval(tmp_path, QUESTIONS, "eval.resume=true"))
+        evaluate(small_eval(QUESTIONS))
+    resumed = evaluate(small_eval(QUESTIONS, "eval.resume=true"))
     records = [json.loads(line) for line in log_path.read_text().splitlines()]
     assert [(r["question_id"], r["turn"]) for r in records] == [("1", 1), ("1", 2), ("2", 1)]
     assert records[0] == kept  # the finished prompt was not run again
     assert resumed["acceptance"]["prompts"] == 3 and resumed["summary"]["lossless"]
 
 
-def test_a_prompt_longer_than_the_context_is_reported_and_skipped(tmp_path):
+def test_a_prompt_longer_than_the_context_is_reported_and_skipped(small_eval):
     long_question = {"question_id": 9, "category": "long", "turns": [" ".join(["word"] * 6000)]}
-    report = evaluate(small_eval(tmp_path, [QUESTIONS[1], long_question]))
+    report = evaluate(small_eval([QUESTIONS[1], long_question]))
     assert [s["question_id"] for s in report["skipped"]] == ["9"]
     assert "exceeds the target's context" in report["skipped"][0]["skipped"]
     assert report["acceptance"]["prompts"] == 1 and report["summary"]["lossless"]
 
 
-def test_eagle3_drafter_is_evaluated_with_a_searched_tree(tmp_path):
+def test_eagle3_drafter_is_evaluated_with_a_searched_tree(tmp_path, small_eval):
     """An EAGLE-3 drafter (saved natively for the tiny llama) through `evaluate` with `tree=auto`: the tree search
     picks a dynamic-tree budget, every prompt is lossless, and the report describes the EAGLE-3 drafter."""
     import torch
@@ -284,7 +278,6 @@ def test_eagle3_drafter_is_evaluated_with_a_searched_tree(tmp_path):
     questions = write_jsonl(tmp_path / "calibration.jsonl", QUESTIONS)
     report = evaluate(
         small_eval(
-            tmp_path,
             QUESTIONS,
             f"drafter.path={tmp_path / 'drafter'}",
             "tree=auto",
@@ -302,7 +295,7 @@ def test_eagle3_drafter_is_evaluated_with_a_searched_tree(tmp_path):
     assert set(report["methods"]) == {"plain_loop", "learned", "lookup", "speculative"}
 
 
-def test_combined_evaluation_times_each_source_and_never_leaks_an_answer_into_the_store(tmp_path):
+def test_combined_evaluation_times_each_source_and_never_leaks_an_answer_into_the_store(tmp_path, eval_cfg):
     """drafter.kind=combined (the default): the learned drafter alone, lookup alone and combined on the same prompts,
     each lossless, with per-source shares; and while any method runs a prompt, the output store holds only the
     answers of the prompts before it (a store fed inside `generate` would show the count rise mid-prompt)."""
@@ -310,9 +303,7 @@ def test_combined_evaluation_times_each_source_and_never_leaks_an_answer_into_th
     from medusa_like.evaluation.methods import make_runners
 
     questions = write_jsonl(tmp_path / "questions.jsonl", QUESTIONS)
-    cfg = compose_config(
-        "eval", tmp_path / "hydra", "model=tiny_llama", f"data.path={questions}", "eval.max_new_tokens=12"
-    )
+    cfg = eval_cfg(f"data.path={questions}", "eval.max_new_tokens=12")
     model = load_model(cfg)
     store = model.drafter.lookup.store
     tree = model.resolve_tree("dynamic")

@@ -388,7 +388,7 @@ def test_hydra_entry_point_exports_a_checkpoint(target, tmp_path):
     target_dir = save_tiny_target(tmp_path / "target")
     heads = random_heads(K, 1, shared=True, seed=1)
     ckpt = write_checkpoint(tmp_path / "last.ckpt", heads, target)
-    cfg = compose_config(
+    cfg = compose_config(  # the hub model's config, its weights replaced by a saved tiny target
         "export",
         tmp_path / "run",
         "model=smollm2_135m",

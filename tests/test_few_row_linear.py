@@ -28,7 +28,9 @@ def test_few_row_linear_computes_the_same_product(rows, bias):
     few_row = FewRowLinear.sharing(linear)
     x = torch.randn(1, rows, 48)  # [B, T, H]
     torch.testing.assert_close(few_row(x), linear(x), rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(weight_first_linear(x, linear.weight, linear.bias), F.linear(x, linear.weight, linear.bias))
+    torch.testing.assert_close(
+        weight_first_linear(x, linear.weight, linear.bias), F.linear(x, linear.weight, linear.bias)
+    )
 
 
 def test_swap_shares_parameters_keeps_ties_and_state_dict_and_is_idempotent():

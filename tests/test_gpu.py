@@ -11,7 +11,7 @@ from medusa_like.decoding.tree import DynamicTreeSpec
 from medusa_like.drafters.eagle3 import Eagle3Config, Eagle3Drafter
 from medusa_like.model import MedusaLikeModel
 
-from .conftest import TINY_TRAIN, compose_config, random_heads, random_prompts, tiny_target
+from .conftest import random_heads, random_prompts, tiny_target
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
@@ -47,7 +47,7 @@ def test_lossless_on_cuda(family, kind, dtype):
 
 
 @pytest.mark.parametrize("drafter", ["medusa", "eagle3"])
-def test_bf16_training_on_cuda(drafter, tmp_path):
+def test_bf16_training_on_cuda(drafter, tmp_path, train_cfg):
     from train.train import train
 
     chats = tmp_path / "chats.jsonl"
@@ -62,10 +62,7 @@ def test_bf16_training_on_cuda(drafter, tmp_path):
         for i in range(24)
     ]
     chats.write_text("\n".join(json.dumps(r) for r in rows))
-    cfg = compose_config(
-        "train",
-        tmp_path,
-        *TINY_TRAIN,
+    cfg = train_cfg(
         "data=local",
         f"data.source={chats}",
         "data.recipe=original",
@@ -74,7 +71,6 @@ def test_bf16_training_on_cuda(drafter, tmp_path):
         "trainer=gpu",
         "trainer.precision=bf16-mixed",
         "trainer.max_epochs=2",
-        data_dir=tmp_path / "data",
     )
     metrics = train(cfg)
     assert (tmp_path / "drafter" / "model.safetensors").is_file()

@@ -27,9 +27,7 @@ def flat_cost(target, per_node_ms: float = 0.0) -> CostModel:
     """A cost model where verifying more nodes costs `per_node_ms` each on top of 10 ms."""
     nodes = [1, 2, 4, 8, 16, 32, 64]
     times = [10.0 + per_node_ms * n for n in nodes]
-    return CostModel(
-        nodes, times, target_fingerprint(target.config), str(target.dtype), "cpu", linear_kernel(target)
-    )
+    return CostModel(nodes, times, target_fingerprint(target.config), str(target.dtype), "cpu", linear_kernel(target))
 
 
 # ---------------------------------------------------------------------------------------------------------------------

@@ -19,8 +19,6 @@ import yaml
 from medusa_like.apps.export import export
 from medusa_like.cli import ConfigError
 
-from .conftest import compose_config
-
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPTS = ("medusa-train", "medusa-evaluate", "medusa-tree-search", "medusa-export", "medusa-distill")
 
@@ -112,8 +110,8 @@ def test_installed_console_script_trains_a_drafter_outside_the_checkout(venv, tm
         ("overwrite=yes", "config key overwrite: expected true or false, got 'yes'"),
     ],
 )
-def test_export_checks_its_config_before_loading_anything(tmp_path, override, message):
-    cfg = compose_config("export", tmp_path, "drafter.path=/nonexistent", f"out={tmp_path / 'out'}", override)
+def test_export_checks_its_config_before_loading_anything(tmp_path, export_cfg, override, message):
+    cfg = export_cfg("drafter.path=/nonexistent", override)
     with pytest.raises(ConfigError, match=message):
         export(cfg)
     assert not (tmp_path / "config.yaml").exists()  # refused before the run wrote anything

@@ -10,7 +10,7 @@ from medusa_like.data.prepare import load_model
 from medusa_like.data.split import draft_vocab_from_training_split, is_validation
 from medusa_like.data.storage import save_dataset
 
-from .conftest import TINY_TRAIN, compose_config
+from .conftest import compose_config
 
 MODELS = ("smollm2_135m", "tiny_llama", "tiny_qwen2", "llama3_8b_instruct", "qwen2_5_7b_instruct", "vicuna_7b")
 
@@ -35,10 +35,10 @@ def test_the_target_dtype_has_one_name_model_dtype(tmp_path, model):
         assert not [k for k in keys(cfg) if k.rsplit(".", 1)[-1] == "target_dtype"]
 
 
-def test_model_dtype_reaches_the_loaded_target(tmp_path):
-    target, _ = load_model(compose_config("train", tmp_path, *TINY_TRAIN, "model.dtype=bfloat16").model)
+def test_model_dtype_reaches_the_loaded_target(tmp_path, train_cfg):
+    target, _ = load_model(train_cfg("model.dtype=bfloat16").model)
     assert target.dtype == torch.bfloat16
-    target, _ = load_model(compose_config("train", tmp_path, *TINY_TRAIN).model)
+    target, _ = load_model(train_cfg().model)
     assert target.dtype == torch.float32
     eagle3 = compose_config("train", tmp_path, "experiment=smollm2_eagle3")
     # the default experiment trains in bf16 only where the machine computes in it natively (else fp32 is ~10x faster)
@@ -47,27 +47,27 @@ def test_model_dtype_reaches_the_loaded_target(tmp_path):
     assert eagle3.trainer.precision == ("bf16-mixed" if native else "32-true")
 
 
-def test_distill_settings_are_defined_once_and_shared(tmp_path):
-    train = compose_config("train", tmp_path, *TINY_TRAIN).distill
+def test_distill_settings_are_defined_once_and_shared(tmp_path, train_cfg):
+    train = train_cfg().distill
     distill = compose_config("distill", tmp_path, "model=tiny_llama", "data=tiny", "distill.progress=false").distill
     assert train == distill and set(train) == {"batch_size", "shard", "num_shards", "max_chunks", "progress"}
     full = compose_config("distill", tmp_path, "experiment=smollm2_medusa_full")
     assert full.distill.batch_size == 64 and full.distill.num_shards == 1  # an experiment changes one key
 
 
-def test_debug_configs_set_only_keys_the_train_config_has(tmp_path):
-    plain = keys(compose_config("train", tmp_path, *TINY_TRAIN))
+def test_debug_configs_set_only_keys_the_train_config_has(train_cfg):
+    plain = keys(train_cfg())
     for debug in ("default", "fdr", "overfit"):
-        cfg = compose_config("train", tmp_path, *TINY_TRAIN, f"debug={debug}")
+        cfg = train_cfg(f"debug={debug}")
         assert cfg.export_drafter is False
         new = {k for k in keys(cfg) - plain if not k.startswith(("callbacks", "logger", "trainer"))}
         assert not new, (debug, new)
 
 
-def test_the_default_drafter_is_eagle3_and_every_checked_key_exists(tmp_path):
-    assert compose_config("train", tmp_path, *TINY_TRAIN).drafter.kind == "eagle3"
+def test_the_default_drafter_is_eagle3_and_every_checked_key_exists(tmp_path, train_cfg):
+    assert train_cfg().drafter.kind == "eagle3"
     for drafter in ("eagle3", "medusa", "medusa_own_lm_head"):
-        check_config(compose_config("train", tmp_path, *TINY_TRAIN, f"drafter={drafter}"), TRAIN_CHECKS)
+        check_config(train_cfg(f"drafter={drafter}"), TRAIN_CHECKS)
     check_config(compose_config("distill", tmp_path, "model=tiny_llama", "data=tiny"), DISTILL_CHECKS)
 
 
@@ -86,13 +86,13 @@ def test_the_default_drafter_is_eagle3_and_every_checked_key_exists(tmp_path):
         ),
     ],
 )
-def test_checks_refuse_bad_values_and_missing_keys(tmp_path, overrides, pattern):
+def test_checks_refuse_bad_values_and_missing_keys(train_cfg, overrides, pattern):
     with pytest.raises(ConfigError, match=pattern):
-        check_config(compose_config("train", tmp_path, *TINY_TRAIN, *overrides), TRAIN_CHECKS)
+        check_config(train_cfg(*overrides), TRAIN_CHECKS)
 
 
-def test_a_checked_key_with_a_typo_is_refused_not_skipped(tmp_path):
-    cfg = compose_config("train", tmp_path, *TINY_TRAIN, "drafter=medusa")
+def test_a_checked_key_with_a_typo_is_refused_not_skipped(train_cfg):
+    cfg = train_cfg("drafter=medusa")
     with pytest.raises(ConfigError, match="drafter.num_heads"):
         check_config(cfg, {"drafter.num_heads": Number(min=1)})
     check_config(cfg, {"drafter.module.ttt_steps": Number(min=1, when=("drafter.kind", "eagle3"))})  # not medusa's

@@ -72,9 +72,11 @@ class LastCheckpointProbe(Callback):
 
 
 @pytest.mark.parametrize(("every", "max_steps"), [(2, -1), (2, 7), (None, -1)])
-def test_last_checkpoint_is_written_every_n_steps_at_every_epoch_end_and_at_the_end(tmp_path, every, max_steps):
+def test_last_checkpoint_is_written_every_n_steps_at_every_epoch_end_and_at_the_end(
+    tmp_path, train_cfg, every, max_steps
+):
     overrides = [] if every is None else [f"callbacks.last_checkpoint.every_n_train_steps={every}"]
-    cfg = compose_config("train", tmp_path, *TINY_TRAIN, *overrides)
+    cfg = train_cfg(*overrides)
     checkpoint = instantiate(cfg.callbacks.last_checkpoint)
     last = Path(cfg.paths.output_dir) / "checkpoints" / "last.ckpt"
     probe = LastCheckpointProbe(last)
@@ -111,7 +113,7 @@ def build(name: str, tmp_path: Path, data: Path, gate: Path | None, results) -> 
     handler = logging.FileHandler(tmp_path / f"{name}.log")
     logging.getLogger("medusa_like").addHandler(handler)
     logging.getLogger("medusa_like").setLevel(logging.INFO)
-    cfg = compose_config("train", tmp_path / name, *TINY_TRAIN, data_dir=data)
+    cfg = compose_config("train", tmp_path / name, *TINY_TRAIN, data_dir=data)  # composed in the child: no fixture here
     target, tokenizer = load_model(cfg.model)
     forwards = []
 
@@ -133,9 +135,9 @@ def wait_for(predicate, timeout: float, what: str) -> None:
         time.sleep(0.05)
 
 
-def test_two_runs_building_one_data_directory_build_it_once(tmp_path):
+def test_two_runs_building_one_data_directory_build_it_once(tmp_path, train_cfg):
     data, gate = tmp_path / "data", tmp_path / "go"
-    data_dir = Path(compose_config("train", tmp_path / "probe", *TINY_TRAIN, data_dir=data).data.dir)
+    data_dir = Path(train_cfg(out_dir=tmp_path / "probe", data_dir=data).data.dir)
     lock = data_dir.with_name(f".{data_dir.name}.build-shard0-of-1.lock")
     context = multiprocessing.get_context("fork")  # a process each, without re-importing torch
     results = context.Queue()

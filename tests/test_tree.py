@@ -4,19 +4,16 @@ import pytest
 import torch
 
 from medusa_like.decoding.tree import (
-    PRESETS,
     BudgetedTreeSpec,
     DynamicTreeSpec,
     InvalidTreeError,
     TokenTree,
-    chain,
     check_drafter,
-    expected_acceptance,
-    greedy_tree,
     load_tree,
     resolve_tree,
     save_tree,
 )
+from medusa_like.decoding.tree_presets import PRESETS, chain, expected_acceptance, greedy_tree
 
 
 def test_compiled_buffers_of_a_small_tree():

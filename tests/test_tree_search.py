@@ -7,7 +7,8 @@ import json
 import pytest
 import torch
 
-from medusa_like.decoding.tree import expected_acceptance, load_tree
+from medusa_like.decoding.tree import load_tree
+from medusa_like.decoding.tree_presets import expected_acceptance
 from medusa_like.evaluation.tree_search import (
     fastest,
     head_rank_counts,
@@ -18,8 +19,6 @@ from medusa_like.evaluation.tree_search import (
 )
 from medusa_like.model import MedusaLikeModel
 from medusa_like.tiny import tiny_chat_target
-
-from .conftest import compose_config
 
 # head 1: rank 0 right 60%, rank 1 20%, rank 2 15%; head 2: rank 0 50%, rank 1 20%
 TOPK = [[0.6, 0.8, 0.95], [0.5, 0.7, 0.7]]
@@ -109,7 +108,7 @@ def test_time_trees_rows(tiny_model):
     assert all(r["tokens_per_second"] > 0 for r in rows)
 
 
-def test_tree_search_app_saves_a_tree_eval_uses(tmp_path):
+def test_tree_search_app_saves_a_tree_eval_uses(tmp_path, eval_cfg):
     from eval.evaluate import evaluate
     from eval.tree_search import tree_search
 
@@ -118,16 +117,15 @@ def test_tree_search_app_saves_a_tree_eval_uses(tmp_path):
         "\n".join(json.dumps({"question_id": i, "category": "c", "turns": [f"Say {i} words."]}) for i in range(2))
     )
     tree_path = tmp_path / "tree.json"
-    common = ["model=tiny_llama", "eval.max_new_tokens=6", "drafter.kind=learned"]  # zero-init heads: static trees
-    cfg = compose_config(
-        "eval",
-        tmp_path / "search",
+    common = ["eval.max_new_tokens=6", "drafter.kind=learned"]  # zero-init heads: static trees
+    cfg = eval_cfg(
         *common,
         "tree_search.calibration.source=jsonl",
         f"tree_search.calibration.path={questions}",
         "tree_search.budgets=[1,3]",
         "tree_search.timing_prompts=1",
         f"tree_search.out={tree_path}",
+        out_dir=tmp_path / "search",
     )
     result = tree_search(cfg)
     assert result["label"] in (1, 3)
@@ -136,21 +134,20 @@ def test_tree_search_app_saves_a_tree_eval_uses(tmp_path):
     assert saved["budget"] == result["label"] and len(saved["head_topk_accuracy"]) == 4
     assert len(load_tree(tree_path).paths) == result["label"]
 
-    cfg = compose_config(
-        "eval",
-        tmp_path / "run",
+    cfg = eval_cfg(
         *common,
         "data.source=jsonl",
         f"data.path={questions}",
         f"tree={tree_path}",
         "eval.sweep.prompts=0",
+        out_dir=tmp_path / "run",
     )
     report = evaluate(cfg)
     assert report["setup"]["tree"]["nodes"] == result["label"] + 1
     assert report["summary"]["losslessness"] == 1.0
 
 
-def test_tree_search_of_a_combined_drafter_saves_its_cost_model_and_prompt_lookup(tmp_path):
+def test_tree_search_of_a_combined_drafter_saves_its_cost_model_and_prompt_lookup(tmp_path, eval_cfg):
     """drafter.kind=combined: budgeted trees are timed, the winner is saved with this machine's cost model and the
     fastest prompt_lookup_num_tokens, and evaluation reads both back from the tree file."""
     from eval.evaluate import evaluate
@@ -161,12 +158,9 @@ def test_tree_search_of_a_combined_drafter_saves_its_cost_model_and_prompt_looku
         "\n".join(json.dumps({"question_id": i, "category": "c", "turns": [f"Say {i} words."]}) for i in range(2))
     )
     tree_path = tmp_path / "tree.json"
-    common = ["model=tiny_llama", "eval.max_new_tokens=6"]
     result = tree_search(
-        compose_config(
-            "eval",
-            tmp_path / "search",
-            *common,
+        eval_cfg(
+            "eval.max_new_tokens=6",
             "tree_search.calibration.source=jsonl",
             f"tree_search.calibration.path={questions}",
             "tree_search.budgeted.learned=[[1,2,2]]",
@@ -174,6 +168,7 @@ def test_tree_search_of_a_combined_drafter_saves_its_cost_model_and_prompt_looku
             "tree_search.prompt_lookup=[2,3]",
             "tree_search.timing_prompts=1",
             f"tree_search.out={tree_path}",
+            out_dir=tmp_path / "search",
         )
     )
     assert result["kind"] == "budgeted" and {r["budget"] for r in result["timings"]} == {
@@ -184,8 +179,12 @@ def test_tree_search_of_a_combined_drafter_saves_its_cost_model_and_prompt_looku
     assert saved["budgeted"]["num_nodes"] in (2, 4) and saved["prompt_lookup_num_tokens"] in (2, 3)
     assert saved["cost_model"]["nodes"][0] == 1 and len(saved["cost_model"]["verify_ms"]) == 6
     report = evaluate(
-        compose_config(
-            "eval", tmp_path / "run", *common, "data.source=jsonl", f"data.path={questions}", f"tree={tree_path}"
+        eval_cfg(
+            "eval.max_new_tokens=6",
+            "data.source=jsonl",
+            f"data.path={questions}",
+            f"tree={tree_path}",
+            out_dir=tmp_path / "run",
         )
     )
     assert report["setup"]["prompt_lookup_num_tokens"] == saved["prompt_lookup_num_tokens"]

@@ -27,7 +27,7 @@ from .attention import tree_attention
 from .draft_tree import DraftTree
 from .kv_cache import CacheOverflowError, TreeKVCache
 from .projection import VocabProjection
-from .sampling import accept_sampling, warp_logits
+from .sampling import accept_sampling, check_top_p, warp_logits
 from .tree import check_drafter
 
 
@@ -207,8 +207,7 @@ def check_sampling(temperature: float, top_k: int, top_p: float) -> None:
         raise ValueError(f"temperature must be a finite number >= 0, got {temperature}")
     if top_k < 0:
         raise ValueError(f"top_k must be >= 0 (0 disables it), got {top_k}")
-    if not 0 < top_p <= 1:
-        raise ValueError(f"top_p must be in (0, 1], got {top_p}")
+    check_top_p(top_p)
 
 
 @torch.inference_mode()

@@ -13,12 +13,17 @@ import torch
 from .draft_tree import DraftTree
 
 
+def check_top_p(top_p: float) -> None:
+    """The nucleus is the smallest prefix of tokens whose probability reaches `top_p`: a number in (0, 1]."""
+    if not 0 < top_p <= 1:
+        raise ValueError(f"top_p must be in (0, 1], got {top_p}")
+
+
 def warp_logits(logits: torch.Tensor, temperature: float, top_k: int = 0, top_p: float = 1.0) -> torch.Tensor:
     """logits [..., V] -> probabilities [..., V] after temperature, top-k and top-p (nucleus) filtering."""
     if temperature <= 0:
         raise ValueError(f"sampling needs temperature > 0, got {temperature}")
-    if not 0 < top_p <= 1:
-        raise ValueError(f"top_p must be in (0, 1], got {top_p}")
+    check_top_p(top_p)
     logits = logits.float() / temperature
     if top_k and top_k < logits.shape[-1]:
         kth = logits.topk(top_k, dim=-1).values[..., -1:]

@@ -2,9 +2,11 @@
 
 A drafter fits a target when it reads hidden states of the target's width and proposes tokens of the target's
 vocabulary; when the drafter records the target's architecture fingerprint (native files, training checkpoints),
-that must match too. Anything else is a `DrafterMismatchError` naming both values.
+that must match too. Anything else is a `DrafterMismatchError` naming both values. `LearnedDrafter` applies it to
+the trained drafters (Medusa heads, EAGLE-3), which answer the rest of the `Drafter` protocol's bookkeeping alike.
 """
 
+from medusa_like.decoding.tree import TreeSpec
 from medusa_like.targets import target_fingerprint
 
 CHECKPOINT_KEY = "medusa_like"  # the training module's entry in a Lightning checkpoint
@@ -40,3 +42,19 @@ def check_fits(hidden_size: int, vocab_size: int, target, fingerprint: str | Non
             f"{what} was trained on a target with fingerprint {fingerprint}, but target {name!r} has fingerprint "
             f"{actual}: same hidden size and vocabulary, another architecture (layers, attention heads or MLP size)"
         )
+
+
+class LearnedDrafter:
+    """What a trained drafter answers like every other: it fits a target of its `target_sizes` (the hidden size it
+    reads, the vocabulary it proposes in), takes any tree as it is and remembers nothing while decoding."""
+
+    target_sizes: tuple[int, int]
+
+    def check_fits(self, target) -> None:
+        check_fits(*self.target_sizes, target)
+
+    def adapt_tree(self, spec: TreeSpec) -> TreeSpec:
+        return spec
+
+    def remember(self, tokens: list[int]) -> None:
+        pass  # it learns in training only

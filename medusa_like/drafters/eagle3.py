@@ -28,7 +28,7 @@ from transformers import AutoConfig, AutoModel, PretrainedConfig
 from ..decoding.draft_tree import DraftTree
 from ..decoding.kv_cache import TreeKVCache
 from ..decoding.tree import TreeSpec
-from .base import check_fits
+from .base import LearnedDrafter
 from .kinds import WeightsKind
 from .vocab import DraftVocab
 
@@ -87,7 +87,7 @@ class Eagle3Config:
         return config
 
 
-class Eagle3Drafter(nn.Module):
+class Eagle3Drafter(LearnedDrafter, nn.Module):
     """The draft model's weights and its one-step forward; `Eagle3Proposer` drives it at inference."""
 
     kind = "eagle3"
@@ -127,14 +127,9 @@ class Eagle3Drafter(nn.Module):
     def proposer(self, target) -> "Eagle3Proposer":
         return Eagle3Proposer(self, target)
 
-    def check_fits(self, target) -> None:
-        check_fits(self.config.target_hidden_size, self.config.vocab_size, target)
-
-    def adapt_tree(self, spec: TreeSpec) -> TreeSpec:
-        return spec
-
-    def remember(self, tokens: list[int]) -> None:
-        pass  # the drafter learns in training only
+    @property
+    def target_sizes(self) -> tuple[int, int]:
+        return self.config.target_hidden_size, self.config.vocab_size
 
     @torch.no_grad()
     def init_from_target(self, target) -> None:

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from medusa_like.decoding.draft_tree import DraftTree
 from medusa_like.decoding.projection import VocabProjection
 from medusa_like.decoding.tree import TreeSpec
-from medusa_like.drafters.base import check_fits
+from medusa_like.drafters.base import LearnedDrafter
 from medusa_like.drafters.kinds import WeightsKind
 from medusa_like.drafters.vocab import DraftVocab
 
@@ -51,7 +51,7 @@ class ResBlock(nn.Module):
         return x + F.silu(self.linear(x))
 
 
-class MedusaHeads(nn.Module):
+class MedusaHeads(LearnedDrafter, nn.Module):
     """K draft heads. `forward(hidden, lm_head)` returns logits [K, ..., V] for hidden [..., H].
 
     `draft_vocab`, when set, restricts the heads' projection to its rows at inference (FR-Spec-style)."""
@@ -85,14 +85,9 @@ class MedusaHeads(nn.Module):
     def proposer(self, target) -> "MedusaProposer":
         return MedusaProposer(self, target, self.draft_vocab)
 
-    def check_fits(self, target) -> None:
-        check_fits(self.config.hidden_size, self.config.vocab_size, target)
-
-    def adapt_tree(self, spec: TreeSpec) -> TreeSpec:
-        return spec
-
-    def remember(self, tokens: list[int]) -> None:
-        pass  # the heads learn in training only
+    @property
+    def target_sizes(self) -> tuple[int, int]:
+        return self.config.hidden_size, self.config.vocab_size
 
     @torch.no_grad()
     def init_projections_from(self, lm_head_weight: torch.Tensor) -> None:

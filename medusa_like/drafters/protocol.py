@@ -17,8 +17,8 @@ A drafter kind (`medusa`, `eagle3`, `lookup`, `combined`) is one object in the d
 it, so adding a kind is one module and one registry line.
 """
 
-from pathlib import Path
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any, Protocol
 
 import torch

@@ -3,7 +3,7 @@
 Medusa heads (static trees): calibrate each head's top-k accuracy, build the best tree of each node budget, time them.
 
     topk = head_topk_accuracy(model, sequences)           # teacher-forced over the target's own greedy answers
-    trees = trees_for_budgets(topk, [4, 8, 16, 32])        # greedy best-first trees (`tree.greedy_tree`)
+    trees = trees_for_budgets(topk, [4, 8, 16, 32])        # greedy best-first trees (`tree_presets.greedy_tree`)
 
 EAGLE-3 (dynamic trees): the candidates are (depth, top_k, num_nodes) settings of EAGLE-2's tree.
 
@@ -19,7 +19,8 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from medusa_like.decoding.tree import BudgetedTreeSpec, DynamicTreeSpec, expected_acceptance, greedy_tree
+from medusa_like.decoding.tree import BudgetedTreeSpec, DynamicTreeSpec
+from medusa_like.decoding.tree_presets import expected_acceptance, greedy_tree
 from medusa_like.evaluation.methods import hf_runner, loop_runner
 from medusa_like.evaluation.metrics import (
     rank_accuracy,
