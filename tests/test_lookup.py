@@ -12,9 +12,10 @@ from medusa_like.decoding.generate import speculative_generate
 from medusa_like.decoding.sampling import warp_logits
 from medusa_like.decoding.tree import BudgetedTreeSpec, DynamicTreeSpec, TokenTree, load_tree, save_tree, spec_from_json
 from medusa_like.drafters.base import DrafterMismatchError
-from medusa_like.drafters.combined import CombinedDrafter, CombinedProposer, SessionState, best_rate
+from medusa_like.drafters.combined import CombinedDrafter
 from medusa_like.drafters.eagle3 import EAGLE3
 from medusa_like.drafters.lookup import ContextLookup, Continuation, LookupDrafter, NgramIndex, OutputStore
+from medusa_like.drafters.merge import CombinedProposer, SessionState, best_rate
 from medusa_like.model import MedusaLikeModel
 from medusa_like.targets import target_fingerprint
 

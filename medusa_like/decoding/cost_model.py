@@ -5,7 +5,7 @@
     save_tree(spec, "tree.json", cost_model=cost.to_json())
     cost = CostModel.from_json(data, target)        # refused for another target or dtype
 
-A budgeted tree (`drafters/combined.py`) picks each step's node budget to maximise expected tokens per second from
+A budgeted tree (`drafters/merge.py`) picks each step's node budget to maximise expected tokens per second from
 it: on a 2-core CPU in fp32 a forward over 16 nodes costs ~1.6x one over a single token with `nn.Linear`, less with
 `few_row_linear.py`'s layers (~1x up to 6 nodes); ~1x in bf16 where the CPU computes in it; on a GPU ~1x up to 64.
 """

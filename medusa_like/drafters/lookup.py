@@ -7,7 +7,7 @@ suffix earlier is a good guess of what follows now.
                      adds its answer once it is done; bounded, oldest answers evicted first; saved and loaded
 
 Both index their text by n-grams (`NgramIndex`) and answer a suffix with a trie of continuations: each node carries
-how often it followed its parent (`Continuation.frequency`), and the match length, which `drafters/combined.py` turns
+how often it followed its parent (`Continuation.frequency`), and the match length, which `drafters/merge.py` turns
 into a calibrated chance of acceptance. A `LookupDrafter` (kind "lookup") is the two sources behind the combined
 proposer with no learned drafter: `MedusaLikeModel.from_pretrained(target, drafter="lookup")`.
 """
@@ -25,8 +25,8 @@ from medusa_like.targets import target_fingerprint
 
 from ..decoding.tree import TreeSpec, budgeted
 from .base import DrafterMismatchError, target_name
-from .combined import CombinedProposer, SessionState
 from .kinds import TrainingFreeKind
+from .merge import CombinedProposer, SessionState
 
 SEPARATOR = -1  # between documents of a store: no n-gram or continuation crosses it
 STORE_FORMAT = "medusa_like.output_store"
@@ -286,7 +286,7 @@ class OutputStore:
 
 
 class LookupDrafter:
-    """Context lookup and an output store, merged into one cost-aware tree (`drafters/combined.py`) with no learned
+    """Context lookup and an output store, merged into one cost-aware tree (`drafters/merge.py`) with no learned
     drafter. Lossless like any drafter; needs no training."""
 
     kind = "lookup"

@@ -33,24 +33,13 @@ from medusa_like.drafters.base import CHECKPOINT_KEY, check_fits
 from medusa_like.drafters.eagle3 import Eagle3Config, Eagle3Drafter
 from medusa_like.drafters.vocab import DraftVocab, DraftVocabError
 from medusa_like.formats.common import Codec, FormatError, read_config, read_safetensors, write_export
+from medusa_like.formats.gguf import write_gguf
+from medusa_like.formats.llama_layer import LAYER_PARTS, llama_refusal
 from medusa_like.targets import target_fingerprint
 
 FORMATS = ("native", "eagle3", "eagle3_sglang", "gguf")  # gguf: llama.cpp, in `gguf.py`
 WEIGHTS = "model.safetensors"
 ARCHITECTURE = "LlamaForCausalLMEagle3"
-_LAYER_PARTS = ("self_attn.", "mlp.", "input_layernorm.", "hidden_norm.", "post_attention_layernorm.")
-_LLAMA_LAYER = {
-    "self_attn.q_proj.weight",
-    "self_attn.k_proj.weight",
-    "self_attn.v_proj.weight",
-    "self_attn.o_proj.weight",
-    "mlp.gate_proj.weight",
-    "mlp.up_proj.weight",
-    "mlp.down_proj.weight",
-    "input_layernorm.weight",
-    "hidden_norm.weight",
-    "post_attention_layernorm.weight",
-}
 _LLAMA_FIELDS = (
     "hidden_size",
     "intermediate_size",
@@ -70,7 +59,7 @@ def is_eagle3_config(config: dict) -> bool:
 
 
 def _engine_name(name: str) -> str:
-    return f"midlayer.{name}" if name.startswith(_LAYER_PARTS) else name
+    return f"midlayer.{name}" if name.startswith(LAYER_PARTS) else name
 
 
 def eagle3_tensors(drafter: Eagle3Drafter, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
@@ -83,26 +72,6 @@ def eagle3_tensors(drafter: Eagle3Drafter, dtype: torch.dtype | None = None) -> 
     tensors["d2t"] = vocab.d2t.cpu().long()
     tensors["t2d"] = vocab.t2d.cpu()
     return tensors
-
-
-def llama_refusal(drafter: Eagle3Drafter) -> str | None:
-    """Why the engines' Llama-shaped EAGLE-3 layer cannot hold this drafter, or None when it can."""
-    layer = drafter.config.layer
-    names = {name for name in drafter.state_dict() if name.startswith(_LAYER_PARTS)}
-    if layer.get("model_type") not in ("llama", "qwen2", "mistral", "qwen3"):
-        extra = sorted(names - _LLAMA_LAYER)
-        return (
-            f"its layer is a {layer.get('model_type')} layer"
-            + (f" with tensors the Llama layer lacks ({', '.join(extra)})" if extra else "")
-            + " and other norms than Llama's"
-        )
-    if names != _LLAMA_LAYER:
-        return f"its layer's tensors differ from the Llama layer's: {sorted(names ^ _LLAMA_LAYER)}"
-    if layer.get("hidden_act", "silu") != "silu":
-        return f"its MLP uses {layer.get('hidden_act')!r}, the engines' Llama layer SiLU"
-    if layer.get("attention_bias") or layer.get("mlp_bias"):
-        return "its attention or MLP has biases, which the engines' Llama layer does not load"
-    return None
 
 
 def engine_config(drafter: Eagle3Drafter, dtype: torch.dtype, shift: int = 0) -> dict:
@@ -144,8 +113,6 @@ def write_eagle3(
     if fmt not in FORMATS:
         raise ValueError(f"an EAGLE-3 drafter exports as one of {FORMATS}, not {fmt!r}")
     if fmt == "gguf":
-        from medusa_like.formats.gguf import write_gguf  # gguf.py builds on this module
-
         return write_gguf(drafter, out_dir, target, target_name, dtype, overwrite)
     check_fits(drafter.config.target_hidden_size, drafter.config.vocab_size, target, source="being exported")
     if fmt != "native" and (reason := llama_refusal(drafter)):

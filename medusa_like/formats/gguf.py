@@ -39,7 +39,7 @@ from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType, GGUFWriter, Ll
 from medusa_like.drafters.base import check_fits
 from medusa_like.drafters.eagle3 import Eagle3Drafter
 from medusa_like.formats.common import FormatError, write_export
-from medusa_like.formats.eagle3 import llama_refusal
+from medusa_like.formats.llama_layer import llama_refusal
 from medusa_like.targets import DEFAULT_TARGET, DEFAULT_TARGET_ALIASES, cache_dir, default_target_gguf
 
 ARCH = "eagle3"

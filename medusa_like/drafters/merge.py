@@ -1,0 +1,242 @@
+"""One tree from several sources: a learned drafter (EAGLE-3 or Medusa heads) and lookup (context, output store),
+merged by prefix, each node scored by an estimated chance of acceptance, cut to a cost-aware budget.
+
+One step (`CombinedProposer.propose`):
+
+    lookup      each source's trie of continuations after the text so far                   (~0.1-0.5 ms)
+    learned     the learned drafter's tree, unless its measured gain does not pay its time  (EAGLE-3: ms per depth)
+    merge       one trie keyed by token paths: two sources proposing the same prefix give one node
+    score       q(node) = P(node accepted | parent accepted), calibrated online per source and bucket (below);
+                score(node) = product of q along its path: the chance the target accepts it
+    budget      the best n nodes by score, n maximising (1 + sum of their scores) / (verify_ms(n + 1) + draft_ms)
+                from the machine's cost model (`decoding/cost_model.py`): shallow or none when little is likely,
+                deep along a long confident match
+
+Calibration: a node's raw estimate is its drafter probability (learned) or how often it followed its parent among
+the matches (lookup). After each step the target's accepted path and bonus token tell, for every candidate whose
+parent was accepted, whether the target agreed with it, verified or not; those outcomes update Beta counts per
+(source, raw-estimate bucket, match-length bucket, depth bucket), whose mean (with the raw estimate as prior) is q.
+
+Scores are non-increasing along a path, so the best n nodes are ancestor-closed; the target verifies them like any
+tree, and the output stays exactly the target's.
+"""
+
+import math
+import time
+from bisect import bisect_right
+from dataclasses import dataclass, field
+
+import torch
+
+from medusa_like.decoding.cost_model import CostModel, CostModelMismatchError, measure_cost_model
+from medusa_like.decoding.draft_tree import DraftTree
+from medusa_like.decoding.tree import TreeSpec, budgeted
+
+OVERHEAD_MS = 1.0  # per step outside drafting and the verification forward: acceptance, commits, Python
+PROBE_EVERY = 8  # a learned drafter judged not to pay is still run every this many steps, to keep its gain measured
+LEARNED = "learned"
+
+
+@dataclass
+class Calibration:
+    """P(node accepted | parent accepted) per bucket: Beta counts with each node's raw estimate as the prior mean."""
+
+    prior_weight: float = 2.0
+    hits: dict = field(default_factory=dict)
+    trials: dict = field(default_factory=dict)
+
+    def estimate(self, key: tuple, raw: float) -> float:
+        return (self.hits.get(key, 0.0) + self.prior_weight * raw) / (self.trials.get(key, 0.0) + self.prior_weight)
+
+    def update(self, key: tuple, hit: bool) -> None:
+        self.trials[key] = self.trials.get(key, 0.0) + 1.0
+        self.hits[key] = self.hits.get(key, 0.0) + float(hit)
+
+
+def lookup_key(source: str, frequency: float, match_length: int, depth: int) -> tuple:
+    return (
+        source,
+        bisect_right((0.34, 0.67, 0.99), frequency),
+        bisect_right((2, 3, 4, 6, 9), match_length),
+        min(depth, 4),
+    )
+
+
+def lookup_prior(frequency: float, match_length: int) -> float:
+    """A raw guess before any outcome is seen: longer matches and more frequent continuations are likelier."""
+    return frequency * min(0.9, 0.25 + 0.1 * match_length)
+
+
+def learned_key(probability: float, depth: int) -> tuple:
+    return (LEARNED, bisect_right((0.05, 0.15, 0.3, 0.5, 0.7, 0.9), probability), min(depth, 4))
+
+
+@dataclass
+class SessionState:
+    """What a combined or lookup drafter learns across generations: calibration, the machine's cost model, and the
+    learned drafter's measured time and gain."""
+
+    cost_model: CostModel | None = None
+    calibration: Calibration = field(default_factory=Calibration)
+    learned_ms: float | None = None
+    learned_gain: float | None = None  # EMA of (best rate with it) / (best rate of lookup alone)
+
+
+@dataclass
+class Candidate:
+    q: float  # calibrated P(accepted | parent accepted), the best of its sources'
+    sources: int  # bitmask over the proposer's source names
+    keys: list  # calibration buckets of every source that proposed it
+
+
+class CombinedProposer:
+    """The `Proposer` (drafters/protocol.py) of a combined or lookup drafter: `learned` (a drafter, or None) and
+    lookup `sources` (objects with `name`, `begin(history)`, `extend(tokens)`, `candidates(history, depth)`);
+    `state` is what outlives one generation."""
+
+    def __init__(self, target, learned, sources: list, state: SessionState):
+        self.learned = learned.proposer(target) if learned is not None else None
+        self.sources = sources
+        self.source_names = tuple(s.name for s in self.sources) + ((LEARNED,) if self.learned else ())
+        self.feature_layers = self.learned.feature_layers if self.learned else None
+        self.max_depth = self.learned.max_depth if self.learned else None
+        self.max_rank = self.learned.max_rank if self.learned else None
+        self.state = state
+        self.calibration = state.calibration
+        self.cost = cost_model_for(state, target)
+
+    # ---- the protocol ----
+
+    def begin(self, prompt_ids: torch.Tensor, features: torch.Tensor, root: torch.Tensor, capacity: int) -> None:
+        self.history = [*prompt_ids.tolist(), int(root)]
+        for source in self.sources:
+            source.begin(self.history)
+        if self.learned:
+            self.learned.begin(prompt_ids, features, root, capacity)
+        self.root, self.step, self.last = root, 0, None
+
+    def propose(self, spec: TreeSpec) -> DraftTree:
+        spec = budgeted(spec)
+        start = time.perf_counter()
+        candidates: dict[tuple[int, ...], Candidate] = {}
+        for bit, source in enumerate(self.sources):
+            for c in source.candidates(self.history, spec.lookup_depth):
+                key = lookup_key(source.name, c.frequency, c.match_length, len(c.path))
+                self._add(
+                    candidates,
+                    c.path,
+                    self.calibration.estimate(key, lookup_prior(c.frequency, c.match_length)),
+                    bit,
+                    key,
+                )
+        lookup_ms = 1000 * (time.perf_counter() - start)
+        ran_learned = self.learned is not None and spec.learned is not None and self._learned_pays()
+        if ran_learned:
+            lookup_rate = best_rate(path_scores(candidates), self.cost, lookup_ms)[1]  # before the learned nodes
+            start = time.perf_counter()
+            tree = self.learned.propose(spec.learned)
+            self.state.learned_ms = _ema(self.state.learned_ms, 1000 * (time.perf_counter() - start))
+            self._add_learned(candidates, tree)
+        scores = path_scores(candidates)
+        draft_ms = lookup_ms + (self.state.learned_ms if ran_learned else 0.0)
+        count, rate = best_rate(scores, self.cost, draft_ms, spec.num_nodes)
+        if ran_learned:
+            self.state.learned_gain = _ema(self.state.learned_gain, rate / max(lookup_rate, 1e-9))
+        chosen = sorted(scores, key=lambda p: (-scores[p], len(p)))[:count]
+        self.last = candidates
+        self.step += 1
+        return self._compile(sorted(chosen, key=len), candidates)
+
+    def accept(self, tokens: torch.Tensor, features: torch.Tensor, bonus: torch.Tensor) -> None:
+        truth = [*tokens[1:].tolist(), int(bonus)]  # what the target produced after the root
+        if self.last:
+            for path, candidate in self.last.items():
+                depth = len(path)
+                if depth <= len(truth) and list(path[:-1]) == truth[: depth - 1]:
+                    hit = path[-1] == truth[depth - 1]
+                    for key in candidate.keys:
+                        self.calibration.update(key, hit)
+        self.history.extend(truth)
+        for source in self.sources:
+            source.extend(truth)
+        if self.learned:
+            self.learned.accept(tokens, features, bonus)
+        self.root = bonus
+
+    # ---- the pieces ----
+
+    def _add(self, candidates: dict, path: tuple, q: float, bit: int, key: tuple) -> None:
+        found = candidates.get(path)
+        if found is None:
+            candidates[path] = Candidate(q, 1 << bit, [key])
+        else:
+            found.q, found.sources = max(found.q, q), found.sources | (1 << bit)
+            found.keys.append(key)
+
+    def _add_learned(self, candidates: dict, tree: DraftTree) -> None:
+        bit = len(self.sources)
+        tokens, parents = tree.tokens.tolist(), tree.parents.tolist()
+        logp = tree.logp.tolist() if tree.logp is not None else [0.0] * len(tokens)
+        paths: list[tuple[int, ...]] = [()]
+        for i in range(1, len(tokens)):
+            path = paths[parents[i]] + (tokens[i],)
+            paths.append(path)
+            probability = math.exp(min(logp[i] - logp[parents[i]], 0.0))
+            key = learned_key(probability, len(path))
+            self._add(candidates, path, self.calibration.estimate(key, probability), bit, key)
+
+    def _learned_pays(self) -> bool:
+        """Run the learned drafter unless its measured gain in tokens/s fell below 1; probe it now and then."""
+        gain = self.state.learned_gain
+        return gain is None or gain > 1.0 or self.step % PROBE_EVERY == 0
+
+    def _compile(self, paths: list[tuple[int, ...]], candidates: dict) -> DraftTree:
+        device = self.root.device
+        index = {(): 0}
+        for i, path in enumerate(paths, 1):
+            index[path] = i
+        tokens = torch.tensor([int(self.root), *(p[-1] for p in paths)], dtype=torch.long, device=device)
+        parents = torch.tensor([-1, *(index[p[:-1]] for p in paths)], dtype=torch.long, device=device)
+        tree = DraftTree.from_parents(tokens, parents)
+        tree.sources = torch.tensor([0, *(candidates[p].sources for p in paths)], dtype=torch.long)
+        tree.source_names = self.source_names
+        return tree
+
+
+def path_scores(candidates: dict) -> dict:
+    """Each candidate's chance of being accepted: the product of q along its path (a path missing a parent drops)."""
+    scores: dict[tuple[int, ...], float] = {}
+    for path in sorted(candidates, key=len):
+        parent = scores.get(path[:-1], 1.0 if len(path) == 1 else None)
+        if parent is not None:
+            scores[path] = parent * candidates[path].q
+    return scores
+
+
+def best_rate(scores: dict, cost: CostModel, draft_ms: float, limit: int | None = None) -> tuple[int, float]:
+    """(n, expected tokens per ms) of the best n-node cut: the n highest scores, n maximising the rate."""
+    ordered = sorted(scores.values(), reverse=True)[:limit]
+    best_n, best = 0, 1.0 / (cost.verify(1) + draft_ms + OVERHEAD_MS)
+    expected = 1.0
+    for n, score in enumerate(ordered, 1):
+        expected += score
+        rate = expected / (cost.verify(n + 1) + draft_ms + OVERHEAD_MS)
+        if rate > best:
+            best_n, best = n, rate
+    return best_n, best
+
+
+def _ema(old: float | None, new: float, weight: float = 0.2) -> float:
+    return new if old is None else (1 - weight) * old + weight * new
+
+
+def cost_model_for(state: SessionState, target) -> CostModel:
+    """The session's cost model if it was measured for this target, dtype and device, else one measured now (kept)."""
+    if state.cost_model is not None:
+        try:
+            state.cost_model.check_fits(target)
+            return state.cost_model
+        except CostModelMismatchError:
+            pass
+    state.cost_model = measure_cost_model(target)
+    return state.cost_model
