@@ -1,5 +1,5 @@
-"""Files written whole or not at all, a lock file held while a directory is built, and JSON Lines read with errors
-that name the line.
+"""Files written whole or not at all, a lock file held while a directory is built, JSON Lines read with errors that
+name the line, and the user's cache directory.
 
 Every file or directory this package writes whole goes through `atomic_file` or `atomic_directory`: the content is
 written under a temporary name next to its destination (`.<name>.tmp-<pid>`) and renamed into place, so an interrupted
@@ -38,6 +38,14 @@ def atomic_file(path: str | Path, write: Callable[[Path], None], mode: int = 0o6
     finally:
         tmp.unlink(missing_ok=True)
     return path
+
+
+def user_cache_dir() -> Path:
+    """Where this package keeps what it measured about the machine: `$MEDUSA_LIKE_CACHE_DIR`, else
+    `$XDG_CACHE_HOME/medusa_like`, else `~/.cache/medusa_like`."""
+    if os.environ.get("MEDUSA_LIKE_CACHE_DIR"):
+        return Path(os.environ["MEDUSA_LIKE_CACHE_DIR"])
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "medusa_like"
 
 
 def write_json(path: str | Path, data) -> Path:

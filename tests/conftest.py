@@ -1,5 +1,9 @@
 """Shared fixtures: tiny random targets of several families, built from configs (nothing downloaded)."""
 
+import atexit
+import os
+import shutil
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -22,6 +26,10 @@ FAMILIES = ("llama", "qwen2", "mistral", "gemma3")
 # Tiny models gain nothing from intra-op threads, and OpenMP workers spinning on a busy 2-core machine make each small
 # matmul up to 50x slower.
 torch.set_num_threads(1)
+
+# Row plans (decoding/row_plans.py) measured by the tests stay out of the user's cache.
+os.environ["MEDUSA_LIKE_CACHE_DIR"] = tempfile.mkdtemp(prefix="medusa_like_test_cache_")
+atexit.register(shutil.rmtree, os.environ["MEDUSA_LIKE_CACHE_DIR"], ignore_errors=True)
 
 
 def tiny_target(family: str, seed: int = 0, **overrides):

@@ -1,20 +1,27 @@
-"""Few-row linear layers: the same products as nn.Linear, swapped in without copies, and lossless decoding with them."""
+"""Few-row linear layers: the same products as nn.Linear by every kernel a row plan may name, swapped in without copies,
+row plans measured once per shape and cached, and lossless decoding with them."""
 
 import copy
+import json
+import random
 
 import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from medusa_like.decoding import row_plans
 from medusa_like.decoding.cost_model import CostModel, CostModelMismatchError, measure_cost_model
 from medusa_like.decoding.few_row_linear import (
     MAX_ROWS,
     FewRowLinear,
+    few_row_product,
     linear_kernel,
     use_few_row_linears,
     weight_first_linear,
 )
+from medusa_like.decoding.projection import VocabProjection
+from medusa_like.decoding.row_plans import PLANNED_ROWS, measure_row_plan, row_plan, valid_plan
 from medusa_like.drafters.registry import kind_named
 from medusa_like.model import MedusaLikeModel
 from tests.conftest import greedy_reference, random_heads, random_prompts, tiny_target
@@ -31,6 +38,79 @@ def test_few_row_linear_computes_the_same_product(rows, bias):
     torch.testing.assert_close(
         weight_first_linear(x, linear.weight, linear.bias), F.linear(x, linear.weight, linear.bias)
     )
+
+
+def random_plan(seed: int) -> tuple[int, ...]:
+    """A valid plan naming every kind of kernel: F.linear (0), weight-first over the rows, over padded rows."""
+    rng = random.Random(seed)
+    return tuple(rng.choice([0, n, rng.randint(n, PLANNED_ROWS)]) for n in range(1, PLANNED_ROWS + 1))
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, 13, PLANNED_ROWS, PLANNED_ROWS + 1, MAX_ROWS + 1])
+def test_every_kernel_a_plan_names_computes_the_same_product(rows):
+    torch.manual_seed(rows)
+    weight, bias, x = torch.randn(80, 48), torch.randn(80), torch.randn(1, rows, 48)  # x [B, T, H]
+    expected = F.linear(x, weight, bias)
+    plans = [random_plan(seed) for seed in range(4)]
+    if rows <= PLANNED_ROWS:  # force the padded path for this row count
+        plans.append(tuple(PLANNED_ROWS if n == rows else 0 for n in range(1, PLANNED_ROWS + 1)))
+    for plan in plans:
+        assert valid_plan(plan)
+        out = few_row_product(x, weight, bias, plan)
+        assert out.shape == expected.shape
+        torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_a_measured_plan_is_valid_and_cached_on_disk(tmp_path, monkeypatch):
+    monkeypatch.setenv("MEDUSA_LIKE_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(row_plans, "_PLANS", {})
+    weight = torch.randn(40, 24)
+    plan = row_plan(weight)
+    assert valid_plan(plan)
+    stored = json.loads((tmp_path / "row_plans.json").read_text())
+    assert stored == {row_plans.plan_key(weight): list(plan)}
+
+    # a later process reads the plan from the file instead of measuring it: plant another valid plan there
+    planted = random_plan(7)
+    (tmp_path / "row_plans.json").write_text(json.dumps({row_plans.plan_key(weight): list(planted)}))
+    monkeypatch.setattr(row_plans, "_PLANS", {})
+    assert row_plan(weight) == planted
+    assert row_plan(torch.randn(24, 40)) != () and len(json.loads((tmp_path / "row_plans.json").read_text())) == 2
+
+
+@pytest.mark.parametrize("content", ["{not json", '["a list"]', '{"key": [1, 2]}', "\udcff"])
+def test_an_unreadable_or_invalid_plan_cache_is_measured_again(tmp_path, monkeypatch, content):
+    monkeypatch.setenv("MEDUSA_LIKE_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(row_plans, "_PLANS", {})
+    (tmp_path / "row_plans.json").write_text(content, errors="surrogateescape")
+    weight = torch.randn(40, 24)
+    assert valid_plan(row_plan(weight))
+    stored = json.loads((tmp_path / "row_plans.json").read_text())
+    assert list(stored) == [row_plans.plan_key(weight)]  # rewritten whole: only valid entries
+    assert not list(tmp_path.glob(".row_plans.json.tmp-*"))
+
+
+def test_measured_plans_name_only_valid_kernels():
+    for shape in [(8, 8), (96, 32), (32, 96)]:
+        plan = measure_row_plan(torch.randn(*shape), repeats=1)
+        assert valid_plan(plan)
+        assert all(m == 0 or m >= n for n, m in enumerate(plan, 1))
+    assert not valid_plan((0,) * (PLANNED_ROWS - 1))
+    assert not valid_plan(tuple(n - 1 for n in range(1, PLANNED_ROWS + 1)))  # fewer rows than it has
+
+
+def test_swapped_layers_and_the_vocabulary_projection_carry_their_weights_plans():
+    target = tiny_target("llama", tie_word_embeddings=False)
+    use_few_row_linears(target)
+    layers = [m for m in target.modules() if isinstance(m, FewRowLinear)]
+    assert layers and all(m.plan == row_plan(m.weight) for m in layers)
+    projection = VocabProjection(target)
+    assert projection.plan == target.lm_head.plan and valid_plan(projection.plan)
+    hidden = torch.randn(5, target.config.hidden_size)
+    torch.testing.assert_close(projection(hidden), F.linear(hidden, target.lm_head.weight), rtol=1e-5, atol=1e-5)
+    unplanned = tiny_target("llama")
+    use_few_row_linears(unplanned, plans=False)
+    assert all(m.plan == () for m in unplanned.modules() if isinstance(m, FewRowLinear))
 
 
 def test_swap_shares_parameters_keeps_ties_and_state_dict_and_is_idempotent():

@@ -7,6 +7,7 @@ import json
 import pytest
 import torch
 
+from medusa_like.decoding.cost_model import SIZES
 from medusa_like.decoding.tree import load_tree
 from medusa_like.decoding.tree_presets import expected_acceptance
 from medusa_like.evaluation.tree_search import (
@@ -177,7 +178,7 @@ def test_tree_search_of_a_combined_drafter_saves_its_cost_model_and_prompt_looku
     }
     saved = json.loads(tree_path.read_text())
     assert saved["budgeted"]["num_nodes"] in (2, 4) and saved["prompt_lookup_num_tokens"] in (2, 3)
-    assert saved["cost_model"]["nodes"][0] == 1 and len(saved["cost_model"]["verify_ms"]) == 6
+    assert saved["cost_model"]["nodes"] == list(SIZES) and len(saved["cost_model"]["verify_ms"]) == len(SIZES)
     report = evaluate(
         eval_cfg(
             "eval.max_new_tokens=6",

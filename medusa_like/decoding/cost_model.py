@@ -1,13 +1,14 @@
 """What a decoding step costs on this machine: the target's verification forward against the number of tree nodes.
 
-    cost = measure_cost_model(target)               # ~1-3 s: forwards of 1..32 nodes after a 128-token prefix
-    cost.verify_ms(12)                              # interpolated
+    cost = measure_cost_model(target)               # ~5-10 s: forwards of 1..32 nodes after a 128-token prefix
+    cost.verify(12)                                 # ms, measured (interpolated past 16)
     save_tree(spec, "tree.json", cost_model=cost.to_json())
     cost = CostModel.from_json(data, target)        # refused for another target or dtype
 
 A budgeted tree (`drafters/merge.py`) picks each step's node budget to maximise expected tokens per second from
 it: on a 2-core CPU in fp32 a forward over 16 nodes costs ~1.6x one over a single token with `nn.Linear`, less with
-`few_row_linear.py`'s layers (~1x up to 6 nodes); ~1x in bf16 where the CPU computes in it; on a GPU ~1x up to 64.
+`few_row_linear.py`'s layers, and not monotonically (a 13-node forward may cost more than a 16-node one, so every
+size up to 16 is measured); ~1x in bf16 where the CPU computes in it; on a GPU ~1x up to 64.
 """
 
 import platform
@@ -24,7 +25,8 @@ from .generate import target_forward
 from .kv_cache import TreeKVCache
 from .projection import VocabProjection
 
-SIZES = (1, 2, 4, 8, 16, 32)
+# every size a step picks from: the cost of a forward is not monotonic in the nodes (few_row_linear.py)
+SIZES = (*range(1, 17), 20, 24, 32)
 
 
 class CostModelMismatchError(ValueError):
@@ -87,7 +89,7 @@ class CostModel:
 
 
 @torch.inference_mode()
-def measure_cost_model(target, sizes=SIZES, prefix: int = 128, repeats: int = 5) -> CostModel:
+def measure_cost_model(target, sizes=SIZES, prefix: int = 128, repeats: int = 3) -> CostModel:
     """Median time of the target's forward and vocabulary projection over `sizes` chain-shaped trees after a
     `prefix`-token context: what verifying a tree of that many nodes costs."""
     device = target.device

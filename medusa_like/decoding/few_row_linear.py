@@ -2,9 +2,10 @@
 
 A tree step multiplies a handful of rows (the verified nodes, or a drafter's top-k) by every weight of the model. x86
 BLAS (MKL, as torch ships it) does this up to twice as fast when the weight is the left operand, `W @ x.T`, than in
-`nn.Linear`'s orientation, `x @ W.T`: on a 2-core CPU the default target's linear layers take about as long for 2-6
-rows as for 1 in the first orientation, and 1.5-2x as long in the second (`eval/bench_linear.py` measures it). One row
-(greedy decoding) and long prefills keep `nn.Linear`'s own path.
+`nn.Linear`'s orientation, `x @ W.T`, and for some row counts faster still over a few zero rows more (16 rows cost
+less than 13 on a 2-core AMD EPYC). Each `FewRowLinear` carries its weight's row plan (`row_plans.py`, measured once
+per shape on this machine): for 1..32 rows, `F.linear` or weight-first over how many rows. Without a plan, 2..MAX_ROWS
+rows go weight-first. Long prefills keep `nn.Linear`'s own path. `eval/bench_linear.py` measures the whole forward.
 
 The swap shares the original parameters (no copy, same state-dict keys) and changes only fp32 rounding, as any other
 row count or kernel would: the target's greedy decoding stays the reference, computed with the same layers.
@@ -13,6 +14,8 @@ row count or kernel would: the target's greedy decoding stays the reference, com
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from .row_plans import row_plan
 
 MAX_ROWS = 64  # above this a product is a prefill: nn.Linear's own path, measured as fast
 
@@ -26,8 +29,26 @@ def weight_first_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tenso
     return y.reshape(*x.shape[:-1], weight.shape[0])
 
 
+def few_row_product(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, plan: tuple[int, ...] = ()
+) -> torch.Tensor:
+    """`F.linear(x, weight, bias)` by the kernel `plan` names for x's row count (`row_plans.py`): 0 -> F.linear,
+    m -> weight-first over the rows padded with zero rows to m. Row counts the plan does not cover: weight-first for
+    2..MAX_ROWS, else F.linear."""
+    rows = x.numel() // x.shape[-1]
+    padded = plan[rows - 1] if 0 < rows <= len(plan) else (rows if 2 <= rows <= MAX_ROWS else 0)
+    if padded == 0:
+        return F.linear(x, weight, bias)
+    if padded == rows:
+        return weight_first_linear(x, weight, bias)
+    flat = F.pad(x.reshape(rows, -1), (0, 0, 0, padded - rows))  # [m, in]: zero rows after x's
+    return weight_first_linear(flat, weight, bias)[:rows].reshape(*x.shape[:-1], weight.shape[0])
+
+
 class FewRowLinear(nn.Linear):
-    """`nn.Linear` (same parameters) that computes 2..MAX_ROWS rows as `(W @ x.T).T`."""
+    """`nn.Linear` (same parameters) that computes few rows by its weight's row plan (`few_row_product`)."""
+
+    plan: tuple[int, ...] = ()
 
     @classmethod
     def sharing(cls, linear: nn.Linear) -> "FewRowLinear":
@@ -36,9 +57,7 @@ class FewRowLinear(nn.Linear):
         return layer
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if 2 <= x.numel() // self.in_features <= MAX_ROWS:
-            return weight_first_linear(x, self.weight, self.bias)
-        return F.linear(x, self.weight, self.bias)
+        return few_row_product(x, self.weight, self.bias, self.plan)
 
 
 def worth_swapping(module: nn.Module) -> bool:
@@ -47,15 +66,20 @@ def worth_swapping(module: nn.Module) -> bool:
     return weight is not None and weight.device.type == "cpu" and weight.dtype == torch.float32
 
 
-def use_few_row_linears(model) -> int:
+def use_few_row_linears(model, plans: bool = True) -> int:
     """Replace every `nn.Linear` inside `model` (a module, or a drafter: anything with `.modules()`), in place, by a
-    `FewRowLinear` sharing its parameters; returns how many were replaced. Idempotent."""
+    `FewRowLinear` sharing its parameters, with its weight's row plan unless `plans=False` (measured once per shape on
+    this machine, then cached); returns how many were replaced. Idempotent."""
     swapped = 0
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
             if type(child) is nn.Linear:
                 parent.register_module(name, FewRowLinear.sharing(child))
                 swapped += 1
+    if plans:
+        for module in model.modules():
+            if isinstance(module, FewRowLinear):
+                module.plan = row_plan(module.weight)
     return swapped
 
 

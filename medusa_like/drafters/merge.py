@@ -4,7 +4,8 @@ merged by prefix, each node scored by an estimated chance of acceptance, cut to 
 One step (`CombinedProposer.propose`):
 
     lookup      each source's trie of continuations after the text so far                   (~0.1-0.5 ms)
-    learned     the learned drafter's tree, unless its measured gain does not pay its time  (EAGLE-3: ms per depth)
+    learned     the learned drafter's tree, unless its measured gain, where lookup's best guess was as sure as now,
+                does not pay its time                                                        (EAGLE-3: ms per depth)
     merge       one trie keyed by token paths: two sources proposing the same prefix give one node
     score       q(node) = P(node accepted | parent accepted), calibrated online per source and bucket (below);
                 score(node) = product of q along its path: the chance the target accepts it
@@ -79,7 +80,8 @@ class SessionState:
     cost_model: CostModel | None = None
     calibration: Calibration = field(default_factory=Calibration)
     learned_ms: float | None = None
-    learned_gain: float | None = None  # EMA of (best rate with it) / (best rate of lookup alone)
+    # EMA of (best rate with it) / (best rate of lookup alone), per bucket of lookup's best score (`lookup_certainty`)
+    learned_gain: dict[int, float] = field(default_factory=dict)
 
 
 @dataclass
@@ -130,9 +132,11 @@ class CombinedProposer:
                     key,
                 )
         lookup_ms = 1000 * (time.perf_counter() - start)
-        ran_learned = self.learned is not None and spec.learned is not None and self._learned_pays()
+        lookup_scores = path_scores(candidates)
+        certainty = lookup_certainty(lookup_scores)
+        ran_learned = self.learned is not None and spec.learned is not None and self._learned_pays(certainty)
         if ran_learned:
-            lookup_rate = best_rate(path_scores(candidates), self.cost, lookup_ms)[1]  # before the learned nodes
+            lookup_rate = best_rate(lookup_scores, self.cost, lookup_ms)[1]  # before the learned nodes
             start = time.perf_counter()
             tree = self.learned.propose(spec.learned)
             self.state.learned_ms = _ema(self.state.learned_ms, 1000 * (time.perf_counter() - start))
@@ -141,7 +145,8 @@ class CombinedProposer:
         draft_ms = lookup_ms + (self.state.learned_ms if ran_learned else 0.0)
         count, rate = best_rate(scores, self.cost, draft_ms, spec.num_nodes)
         if ran_learned:
-            self.state.learned_gain = _ema(self.state.learned_gain, rate / max(lookup_rate, 1e-9))
+            gains = self.state.learned_gain
+            gains[certainty] = _ema(gains.get(certainty), rate / max(lookup_rate, 1e-9))
         chosen = sorted(scores, key=lambda p: (-scores[p], len(p)))[:count]
         self.last = candidates
         self.step += 1
@@ -185,9 +190,11 @@ class CombinedProposer:
             key = learned_key(probability, len(path))
             self._add(candidates, path, self.calibration.estimate(key, probability), bit, key)
 
-    def _learned_pays(self) -> bool:
-        """Run the learned drafter unless its measured gain in tokens/s fell below 1; probe it now and then."""
-        gain = self.state.learned_gain
+    def _learned_pays(self, certainty: int) -> bool:
+        """Run the learned drafter unless its measured gain in tokens/s, in steps where lookup was as sure of its
+        best guess, fell below 1; probe it now and then. (Where the text repeats, lookup's drafts are likelier than
+        the drafter's and it rarely pays; where nothing matches, it is the only source.)"""
+        gain = self.state.learned_gain.get(certainty)
         return gain is None or gain > 1.0 or self.step % PROBE_EVERY == 0
 
     def _compile(self, paths: list[tuple[int, ...]], candidates: dict) -> DraftTree:
@@ -211,6 +218,11 @@ def path_scores(candidates: dict) -> dict:
         if parent is not None:
             scores[path] = parent * candidates[path].q
     return scores
+
+
+def lookup_certainty(scores: dict) -> int:
+    """A bucket of the best lookup node's chance of acceptance: 0 (nothing matched or below 5%) .. 3 (over 50%)."""
+    return bisect_right((0.05, 0.2, 0.5), max(scores.values(), default=0.0))
 
 
 def best_rate(scores: dict, cost: CostModel, draft_ms: float, limit: int | None = None) -> tuple[int, float]:

@@ -1,0 +1,122 @@
+"""Which kernel computes a few rows of a linear layer fastest on this machine: measured once per weight shape, cached.
+
+BLAS picks its blocking from the product's shape, and on a CPU the time of a product over n rows is far from monotonic
+in n. On a 2-core AMD EPYC (MKL as torch ships it, AVX2), `W @ x.T` over SmolLM2's 576 -> 1536 projection takes
+0.27 ms for 16 rows and 0.51 ms for 13, and over its 49152-row vocabulary projection 5.7 ms for 2 rows and 10 ms for
+one. A plan says, for each row count n in 1..PLANNED_ROWS, what computes n rows fastest: `F.linear` (0), or
+`W @ x.T` over the rows zero-padded to m >= n rows (m). `eval/bench_linear.py` shows the effect on a whole forward.
+
+    plan = row_plan(weight)          # read from the cache, or measured (~0.05-4 s a shape) and cached
+    y = few_row_product(x, weight, bias, plan)      # few_row_linear.py, whose layers carry their weight's plan
+
+The cache is `row_plans.json` in `io.user_cache_dir()`, keyed by CPU model, torch version, thread count, dtype and
+shape; an unreadable or foreign entry is measured again (a cache loses nothing by being rebuilt).
+"""
+
+import json
+import logging
+import platform
+import time
+from functools import cache
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from medusa_like.io import exclusive_lock, user_cache_dir, write_json
+
+log = logging.getLogger(__name__)
+
+PLANNED_ROWS = 32  # row counts a plan covers; more rows follow few_row_linear's fixed rule
+NEAR = 1.05  # a kernel within 5% of the fastest counts as fast: F.linear, then the fewest padded rows, win ties
+
+
+def _median_ms(fn, repeats: int) -> float:
+    fn()  # warm-up
+    samples = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        samples.append(time.perf_counter() - start)
+    return 1000 * sorted(samples)[repeats // 2]
+
+
+@torch.inference_mode()
+def measure_row_plan(weight: torch.Tensor, rows: int = PLANNED_ROWS, repeats: int = 3) -> tuple[int, ...]:
+    """Time `F.linear` and weight-first over 1..rows rows of `weight` [out, in]; for each n the first of F.linear,
+    weight-first over n, n + 1, ... rows within NEAR of the fastest."""
+    x = torch.randn(rows, weight.shape[1], dtype=weight.dtype, device=weight.device)
+    linear_ms = [_median_ms(lambda n=n: F.linear(x[:n], weight), repeats) for n in range(1, rows + 1)]
+    first_ms = [_median_ms(lambda n=n: weight @ x[:n].T, repeats) for n in range(1, rows + 1)]
+    plan = []
+    for n in range(1, rows + 1):
+        options = [(linear_ms[n - 1], 0)] + [(first_ms[m - 1], m) for m in range(n, rows + 1)]
+        fastest = min(ms for ms, _ in options)
+        plan.append(next(choice for ms, choice in options if ms <= NEAR * fastest))
+    return tuple(plan)
+
+
+def valid_plan(plan) -> bool:
+    """A plan covers 1..PLANNED_ROWS rows; entry n (1-based) is 0 or a padded row count in n..PLANNED_ROWS."""
+    return (
+        isinstance(plan, (list, tuple))
+        and len(plan) == PLANNED_ROWS
+        and all(type(m) is int and (m == 0 or n <= m <= PLANNED_ROWS) for n, m in enumerate(plan, 1))
+    )
+
+
+@cache
+def _machine() -> str:
+    cpuinfo = Path("/proc/cpuinfo")
+    if cpuinfo.exists():
+        for line in cpuinfo.read_text(errors="replace").splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    return platform.processor() or platform.machine()
+
+
+def plan_key(weight: torch.Tensor) -> str:
+    out_features, in_features = weight.shape
+    return (
+        f"{_machine()}|torch {torch.__version__}|{torch.get_num_threads()} threads|{weight.device.type}|"
+        f"{weight.dtype}|{out_features}x{in_features}"
+    )
+
+
+def cache_file() -> Path:
+    return user_cache_dir() / "row_plans.json"
+
+
+def read_plans(path: Path) -> dict:
+    """The valid entries of a plan cache file; {} if it is missing or unreadable (with a warning)."""
+    if not path.exists():
+        return {}
+    try:
+        stored = json.loads(path.read_text())
+        if not isinstance(stored, dict):
+            raise ValueError("not a JSON object")
+    except (OSError, UnicodeDecodeError, ValueError) as err:
+        log.warning("ignoring the unreadable row-plan cache %s (%s): plans will be measured again", path, err)
+        return {}
+    return {key: tuple(plan) for key, plan in stored.items() if valid_plan(plan)}
+
+
+_PLANS: dict[str, tuple[int, ...]] = {}  # this process's plans
+
+
+def row_plan(weight: torch.Tensor) -> tuple[int, ...]:
+    """The plan for `weight` [out, in] on this machine: remembered, read from the cache file, or measured and added."""
+    key = plan_key(weight)
+    if key not in _PLANS:
+        path = cache_file()
+        with exclusive_lock(path.with_name(path.name + ".lock"), waiting="another process measures row plans"):
+            stored = read_plans(path)
+            if key not in stored:
+                start = time.perf_counter()
+                stored[key] = measure_row_plan(weight)
+                log.info(
+                    "measured the row plan of a %s weight in %.1f s", key.rsplit("|", 1)[1], time.perf_counter() - start
+                )
+                write_json(path, {k: list(v) for k, v in stored.items()})
+        _PLANS.update(stored)
+    return _PLANS[key]
