@@ -1,9 +1,11 @@
-"""Linear-layer benchmark: what verifying N tree nodes costs with `nn.Linear` and with `FewRowLinear`.
+"""Linear-layer benchmark: what verifying N tree nodes costs with `nn.Linear`, and with `FewRowLinear` without and with
+its row plans.
 
     python -m eval.bench_linear                      # default target, fp32, this machine
     python -m eval.bench_linear --rounds 5 --out bench_linear.json
 
-Two copies of the target, one with its own `nn.Linear` layers and one with `decoding/few_row_linear.py`'s, are timed
+Three copies of the target, one with its own `nn.Linear` layers, one with `decoding/few_row_linear.py`'s computing
+2..64 rows weight-first, and one with those layers following their row plans (`decoding/row_plans.py`), are timed
 alternately (`measure_cost_model`: one forward plus the vocabulary projection over N nodes after a 128-token prefix,
 median of repeats), round after round, so that both see the same machine load. Prints the table and writes JSON.
 """
@@ -21,7 +23,7 @@ from medusa_like.decoding.few_row_linear import use_few_row_linears
 from medusa_like.io import write_json
 from medusa_like.targets import DEFAULT_TARGET, load_target
 
-SIZES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)
+SIZES = (1, 2, 3, 4, 6, 8, 10, 12, 13, 16, 24, 32)
 
 
 def main() -> None:
@@ -33,11 +35,13 @@ def main() -> None:
     args = parser.parse_args()
 
     stock, _ = load_target(args.target, dtype=args.dtype)
-    few_row = copy.deepcopy(stock)
-    use_few_row_linears(few_row)
-    times = {"nn.Linear": [], "few_row": []}
+    few_row, planned = copy.deepcopy(stock), copy.deepcopy(stock)
+    use_few_row_linears(few_row, plans=False)
+    use_few_row_linears(planned)
+    targets = {"nn.Linear": stock, "few_row": few_row, "few_row planned": planned}
+    times = {name: [] for name in targets}
     for _ in range(args.rounds):
-        for name, target in (("nn.Linear", stock), ("few_row", few_row)):
+        for name, target in targets.items():
             times[name].append(measure_cost_model(target, SIZES).verify_ms)
     median = {name: [statistics.median(col) for col in zip(*rounds, strict=True)] for name, rounds in times.items()}
 
@@ -47,7 +51,8 @@ def main() -> None:
         table.add_column(str(size), justify="right")
     for name, ms in median.items():
         table.add_row(name, *(f"{x:.0f}" for x in ms))
-    table.add_row("ratio", *(f"{a / b:.2f}" for a, b in zip(median["nn.Linear"], median["few_row"], strict=True)))
+    base = median["nn.Linear"]
+    table.add_row("ratio, planned", *(f"{a / b:.2f}" for a, b in zip(base, median["few_row planned"], strict=True)))
     Console().print(table)
     write_json(args.out, {"target": args.target, "dtype": args.dtype, "nodes": list(SIZES), "verify_ms": median})
 

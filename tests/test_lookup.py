@@ -15,7 +15,7 @@ from medusa_like.drafters.base import DrafterMismatchError
 from medusa_like.drafters.combined import CombinedDrafter
 from medusa_like.drafters.eagle3 import EAGLE3
 from medusa_like.drafters.lookup import ContextLookup, Continuation, LookupDrafter, NgramIndex, OutputStore
-from medusa_like.drafters.merge import CombinedProposer, SessionState, best_rate
+from medusa_like.drafters.merge import CombinedProposer, SessionState, best_rate, lookup_certainty
 from medusa_like.model import MedusaLikeModel
 from medusa_like.targets import target_fingerprint
 
@@ -214,6 +214,30 @@ def test_best_rate_maximises_expected_tokens_per_second():
     n, rate = best_rate(scores, cost, draft_ms=0.0)
     assert n == 1  # the 0.05 node adds 0.05 tokens for 1 ms: less than the 1.9 / 13 tokens per ms it dilutes
     assert rate == pytest.approx(1.9 / (cost.verify(2) + 1.0))
+
+
+def test_the_learned_drafter_is_skipped_only_where_lookup_was_as_sure_when_it_did_not_pay():
+    """Its gain is kept per bucket of lookup's best score: judged not to pay where lookup is sure, it is not run there
+    (outside probes) but still runs where lookup has nothing."""
+    target = tiny_target("llama")
+    sure = ScriptedSource("context", [Continuation((7,), 1.0, 9)])
+    nothing = ScriptedSource("context", [])
+    assert lookup_certainty({(7,): 0.9}) == 3 and lookup_certainty({}) == 0
+    state = SessionState(flat_cost(target), learned_gain={0: 2.0, 1: 0.5, 2: 0.5, 3: 0.5})
+    proposer = CombinedProposer(target, EAGLE3.fresh(target), [sure], state)
+    width = len(proposer.feature_layers) * target.config.hidden_size
+    proposer.begin(torch.tensor([1, 2, 3]), torch.zeros(3, width), torch.tensor(4), capacity=64)
+    spec = BudgetedTreeSpec(DynamicTreeSpec(1, 2, 2), num_nodes=4, lookup_depth=4)
+    proposer.step = 1  # not a probing step
+
+    skipped = proposer.propose(spec)
+    assert paths_of(skipped) == {(7,)} and state.learned_ms is None
+
+    proposer.sources = [nothing]
+    ran = proposer.propose(spec)
+    learned_bit = 1 << ran.source_names.index("learned")
+    assert state.learned_ms is not None
+    assert len(paths_of(ran)) == 2 and all(bits & learned_bit for bits in ran.sources.tolist()[1:])
 
 
 def test_calibration_learns_from_outcomes():
