@@ -50,7 +50,7 @@ test: $(STAMP)
 	$(PY) -m pytest -q tests
 
 # all 80 MT-Bench questions, both turns, with `make run`'s drafter and tree: transformers greedy and prompt lookup,
-# lookup alone and combined, interleaved; resumable (run it again after a kill); 74 minutes on a 2-core AMD EPYC
+# lookup alone and combined, interleaved; resumable (run it again after a kill); 49 minutes on a 2-core AMD EPYC
 MT_BENCH ?= ../shared/data/mt_bench_question.jsonl
 bench: $(STAMP)
 	$(PY) -m eval.evaluate data.source=jsonl data.path=$(MT_BENCH) drafter.path=$(RUN_DIR)/train/drafter \

@@ -6,7 +6,7 @@ import json
 import pytest
 import torch
 
-from medusa_like.decoding.cost_model import CostModel, CostModelMismatchError, measure_cost_model
+from medusa_like.decoding.cost_model import CostModel, CostModelMismatchError, measure_cost_model, non_decreasing_fit
 from medusa_like.decoding.few_row_linear import linear_kernel
 from medusa_like.decoding.generate import speculative_generate
 from medusa_like.decoding.sampling import warp_logits
@@ -258,8 +258,9 @@ def test_calibration_learns_from_outcomes():
 
 def test_cost_model_is_saved_with_the_tree_and_refused_for_another_target(tmp_path):
     target = tiny_target("llama")
-    cost = measure_cost_model(target, sizes=(1, 4), prefix=8, repeats=1)
-    assert cost.nodes == [1, 4] and all(ms > 0 for ms in cost.verify_ms)
+    cost = measure_cost_model(target, sizes=(4, 1, 8), prefix=8, repeats=1)
+    assert cost.nodes == [1, 4, 8] and all(ms > 0 for ms in cost.verify_ms)
+    assert cost.verify_ms == sorted(cost.verify_ms) and cost.verify_ms == non_decreasing_fit(cost.measured_ms)
     spec = BudgetedTreeSpec(DynamicTreeSpec(2, 2, 3), num_nodes=6, lookup_depth=5)
     path = save_tree(spec, tmp_path / "tree.json", cost_model=cost.to_json())
     assert load_tree(path) == spec
@@ -269,6 +270,16 @@ def test_cost_model_is_saved_with_the_tree_and_refused_for_another_target(tmp_pa
         CostModel.from_json(stored, tiny_target("qwen2"))
     with pytest.raises(CostModelMismatchError):
         CostModel.from_json(stored, target.to(torch.float64))
+
+
+def test_the_cost_fit_never_lets_more_nodes_cost_less_and_keeps_what_already_rises():
+    assert non_decreasing_fit([3.0, 1.0, 2.0, 5.0, 4.0]) == pytest.approx([2.0, 2.0, 2.0, 4.5, 4.5])
+    assert non_decreasing_fit([1.0, 2.0, 2.0, 7.0]) == [1.0, 2.0, 2.0, 7.0]
+    # a file written before the fit (one slow spell at 5 nodes) is fitted on load
+    target = tiny_target("llama")
+    raw = CostModel([1, 4, 5, 6], [70.0, 76.0, 108.0, 80.0], target_fingerprint(target.config), "torch.float32", "cpu")
+    loaded = CostModel.from_json(raw.to_json(), target)
+    assert loaded.verify_ms == pytest.approx([70.0, 76.0, 94.0, 94.0])
 
 
 def test_cost_model_interpolates_and_extrapolates():

@@ -1,14 +1,19 @@
 """What a decoding step costs on this machine: the target's verification forward against the number of tree nodes.
 
-    cost = measure_cost_model(target)               # ~5-10 s: forwards of 1..32 nodes after a 128-token prefix
-    cost.verify(12)                                 # ms, measured (interpolated past 16)
+    cost = measure_cost_model(target)               # ~10 s: forwards of 1..32 nodes after a 128-token prefix
+    cost.verify(12)                                 # ms, fitted (interpolated past 16)
     save_tree(spec, "tree.json", cost_model=cost.to_json())
     cost = CostModel.from_json(data, target)        # refused for another target or dtype
 
 A budgeted tree (`drafters/merge.py`) picks each step's node budget to maximise expected tokens per second from
 it: on a 2-core CPU in fp32 a forward over 16 nodes costs ~1.6x one over a single token with `nn.Linear`, less with
-`few_row_linear.py`'s layers, and not monotonically (a 13-node forward may cost more than a 16-node one, so every
-size up to 16 is measured); ~1x in bf16 where the CPU computes in it; on a GPU ~1x up to 64.
+`few_row_linear.py`'s layers; ~1x in bf16 where the CPU computes in it; on a GPU ~1x up to 64.
+
+A shared CPU's speed drifts by 20-40% over seconds, longer than one size takes to time, so the sizes are timed in
+interleaved rounds (a slow spell lands on every size alike) and the per-size medians are fitted by a non-decreasing
+curve, so that no leftover blip makes more nodes look cheaper. Timed one size after another, one slow spell made 5
+nodes cost 1.4x 4 nodes here, and the budget then stopped every step at 3 drafted tokens. The fit also smooths the
+few real dips (4 nodes measured ~10% cheaper than 3 in every run here; `measured_ms` keeps the medians).
 """
 
 import platform
@@ -36,12 +41,13 @@ class CostModelMismatchError(ValueError):
 @dataclass
 class CostModel:
     nodes: list[int]  # tree sizes measured, root included, ascending
-    verify_ms: list[float]  # milliseconds of one target forward over that many nodes
+    verify_ms: list[float]  # milliseconds of one target forward over that many nodes: the fitted, non-decreasing curve
     target_fingerprint: str
     dtype: str
     device: str
     linears: str = "nn.Linear"  # what computed the linear layers (`few_row_linear.linear_kernel`)
     machine: str = platform.machine()
+    measured_ms: list[float] | None = None  # the per-size medians before the fit
 
     def verify(self, num_nodes: int) -> float:
         """Milliseconds to verify `num_nodes` nodes: linear between measured sizes, extrapolated beyond them."""
@@ -64,6 +70,7 @@ class CostModel:
             "device": self.device,
             "linears": self.linears,
             "machine": self.machine,
+            "measured_ms": None if self.measured_ms is None else [round(x, 4) for x in self.measured_ms],
         }
 
     @classmethod
@@ -76,6 +83,7 @@ class CostModel:
         if len(model.nodes) != len(model.verify_ms) or not model.nodes:
             raise CostModelMismatchError("a cost model needs one time per measured tree size")
         model.check_fits(target)
+        model.verify_ms = non_decreasing_fit(model.verify_ms)  # files written before the fit hold raw medians
         return model
 
     def check_fits(self, target) -> None:
@@ -88,34 +96,53 @@ class CostModel:
             )
 
 
+def non_decreasing_fit(values: list[float]) -> list[float]:
+    """The least-squares non-decreasing fit of `values` (pool adjacent violators): each run that dips is replaced by
+    its mean."""
+    blocks: list[list[float]] = []  # [mean, count]
+    for value in values:
+        blocks.append([value, 1.0])
+        while len(blocks) > 1 and blocks[-2][0] > blocks[-1][0]:
+            (mean_a, n_a), (mean_b, n_b) = blocks.pop(-2), blocks.pop()
+            blocks.append([(mean_a * n_a + mean_b * n_b) / (n_a + n_b), n_a + n_b])
+    return [mean for mean, count in blocks for _ in range(int(count))]
+
+
 @torch.inference_mode()
-def measure_cost_model(target, sizes=SIZES, prefix: int = 128, repeats: int = 3) -> CostModel:
-    """Median time of the target's forward and vocabulary projection over `sizes` chain-shaped trees after a
-    `prefix`-token context: what verifying a tree of that many nodes costs."""
+def measure_cost_model(target, sizes=SIZES, prefix: int = 128, repeats: int = 5) -> CostModel:
+    """What verifying a tree of each of `sizes` nodes costs: the target's forward and vocabulary projection over a
+    chain-shaped tree after a `prefix`-token context, timed in `repeats` interleaved rounds over all sizes (after a
+    warm-up round); the per-size medians, fitted non-decreasing."""
+    sizes = sorted(sizes)
     device = target.device
     vocab = target.config.get_text_config().vocab_size
     generator = torch.Generator().manual_seed(0)
     context = torch.randint(0, vocab, (1, prefix), generator=generator).to(device)
     cache = TreeKVCache.for_model(target, prefix + max(sizes))
     lm_head = VocabProjection(target)
-    times = []
+    samples: dict[int, list[float]] = {size: [] for size in sizes}
     with tree_attention(target, pick_backend("auto", device)):
         target_forward(target, context, torch.arange(prefix, device=device)[None], cache, None)
         cache.commit_all(prefix)
-        for size in sizes:
-            tokens = torch.randint(0, vocab, (1, size), generator=generator).to(device)
-            positions = torch.arange(prefix, prefix + size, device=device)[None]
-            mask = torch.ones(size, size, dtype=torch.bool, device=device).tril()[None, None]
-            samples = []
-            for _ in range(repeats + 1):  # the first is a warm-up
+        for _ in range(repeats + 1):  # the first round is a warm-up
+            for size in sizes:
+                tokens = torch.randint(0, vocab, (1, size), generator=generator).to(device)
+                positions = torch.arange(prefix, prefix + size, device=device)[None]
+                mask = torch.ones(size, size, dtype=torch.bool, device=device).tril()[None, None]
                 start = time.perf_counter()
                 hidden, _ = target_forward(target, tokens, positions, cache, mask)
                 lm_head(hidden).argmax(-1)
                 if device.type == "cuda":
                     torch.cuda.synchronize()
-                samples.append(1000 * (time.perf_counter() - start))
+                samples[size].append(1000 * (time.perf_counter() - start))
                 cache.rewind(prefix)
-            times.append(sorted(samples[1:])[repeats // 2])
+    medians = [sorted(samples[size][1:])[repeats // 2] for size in sizes]
     return CostModel(
-        list(sizes), times, target_fingerprint(target.config), str(target.dtype), device.type, linear_kernel(target)
+        sizes,
+        non_decreasing_fit(medians),
+        target_fingerprint(target.config),
+        str(target.dtype),
+        device.type,
+        linear_kernel(target),
+        measured_ms=medians,
     )
