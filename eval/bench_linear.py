@@ -7,7 +7,7 @@ its row plans.
 Three copies of the target, one with its own `nn.Linear` layers, one with `decoding/few_row_linear.py`'s computing
 2..64 rows weight-first, and one with those layers following their row plans (`decoding/row_plans.py`), are timed
 alternately (`measure_cost_model`: one forward plus the vocabulary projection over N nodes after a 128-token prefix,
-median of repeats), round after round, so that both see the same machine load. Prints the table and writes JSON.
+median of repeats), round after round, so that all three see the same machine load. Prints the table and writes JSON.
 """
 
 import argparse
