@@ -50,15 +50,17 @@ def random_plan(seed: int) -> tuple[int, ...]:
 def test_every_kernel_a_plan_names_computes_the_same_product(rows):
     torch.manual_seed(rows)
     weight, bias, x = torch.randn(80, 48), torch.randn(80), torch.randn(1, rows, 48)  # x [B, T, H]
+    transposed = x.transpose(1, 2).contiguous().transpose(1, 2)  # the same rows, as a weight-first product leaves them
     expected = F.linear(x, weight, bias)
     plans = [random_plan(seed) for seed in range(4)]
     if rows <= PLANNED_ROWS:  # force the padded path for this row count
         plans.append(tuple(PLANNED_ROWS if n == rows else 0 for n in range(1, PLANNED_ROWS + 1)))
     for plan in plans:
         assert valid_plan(plan)
-        out = few_row_product(x, weight, bias, plan)
-        assert out.shape == expected.shape
-        torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+        for rows_in in (x, transposed):
+            out = few_row_product(rows_in, weight, bias, plan)
+            assert out.shape == expected.shape
+            torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
 
 
 def test_a_measured_plan_is_valid_and_cached_on_disk(tmp_path, monkeypatch):
@@ -97,6 +99,17 @@ def test_measured_plans_name_only_valid_kernels():
         assert all(m == 0 or m >= n for n, m in enumerate(plan, 1))
     assert not valid_plan((0,) * (PLANNED_ROWS - 1))
     assert not valid_plan(tuple(n - 1 for n in range(1, PLANNED_ROWS + 1)))  # fewer rows than it has
+
+
+def test_plans_are_timed_over_distinct_copies_of_the_weight_that_fill_the_cold_budget():
+    weight = torch.randn(40, 24)  # 3840 bytes
+    copies = row_plans.cold_copies(weight, total_bytes=10 * 3840)
+    cycle = [next(copies) for _ in range(21)]
+    assert cycle[0] is weight and cycle[10] is weight and cycle[20] is weight  # 10 tensors, each read once a round
+    assert len({t.data_ptr() for t in cycle[:10]}) == 10
+    assert all(torch.equal(t, weight) for t in cycle)
+    big = row_plans.cold_copies(weight, total_bytes=1)
+    assert next(big) is weight and next(big) is not weight and next(big) is weight  # never fewer than two
 
 
 def test_swapped_layers_and_the_vocabulary_projection_carry_their_weights_plans():

@@ -6,17 +6,23 @@ in n. On a 2-core AMD EPYC (MKL as torch ships it, AVX2), `W @ x.T` over SmolLM2
 one. A plan says, for each row count n in 1..PLANNED_ROWS, what computes n rows fastest: `F.linear` (0), or
 `W @ x.T` over the rows zero-padded to m >= n rows (m). `eval/bench_linear.py` shows the effect on a whole forward.
 
+A decoding step streams every weight of the model from memory, so a plan is timed the same way: each call reads another
+copy of the weight, COLD_BYTES of copies in all (more than any CPU's last-level cache). Timed with one weight hot in
+the cache, plans chose kernels that made a whole forward over 6-8 rows ~25% dearer than plain F.linear.
+
     plan = row_plan(weight)          # read from the cache, or measured (~0.05-4 s a shape) and cached
     y = few_row_product(x, weight, bias, plan)      # few_row_linear.py, whose layers carry their weight's plan
 
-The cache is `row_plans.json` in `io.user_cache_dir()`, keyed by CPU model, torch version, thread count, dtype and
+The cache is `row_plans.json` in `io.user_cache_dir()`, keyed by plan version, CPU model, torch version, thread count, dtype and
 shape; an unreadable or foreign entry is measured again (a cache loses nothing by being rebuilt).
 """
 
+import itertools
 import json
 import logging
 import platform
 import time
+from collections.abc import Iterator
 from functools import cache
 from pathlib import Path
 
@@ -29,25 +35,36 @@ log = logging.getLogger(__name__)
 
 PLANNED_ROWS = 32  # row counts a plan covers; more rows follow few_row_linear's fixed rule
 NEAR = 1.05  # a kernel within 5% of the fastest counts as fast: F.linear, then the fewest padded rows, win ties
+COLD_BYTES = 256 * 2**20  # the weight copies a plan's timing cycles through, so that no call finds its weight cached
+PLAN_VERSION = 2  # part of the cache key: 2 = timed over cache-cold copies (1 timed one hot weight)
 
 
-def _median_ms(fn, repeats: int) -> float:
-    fn()  # warm-up
+def _median_ms(fn, weights: Iterator[torch.Tensor], repeats: int) -> float:
+    """Median ms of `fn(weight)`, each call on the next of `weights`: a warm-up, then `repeats` timed calls."""
     samples = []
-    for _ in range(repeats):
+    for _ in range(repeats + 1):
+        weight = next(weights)
         start = time.perf_counter()
-        fn()
+        fn(weight)
         samples.append(time.perf_counter() - start)
-    return 1000 * sorted(samples)[repeats // 2]
+    return 1000 * sorted(samples[1:])[repeats // 2]
+
+
+def cold_copies(weight: torch.Tensor, total_bytes: int = COLD_BYTES) -> Iterator[torch.Tensor]:
+    """`weight` and as many copies as make up `total_bytes` (two to 4096 tensors), cycled: each comes back only after
+    all the others were read."""
+    count = min(4096, max(2, -(-total_bytes // (weight.numel() * weight.element_size()))))
+    return itertools.cycle([weight] + [weight.clone() for _ in range(count - 1)])
 
 
 @torch.inference_mode()
 def measure_row_plan(weight: torch.Tensor, rows: int = PLANNED_ROWS, repeats: int = 3) -> tuple[int, ...]:
-    """Time `F.linear` and weight-first over 1..rows rows of `weight` [out, in]; for each n the first of F.linear,
-    weight-first over n, n + 1, ... rows within NEAR of the fastest."""
+    """Time `F.linear` and weight-first over 1..rows rows of `weight` [out, in], each call on a cache-cold copy; for
+    each n the first of F.linear, weight-first over n, n + 1, ... rows within NEAR of the fastest."""
     x = torch.randn(rows, weight.shape[1], dtype=weight.dtype, device=weight.device)
-    linear_ms = [_median_ms(lambda n=n: F.linear(x[:n], weight), repeats) for n in range(1, rows + 1)]
-    first_ms = [_median_ms(lambda n=n: weight @ x[:n].T, repeats) for n in range(1, rows + 1)]
+    weights = cold_copies(weight)
+    linear_ms = [_median_ms(lambda w, n=n: F.linear(x[:n], w), weights, repeats) for n in range(1, rows + 1)]
+    first_ms = [_median_ms(lambda w, n=n: w @ x[:n].T, weights, repeats) for n in range(1, rows + 1)]
     plan = []
     for n in range(1, rows + 1):
         options = [(linear_ms[n - 1], 0)] + [(first_ms[m - 1], m) for m in range(n, rows + 1)]
@@ -78,7 +95,7 @@ def _machine() -> str:
 def plan_key(weight: torch.Tensor) -> str:
     out_features, in_features = weight.shape
     return (
-        f"{_machine()}|torch {torch.__version__}|{torch.get_num_threads()} threads|{weight.device.type}|"
+        f"v{PLAN_VERSION}|{_machine()}|torch {torch.__version__}|{torch.get_num_threads()} threads|{weight.device.type}|"
         f"{weight.dtype}|{out_features}x{in_features}"
     )
 
