@@ -34,8 +34,9 @@ $(STAMP): pyproject.toml setup.py
 # train the EAGLE-3-style drafter on ShareGPT conversations read by the target (resumable data build), then search the
 # combined tree (the drafter + lookup, one cost-aware tree) and transformers' prompt-lookup setting for this machine on
 # validation prompts, and evaluate on other validation prompts (never trained on): the drafter alone, lookup alone and
-# combined, against transformers' greedy and (tuned) prompt-lookup decoding; tau, speed, losslessness
-EVAL_METHODS := [hf_greedy,hf_prompt_lookup,learned,lookup,speculative]
+# combined, against transformers' greedy and (tuned) prompt-lookup decoding with the same layers, and transformers'
+# greedy as it ships (stock nn.Linear); tau, speed, losslessness
+EVAL_METHODS := [hf_greedy,hf_prompt_lookup,hf_greedy_stock,learned,lookup,speculative]
 run: $(STAMP)
 	$(PY) -m train.train experiment=smollm2_eagle3 hydra.run.dir=$(RUN_DIR)/train
 	$(PY) -m eval.tree_search drafter.path=$(RUN_DIR)/train/drafter tree_search.calibration.limit=4 \
@@ -49,13 +50,14 @@ run: $(STAMP)
 test: $(STAMP)
 	$(PY) -m pytest -q tests
 
-# all 80 MT-Bench questions, both turns, with `make run`'s drafter and tree: transformers greedy and prompt lookup,
-# lookup alone and combined, interleaved; resumable (run it again after a kill); 49 minutes on a 2-core AMD EPYC
+# all 80 MT-Bench questions, both turns, with `make run`'s drafter and tree: transformers greedy and prompt lookup (the
+# same layers), transformers greedy as it ships, lookup alone and combined, interleaved; resumable (run it again after
+# a kill); MINUTES_BENCH minutes on a 2-core AMD EPYC
 MT_BENCH ?= ../shared/data/mt_bench_question.jsonl
 bench: $(STAMP)
 	$(PY) -m eval.evaluate data.source=jsonl data.path=$(MT_BENCH) drafter.path=$(RUN_DIR)/train/drafter \
 	  tree=$(RUN_DIR)/tree.json eval.max_new_tokens=96 eval.sweep.prompts=0 eval.resume=true \
-	  'eval.methods=[hf_greedy,hf_prompt_lookup,lookup,speculative]' hydra.run.dir=$(RUN_DIR)/bench
+	  'eval.methods=[hf_greedy,hf_prompt_lookup,hf_greedy_stock,lookup,speculative]' hydra.run.dir=$(RUN_DIR)/bench
 
 # llama.cpp on this CPU: build it from the llama-cpp-python source distribution (cached), export `make run`'s drafter
 # as GGUF and time speculative decoding with it against plain decoding and llama.cpp's own lookup (not part of CI)

@@ -3,6 +3,7 @@
     python -m eval.bench_draft                                  # a random-init drafter for the default target
     python -m eval.bench_draft --drafter runs/make_run/train/drafter
     python -m eval.bench_draft --steps 80 --threads 2 --out bench_draft.json
+    python -m eval.bench_draft --linears nn.Linear              # without the few-row layers decoding gives it
 
 Each tree (dynamic d2k4n4, d4k4n8, d5k6n16 and a chain of 4) is drafted for `--steps` steps after a real prompt: the
 target's own features of the prompt start the drafter, then every step proposes a tree and accepts a path of 0-2
@@ -25,6 +26,7 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
+from medusa_like.decoding.few_row_linear import use_few_row_linears
 from medusa_like.decoding.generate import target_forward
 from medusa_like.decoding.kv_cache import TreeKVCache
 from medusa_like.decoding.tree import DynamicTreeSpec, TokenTree
@@ -101,6 +103,12 @@ def main(argv=None) -> dict:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--trees", nargs="*", default=list(TREES), choices=list(TREES))
+    parser.add_argument(
+        "--linears",
+        default="few_row",
+        choices=["few_row", "nn.Linear"],
+        help="few_row: the row-planned layers the decoding loop gives target and drafter on fp32 CPUs",
+    )
     parser.add_argument("--out", default="bench_draft.json")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
@@ -110,13 +118,16 @@ def main(argv=None) -> dict:
     )
     if drafter.kind != "eagle3":
         raise ValueError(f"--drafter {args.drafter!r} is not an EAGLE-3 drafter (a {drafter.kind} drafter)")
+    if args.linears == "few_row":
+        use_few_row_linears(target)
+        use_few_row_linears(drafter)
     prompt_ids = tokenizer(PROMPT, return_tensors="pt").input_ids[0]
     results = {}
     with torch.inference_mode():
         for name in args.trees:
             results[name] = bench_tree(target, drafter, prompt_ids, TREES[name], args.steps, args.warmup)
 
-    table = Table(title=f"EAGLE-3 drafting, {args.target}, {torch.get_num_threads()} threads")
+    table = Table(title=f"EAGLE-3 drafting, {args.target}, {args.linears} layers, {torch.get_num_threads()} threads")
     for column in ("tree", "depth", "ms/step", "ms/depth", "p10 ms/step", "cpu ms/step", "drafts"):
         table.add_column(column, no_wrap=True)
     for name, row in results.items():
@@ -132,6 +143,7 @@ def main(argv=None) -> dict:
     Console(width=120).print(table)
     report = {
         "target": args.target,
+        "linears": args.linears,
         "drafter": args.drafter or f"random init, draft vocabulary {drafter.config.draft_vocab_size}",
         "draft_vocab_size": drafter.config.draft_vocab_size,
         "torch_threads": torch.get_num_threads(),

@@ -4,9 +4,9 @@ its row plans.
     python -m eval.bench_linear                      # default target, fp32, this machine
     python -m eval.bench_linear --rounds 5 --out bench_linear.json
 
-Three copies of the target, one with its own `nn.Linear` layers, one with `decoding/few_row_linear.py`'s computing
-2..64 rows weight-first, and one with those layers following their row plans (`decoding/row_plans.py`), are timed
-alternately (`measure_cost_model`: one forward plus the vocabulary projection over N nodes after a 128-token prefix,
+Four copies of the target, one with its own `nn.Linear` layers, one with `decoding/few_row_linear.py`'s computing
+2..64 rows weight-first, one with those layers following their row plans (`decoding/row_plans.py`), and one with the
+row kernel picked per size in whole forwards (as the cost model picks it, before the rounds), are timed alternately (`measure_cost_model`: one forward plus the vocabulary projection over N nodes after a 128-token prefix,
 median of repeats), round after round, so that all three see the same machine load. Prints the table and writes JSON.
 """
 
@@ -35,14 +35,16 @@ def main() -> None:
     args = parser.parse_args()
 
     stock, _ = load_target(args.target, dtype=args.dtype)
-    few_row, planned = copy.deepcopy(stock), copy.deepcopy(stock)
+    few_row, planned, picked = copy.deepcopy(stock), copy.deepcopy(stock), copy.deepcopy(stock)
     use_few_row_linears(few_row, plans=False)
     use_few_row_linears(planned)
-    targets = {"nn.Linear": stock, "few_row": few_row, "few_row planned": planned}
+    use_few_row_linears(picked)
+    kernels = measure_cost_model(picked, SIZES).row_kernels  # picked per size in whole forwards, then kept
+    targets = {"nn.Linear": stock, "few_row": few_row, "few_row planned": planned, "few_row picked": picked}
     times = {name: [] for name in targets}
     for _ in range(args.rounds):
         for name, target in targets.items():
-            times[name].append(measure_cost_model(target, SIZES, repeats=1).measured_ms)
+            times[name].append(measure_cost_model(target, SIZES, repeats=1, pick_kernels=False).measured_ms)
     median = {name: [statistics.median(col) for col in zip(*rounds, strict=True)] for name, rounds in times.items()}
 
     table = Table(title=f"target forward over N nodes, ms ({args.dtype}, {torch.get_num_threads()} threads)")
@@ -52,9 +54,13 @@ def main() -> None:
     for name, ms in median.items():
         table.add_row(name, *(f"{x:.0f}" for x in ms))
     base = median["nn.Linear"]
-    table.add_row("ratio, planned", *(f"{a / b:.2f}" for a, b in zip(base, median["few_row planned"], strict=True)))
-    Console().print(table)
-    write_json(args.out, {"target": args.target, "dtype": args.dtype, "nodes": list(SIZES), "verify_ms": median})
+    table.add_row("kernel picked", *kernels)
+    table.add_row("ratio, picked", *(f"{a / b:.2f}" for a, b in zip(base, median["few_row picked"], strict=True)))
+    Console(width=200).print(table)
+    write_json(
+        args.out,
+        {"target": args.target, "dtype": args.dtype, "nodes": list(SIZES), "verify_ms": median, "row_kernels": kernels},
+    )
 
 
 if __name__ == "__main__":

@@ -14,11 +14,15 @@ from medusa_like.decoding import row_plans
 from medusa_like.decoding.cost_model import CostModel, CostModelMismatchError, measure_cost_model
 from medusa_like.decoding.few_row_linear import (
     MAX_ROWS,
+    ROW_KERNELS,
     FewRowLinear,
     few_row_product,
+    kernel_rows,
     linear_kernel,
+    set_row_kernel,
     use_few_row_linears,
     weight_first_linear,
+    with_stock_linears,
 )
 from medusa_like.decoding.projection import VocabProjection
 from medusa_like.decoding.row_plans import PLANNED_ROWS, measure_row_plan, row_plan, valid_plan
@@ -112,6 +116,19 @@ def test_plans_are_timed_over_distinct_copies_of_the_weight_that_fill_the_cold_b
     assert next(big) is weight and next(big) is not weight and next(big) is weight  # never fewer than two
 
 
+def test_a_stock_copy_has_nn_linears_sharing_the_parameters_and_leaves_the_model_unchanged():
+    target = tiny_target("llama", tie_word_embeddings=False)
+    use_few_row_linears(target)
+    stock = with_stock_linears(target)
+    assert linear_kernel(target) == "few_row" and linear_kernel(stock) == "nn.Linear"
+    assert not any(isinstance(m, FewRowLinear) for m in stock.modules())
+    assert {n: p.data_ptr() for n, p in stock.named_parameters()} == {
+        n: p.data_ptr() for n, p in target.named_parameters()
+    }
+    ids = torch.randint(0, target.config.vocab_size, (1, 6))
+    torch.testing.assert_close(stock(ids).logits, target(ids).logits, rtol=1e-4, atol=1e-4)
+
+
 def test_swapped_layers_and_the_vocabulary_projection_carry_their_weights_plans():
     target = tiny_target("llama", tie_word_embeddings=False)
     use_few_row_linears(target)
@@ -173,3 +190,58 @@ def test_a_cost_model_measured_with_other_linears_is_refused():
     use_few_row_linears(target)
     with pytest.raises(CostModelMismatchError, match="linears"):
         CostModel.from_json(stock_cost.to_json(), target)
+
+
+def test_a_row_kernel_changes_only_its_row_count_in_every_planned_layer():
+    target = tiny_target("llama", tie_word_embeddings=False)
+    use_few_row_linears(target)
+    layers = [m for m in target.modules() if isinstance(m, FewRowLinear)]
+    own = {id(m): m.plan for m in layers}
+    set_row_kernel(target, 5, "padded")
+    set_row_kernel(target, 3, "weight_first")
+    for m in layers:
+        assert m.plan[4] == 8 and m.plan[2] == 3 and valid_plan(m.plan)
+        assert [e for n, e in enumerate(m.plan) if n not in (2, 4)] == [
+            e for n, e in enumerate(own[id(m)]) if n not in (2, 4)
+        ]
+    set_row_kernel(target, 5, "planned")
+    assert all(m.plan[4] == own[id(m)][4] for m in layers)
+    assert [kernel_rows("padded", n, 0) for n in (1, 2, 3, 9, 32)] == [1, 2, 4, 16, 32]
+    with pytest.raises(ValueError, match="unknown row kernel"):
+        set_row_kernel(target, 2, "fastest")
+    with pytest.raises(ValueError, match="1..32"):
+        set_row_kernel(target, PLANNED_ROWS + 1, "planned")
+
+
+def test_the_cost_model_picks_a_row_kernel_per_size_and_sets_it_where_it_is_loaded():
+    measured = tiny_target("llama")
+    use_few_row_linears(measured)
+    cost = measure_cost_model(measured, sizes=(1, 3, 5), prefix=8, repeats=1)
+    assert len(cost.row_kernels) == 3 and set(cost.row_kernels) <= set(ROW_KERNELS)
+    down = measured.model.layers[0].mlp.down_proj
+    own = row_plan(down.weight)
+    for size, kernel in zip(cost.nodes, cost.row_kernels, strict=True):  # the measured target runs what was picked
+        assert down.plan[size - 1] == kernel_rows(kernel, size, own[size - 1])
+
+    loaded = tiny_target("llama")  # same seed and config: the same target in another process
+    use_few_row_linears(loaded)
+    data = cost.to_json() | {"row_kernels": ["weight_first", "padded", "padded"]}
+    CostModel.from_json(data, loaded)
+    assert [loaded.model.layers[1].mlp.down_proj.plan[n - 1] for n in (1, 3, 5)] == [1, 4, 8]
+    for bad in (["padded"], ["planned", "planned", "fastest"]):
+        with pytest.raises(CostModelMismatchError, match="row kernels"):
+            CostModel.from_json(cost.to_json() | {"row_kernels": bad}, loaded)
+    assert measure_cost_model(loaded, sizes=(1, 2), prefix=8, repeats=1, pick_kernels=False).row_kernels is None
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_decoding_with_any_row_kernels_equals_the_targets_greedy(family):
+    target = tiny_target(family)
+    model = MedusaLikeModel(target, None, kind_named("lookup").fresh(target), backend="sdpa", few_row_linear=True)
+    rng = random.Random(5)
+    for size in range(1, PLANNED_ROWS + 1):
+        set_row_kernel(model.target, size, rng.choice(ROW_KERNELS))
+    for ids in random_prompts(3, seed=8):
+        expected = greedy_reference(model.target, ids, 24)
+        out = model.generate(ids, max_new_tokens=24, tree="dynamic", eos_token_id=[])
+        assert out.new_tokens.tolist() == expected.tolist()

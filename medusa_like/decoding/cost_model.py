@@ -14,6 +14,11 @@ interleaved rounds (a slow spell lands on every size alike) and the per-size med
 curve, so that no leftover blip makes more nodes look cheaper. Timed one size after another, one slow spell made 5
 nodes cost 1.4x 4 nodes here, and the budget then stopped every step at 3 drafted tokens. The fit also smooths the
 few real dips (4 nodes measured ~10% cheaper than 3 in every run here; `measured_ms` keeps the medians).
+
+With row-planned few-row layers, every size is timed with each row kernel of `few_row_linear.ROW_KERNELS` (the layers'
+own plans, weight-first, padded to a power of two) and keeps the fastest: a plan is timed one layer at a time, and
+in a whole forward another kernel was up to ~15% faster at some sizes here. The cost model saves the kernel per size
+and sets it on the target it is loaded for, so that the times it holds are the times of the kernels that run.
 """
 
 import platform
@@ -25,13 +30,15 @@ import torch
 from medusa_like.targets import target_fingerprint
 
 from .attention import pick_backend, tree_attention
-from .few_row_linear import linear_kernel
+from .few_row_linear import ROW_KERNELS, has_row_plans, linear_kernel, set_row_kernel
 from .generate import target_forward
 from .kv_cache import TreeKVCache
 from .projection import VocabProjection
+from .row_plans import PLANNED_ROWS
 
 # every size a step picks from: the cost of a forward is not monotonic in the nodes (few_row_linear.py)
 SIZES = (*range(1, 17), 20, 24, 32)
+PLAN_MARGIN = 1.03  # another row kernel replaces the layers' own plans for a size only if over 3% faster
 
 
 class CostModelMismatchError(ValueError):
@@ -48,6 +55,7 @@ class CostModel:
     linears: str = "nn.Linear"  # what computed the linear layers (`few_row_linear.linear_kernel`)
     machine: str = platform.machine()
     measured_ms: list[float] | None = None  # the per-size medians before the fit
+    row_kernels: list[str] | None = None  # per size, the few-row kernel it was timed with (`few_row_linear.py`)
 
     def verify(self, num_nodes: int) -> float:
         """Milliseconds to verify `num_nodes` nodes: linear between measured sizes, extrapolated beyond them."""
@@ -71,19 +79,32 @@ class CostModel:
             "linears": self.linears,
             "machine": self.machine,
             "measured_ms": None if self.measured_ms is None else [round(x, 4) for x in self.measured_ms],
+            "row_kernels": self.row_kernels,
         }
 
     @classmethod
     def from_json(cls, data: dict, target) -> "CostModel":
-        """The cost model `to_json` wrote, refused unless it was measured for this target, dtype and device type."""
+        """The cost model `to_json` wrote, refused unless it was measured for this target, dtype and device type; the
+        target's few-row layers are set to the row kernels it was timed with, so that its times hold."""
         try:
             model = cls(**data)
         except TypeError as err:
             raise CostModelMismatchError(f"not a cost model: {err}") from err
         if len(model.nodes) != len(model.verify_ms) or not model.nodes:
             raise CostModelMismatchError("a cost model needs one time per measured tree size")
+        kernels = model.row_kernels
+        if kernels is not None and (
+            len(kernels) != len(model.nodes)
+            or not set(kernels) <= set(ROW_KERNELS)
+            or max(model.nodes) > PLANNED_ROWS
+            or min(model.nodes) < 1
+        ):
+            raise CostModelMismatchError(f"a cost model's row kernels must be one of {ROW_KERNELS} per tree size")
         model.check_fits(target)
         model.verify_ms = non_decreasing_fit(model.verify_ms)  # files written before the fit hold raw medians
+        if kernels is not None and has_row_plans(target):
+            for size, kernel in zip(model.nodes, kernels, strict=True):
+                set_row_kernel(target, size, kernel)
         return model
 
     def check_fits(self, target) -> None:
@@ -108,24 +129,43 @@ def non_decreasing_fit(values: list[float]) -> list[float]:
     return [mean for mean, count in blocks for _ in range(int(count))]
 
 
+def pick_row_kernels(target, sizes, medians: dict) -> list[str]:
+    """Per size, the row kernel with the least median ms (`medians[(size, kernel)]`), each layer's own plan unless
+    another is more than PLAN_MARGIN faster; sets the target's layers to them."""
+    picked = []
+    for size in sizes:
+        kernel = min(ROW_KERNELS, key=lambda k: medians[(size, k)])
+        if medians[(size, kernel)] * PLAN_MARGIN > medians[(size, "planned")]:
+            kernel = "planned"
+        set_row_kernel(target, size, kernel)
+        picked.append(kernel)
+    return picked
+
+
 @torch.inference_mode()
-def measure_cost_model(target, sizes=SIZES, prefix: int = 128, repeats: int = 5) -> CostModel:
+def measure_cost_model(
+    target, sizes=SIZES, prefix: int = 128, repeats: int = 5, pick_kernels: bool = True
+) -> CostModel:
     """What verifying a tree of each of `sizes` nodes costs: the target's forward and vocabulary projection over a
     chain-shaped tree after a `prefix`-token context, timed in `repeats` interleaved rounds over all sizes (after a
-    warm-up round); the per-size medians, fitted non-decreasing."""
+    warm-up round); the per-size medians, fitted non-decreasing. With `pick_kernels` and row-planned layers, every
+    size is timed with each of `few_row_linear.ROW_KERNELS`, and the fastest is kept (set on the target, and saved)."""
     sizes = sorted(sizes)
     device = target.device
     vocab = target.config.get_text_config().vocab_size
+    kernels = ROW_KERNELS if pick_kernels and has_row_plans(target) and max(sizes) <= PLANNED_ROWS else (None,)
     generator = torch.Generator().manual_seed(0)
     context = torch.randint(0, vocab, (1, prefix), generator=generator).to(device)
     cache = TreeKVCache.for_model(target, prefix + max(sizes))
     lm_head = VocabProjection(target)
-    samples: dict[int, list[float]] = {size: [] for size in sizes}
+    samples: dict[tuple, list[float]] = {(size, kernel): [] for size in sizes for kernel in kernels}
     with tree_attention(target, pick_backend("auto", device)):
         target_forward(target, context, torch.arange(prefix, device=device)[None], cache, None)
         cache.commit_all(prefix)
         for _ in range(repeats + 1):  # the first round is a warm-up
-            for size in sizes:
+            for size, kernel in samples:
+                if kernel is not None:
+                    set_row_kernel(target, size, kernel)
                 tokens = torch.randint(0, vocab, (1, size), generator=generator).to(device)
                 positions = torch.arange(prefix, prefix + size, device=device)[None]
                 mask = torch.ones(size, size, dtype=torch.bool, device=device).tril()[None, None]
@@ -134,15 +174,18 @@ def measure_cost_model(target, sizes=SIZES, prefix: int = 128, repeats: int = 5)
                 lm_head(hidden).argmax(-1)
                 if device.type == "cuda":
                     torch.cuda.synchronize()
-                samples[size].append(1000 * (time.perf_counter() - start))
+                samples[(size, kernel)].append(1000 * (time.perf_counter() - start))
                 cache.rewind(prefix)
-    medians = [sorted(samples[size][1:])[repeats // 2] for size in sizes]
+    medians = {key: sorted(times[1:])[repeats // 2] for key, times in samples.items()}
+    row_kernels = pick_row_kernels(target, sizes, medians) if kernels != (None,) else None
+    chosen = [medians[(size, row_kernels[i] if row_kernels else None)] for i, size in enumerate(sizes)]
     return CostModel(
         sizes,
-        non_decreasing_fit(medians),
+        non_decreasing_fit(chosen),
         target_fingerprint(target.config),
         str(target.dtype),
         device.type,
         linear_kernel(target),
-        measured_ms=medians,
+        measured_ms=chosen,
+        row_kernels=row_kernels,
     )

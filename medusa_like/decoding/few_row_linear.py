@@ -11,11 +11,13 @@ The swap shares the original parameters (no copy, same state-dict keys) and chan
 row count or kernel would: the target's greedy decoding stays the reference, computed with the same layers.
 """
 
+import copy
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .row_plans import row_plan
+from .row_plans import PLANNED_ROWS, row_plan
 
 MAX_ROWS = 64  # above this a product is a prefill: nn.Linear's own path, measured as fast
 
@@ -66,6 +68,38 @@ class FewRowLinear(nn.Linear):
         return few_row_product(x, self.weight, self.bias, self.plan)
 
 
+# What computes n rows in every layer at once, chosen per row count by timing whole forwards (`cost_model.py`):
+# each layer's own plan (timed one layer at a time), weight-first over the n rows, or over n rows zero-padded to the next
+# power of two. A plan is the best guess of one layer timed alone; a whole forward shares caches and threads.
+ROW_KERNELS = ("planned", "weight_first", "padded")
+
+
+def kernel_rows(kernel: str, rows: int, planned: int) -> int:
+    """The plan entry `kernel` gives for `rows` rows (0: F.linear, m: weight-first over m rows); `planned` is the
+    layer's own plan's entry."""
+    if kernel == "planned":
+        return planned
+    if kernel == "weight_first":
+        return rows
+    if kernel == "padded":
+        return 1 << (rows - 1).bit_length()
+    raise ValueError(f"unknown row kernel {kernel!r}; known: {ROW_KERNELS}")
+
+
+def set_row_kernel(model: nn.Module, rows: int, kernel: str) -> None:
+    """Let every planned `FewRowLinear` of `model` compute `rows` rows (1..PLANNED_ROWS) by `kernel`."""
+    if not 1 <= rows <= PLANNED_ROWS:
+        raise ValueError(f"row kernels cover 1..{PLANNED_ROWS} rows, not {rows}")
+    for module in model.modules():
+        if isinstance(module, FewRowLinear) and module.plan:
+            entry = kernel_rows(kernel, rows, row_plan(module.weight)[rows - 1])
+            module.plan = (*module.plan[: rows - 1], entry, *module.plan[rows:])
+
+
+def has_row_plans(model: nn.Module) -> bool:
+    return any(isinstance(m, FewRowLinear) and m.plan for m in model.modules())
+
+
 def worth_swapping(module: nn.Module) -> bool:
     """Measured on x86 CPUs in fp32; other devices and dtypes keep their own kernels."""
     weight = next(module.parameters(), None)
@@ -92,3 +126,17 @@ def use_few_row_linears(model, plans: bool = True) -> int:
 def linear_kernel(model: nn.Module) -> str:
     """What computes `model`'s linear layers ("few_row" or "nn.Linear"): a cost model is only valid for the same."""
     return "few_row" if any(isinstance(m, FewRowLinear) for m in model.modules()) else "nn.Linear"
+
+
+def with_stock_linears(model: nn.Module) -> nn.Module:
+    """A copy of `model` whose `FewRowLinear`s are `nn.Linear`s again, sharing every parameter and buffer with `model`
+    (no weight is copied; `model` is unchanged): transformers as it ships, for a speed baseline."""
+    shared = {id(t): t for t in (*model.parameters(), *model.buffers())}
+    stock = copy.deepcopy(model, memo=shared)
+    for parent in list(stock.modules()):
+        for name, child in list(parent.named_children()):
+            if isinstance(child, FewRowLinear):
+                linear = nn.Linear(child.in_features, child.out_features, bias=False, device="meta")
+                linear.weight, linear.bias = child.weight, child.bias
+                parent.register_module(name, linear)
+    return stock

@@ -25,8 +25,12 @@ class VocabProjection:
             weight = weight[rows].contiguous()
             bias = bias[rows] if bias is not None else None
         self.weight, self.bias = weight, bias
-        self.plan = output.plan if isinstance(output, FewRowLinear) and rows is None else ()
+        self.planned = output if isinstance(output, FewRowLinear) and rows is None else None  # its plan may change
         self.softcap = logit_softcap(target.config)
+
+    @property
+    def plan(self) -> tuple[int, ...]:
+        return self.planned.plan if self.planned is not None else ()
 
     def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [..., H] -> logits [..., V] (or [..., N] for restricted rows)."""

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
+from medusa_like.decoding.few_row_linear import linear_kernel, with_stock_linears
 from medusa_like.evaluation.timing import Runner
 
 REFERENCE = "hf_greedy"  # the output every method must reproduce token for token
@@ -88,6 +89,13 @@ METHODS: dict[str, Method] = {
         "(b) transformers prompt lookup",
         "(b) transformers prompt-lookup decoding",
         lambda c: hf_runner(c.model.target, c.eos, c.pad, c.prompt_lookup_num_tokens),
+    ),
+    "hf_greedy_stock": Method(
+        "(g) transformers greedy, stock nn.Linear",
+        "(g) transformers generate, greedy, with the target's own nn.Linear layers (not the few-row layers every other "
+        "method shares): what transformers does as it ships; a speed baseline, not the reference",
+        lambda c: hf_runner(with_stock_linears(c.model.target), c.eos, c.pad),
+        lambda c: linear_kernel(c.model.target) == "few_row",
     ),
     "plain_loop": Method(
         "(c) our loop, no drafter",

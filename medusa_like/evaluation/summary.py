@@ -61,10 +61,10 @@ def losslessness_section(model, records: list[dict], methods: list[str]) -> dict
         }
         for i, d in zip(section.pop("mismatch_index"), section.pop("first_divergence"), strict=True)
     ]
-    section["per_method"] = {
+    section["per_method"] = {  # this project's methods (those with decoding stats); transformers' are baselines
         m: metrics.losslessness([(r[m]["tokens"], r[REFERENCE]["tokens"]) for r in records])["fraction"]
         for m in methods
-        if m not in BASELINES
+        if records[0][m]["stats"] is not None
     }
     section["definition"] = "speculative tokens == transformers greedy tokens: same length, equal token for token"
     return section
