@@ -5,12 +5,14 @@
     python -m eval.evaluate data.source=validation drafter.path=... tree=auto eval.max_new_tokens=64
 
 Every turn of every question is one prompt (turn n carries the reference's answers to turns 1..n-1). Per prompt, after
-one untimed warm-up pass, four methods run interleaved, in an order rotated from prompt to prompt:
+one untimed warm-up pass, the methods run interleaved, in an order rotated from prompt to prompt:
 
     hf_greedy         (a) transformers `generate`, do_sample=False
     hf_prompt_lookup  (b) transformers prompt-lookup decoding (`prompt_lookup_num_tokens`)
     plain_loop        (c) this project's loop without a drafter (tree "none": same KV cache and attention backend)
     speculative       (d) this project's speculative decoding with the drafter and `tree`
+    learned, lookup   (e), (f) a combined drafter's learned drafter alone and lookup alone
+    hf_greedy_stock   (g) (a) with the target's stock nn.Linear layers (the others share the few-row layers)
 
 all with the same max_new_tokens and EOS ids. (a) is the reference: (d) must reproduce it token for token. Each prompt's
 result is appended to `prompts.jsonl` as soon as it is measured, so a killed run keeps what it did and continues with

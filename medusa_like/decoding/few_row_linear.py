@@ -69,8 +69,8 @@ class FewRowLinear(nn.Linear):
 
 
 # What computes n rows in every layer at once, chosen per row count by timing whole forwards (`cost_model.py`):
-# each layer's own plan (timed one layer at a time), weight-first over the n rows, or over n rows zero-padded to the next
-# power of two. A plan is the best guess of one layer timed alone; a whole forward shares caches and threads.
+# each layer's own plan (timed one layer at a time), weight-first over the n rows, or over n rows zero-padded to the
+# next power of two. A plan is the best guess of one layer timed alone; a whole forward shares caches and threads.
 ROW_KERNELS = ("planned", "weight_first", "padded")
 
 

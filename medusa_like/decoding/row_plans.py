@@ -13,8 +13,8 @@ the cache, plans chose kernels that made a whole forward over 6-8 rows ~25% dear
     plan = row_plan(weight)          # read from the cache, or measured (6.1 s for all of SmolLM2's shapes) and cached
     y = few_row_product(x, weight, bias, plan)      # few_row_linear.py, whose layers carry their weight's plan
 
-The cache is `row_plans.json` in `io.user_cache_dir()`, keyed by plan version, CPU model, torch version, thread count, dtype and
-shape; an unreadable or foreign entry is measured again (a cache loses nothing by being rebuilt).
+The cache is `row_plans.json` in `io.user_cache_dir()`, keyed by plan version, CPU model, torch version, thread
+count, dtype and shape; an unreadable or foreign entry is measured again (a cache loses nothing by being rebuilt).
 """
 
 import itertools
@@ -95,8 +95,8 @@ def _machine() -> str:
 def plan_key(weight: torch.Tensor) -> str:
     out_features, in_features = weight.shape
     return (
-        f"v{PLAN_VERSION}|{_machine()}|torch {torch.__version__}|{torch.get_num_threads()} threads|{weight.device.type}|"
-        f"{weight.dtype}|{out_features}x{in_features}"
+        f"v{PLAN_VERSION}|{_machine()}|torch {torch.__version__}|{torch.get_num_threads()} threads|"
+        f"{weight.device.type}|{weight.dtype}|{out_features}x{in_features}"
     )
 
 
