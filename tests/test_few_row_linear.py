@@ -119,7 +119,9 @@ def test_plans_are_timed_over_distinct_copies_of_the_weight_that_fill_the_cold_b
 def test_a_stock_copy_has_nn_linears_sharing_the_parameters_and_leaves_the_model_unchanged():
     target = tiny_target("llama", tie_word_embeddings=False)
     use_few_row_linears(target)
+    few_row = [name for name, m in target.named_modules() if isinstance(m, FewRowLinear)]
     stock = with_stock_linears(target)
+    assert [name for name, m in target.named_modules() if isinstance(m, FewRowLinear)] == few_row  # unchanged
     assert linear_kernel(target) == "few_row" and linear_kernel(stock) == "nn.Linear"
     assert not any(isinstance(m, FewRowLinear) for m in stock.modules())
     assert {n: p.data_ptr() for n, p in stock.named_parameters()} == {

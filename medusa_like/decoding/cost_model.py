@@ -153,7 +153,8 @@ def measure_cost_model(
     sizes = sorted(sizes)
     device = target.device
     vocab = target.config.get_text_config().vocab_size
-    kernels = ROW_KERNELS if pick_kernels and has_row_plans(target) and max(sizes) <= PLANNED_ROWS else (None,)
+    picking = pick_kernels and has_row_plans(target) and max(sizes) <= PLANNED_ROWS
+    kernels = ROW_KERNELS if picking else (None,)  # None: the layers as they are
     generator = torch.Generator().manual_seed(0)
     context = torch.randint(0, vocab, (1, prefix), generator=generator).to(device)
     cache = TreeKVCache.for_model(target, prefix + max(sizes))
@@ -177,8 +178,8 @@ def measure_cost_model(
                 samples[(size, kernel)].append(1000 * (time.perf_counter() - start))
                 cache.rewind(prefix)
     medians = {key: sorted(times[1:])[repeats // 2] for key, times in samples.items()}
-    row_kernels = pick_row_kernels(target, sizes, medians) if kernels != (None,) else None
-    chosen = [medians[(size, row_kernels[i] if row_kernels else None)] for i, size in enumerate(sizes)]
+    row_kernels = pick_row_kernels(target, sizes, medians) if picking else None
+    chosen = [medians[(size, row_kernels[i] if picking else None)] for i, size in enumerate(sizes)]
     return CostModel(
         sizes,
         non_decreasing_fit(chosen),

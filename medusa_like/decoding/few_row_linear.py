@@ -41,8 +41,8 @@ def few_row_product(
     if rows > MAX_ROWS:
         return F.linear(x, weight, bias)
     # Rows in memory order, as the plan was timed: a weight-first product leaves its output transposed ([rows, out]
-    # with strides (1, rows)), and MKL multiplies the next weight by such rows up to 2.4x slower (SmolLM2's 576 x
-    # 1536 down projection over 2 rows: 534 us against 230 us a call, in a whole forward).
+    # with strides (1, rows)), and MKL multiplies the next weight by such rows more slowly (README, few-row layers:
+    # a 2-node forward of SmolLM2 took 48 ms without this copy and 37 ms with it).
     x = x.contiguous()
     padded = plan[rows - 1] if 0 < rows <= len(plan) else (rows if rows >= 2 else 0)
     if padded == 0:
