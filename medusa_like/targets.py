@@ -10,7 +10,9 @@ The target's output projection has one rule here, `output_logits`: its `lm_head`
 (Gemma 2's `final_logit_softcapping`, `cap * tanh(logits / cap)`). Training and inference both apply it.
 """
 
+import functools
 import hashlib
+import inspect
 import json
 import os
 from pathlib import Path
@@ -112,6 +114,17 @@ def output_logits(target: PreTrainedModel, hidden: torch.Tensor) -> torch.Tensor
     soft-capping, in the projection's dtype."""
     projection = target.get_output_embeddings()
     return softcap(projection(hidden.to(projection.weight.dtype)), logit_softcap(target.config))
+
+
+def cache_keyword(module: torch.nn.Module) -> str:
+    """The keyword under which `module`'s forward takes a KV cache: `cache` since transformers renamed it (5.2x, where
+    `past_key_values` still works through a deprecation wrapper on every layer's call), else `past_key_values`."""
+    return _cache_keyword(type(module))
+
+
+@functools.cache
+def _cache_keyword(cls: type) -> str:
+    return "cache" if "cache" in inspect.signature(cls.forward).parameters else "past_key_values"
 
 
 def target_fingerprint(config) -> str:

@@ -1,6 +1,8 @@
 """The EAGLE-3-style drafter: lossless decoding on every family and backend with static and dynamic trees, its tree
 attention against sequential drafting, the reduced vocabulary, and the training-time-test loss."""
 
+import warnings
+
 import pytest
 import torch
 
@@ -55,6 +57,17 @@ def test_eagle3_greedy_equals_target_greedy(family, backend, tree_name):
         assert out.new_tokens.tolist() == reference.tolist(), f"prompt of length {prompt.shape[1]}"
         accepted += sum(out.stats.accepted_draft)
     assert accepted > 0, "no draft token was ever accepted: only the all-rejected path was tested"
+
+
+def test_the_cache_is_passed_under_the_keyword_transformers_takes(family):
+    """The target's and the drafter's forwards get their KV cache under the keyword the installed transformers names
+    (`targets.cache_keyword`): a deprecated keyword would warn on every layer of every step (and break on removal)."""
+    target, prompts, expected = references(family)
+    proposer = Eagle3Proposer(random_drafter(target), target)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*past_key_values.*")
+        out = speculative_generate(target, proposer, prompts[0], tree_spec("dynamic"), NEW_TOKENS)
+    assert out.new_tokens.tolist() == expected[0].tolist()
 
 
 def test_a_drafter_initialised_from_the_target_stays_lossless():

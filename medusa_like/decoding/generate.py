@@ -23,6 +23,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from medusa_like.targets import cache_keyword
+
 from .attention import tree_attention
 from .draft_tree import DraftTree
 from .kv_cache import CacheOverflowError, TreeKVCache
@@ -89,12 +91,13 @@ def target_forward(target, input_ids, position_ids, cache: TreeKVCache, tree_mas
     Returns (last hidden state [T, H], drafter features [T, F]): the concatenated `hidden_states[i]` for i in
     `feature_layers`, or the last hidden state itself when None.
     """
-    out = target.base_model(
+    model = target.base_model
+    out = model(
         input_ids=input_ids,
         position_ids=position_ids,
         attention_mask=tree_mask,
-        past_key_values=cache,
         use_cache=True,
+        **{cache_keyword(model): cache},
         output_hidden_states=feature_layers is not None,
     )
     hidden = out.last_hidden_state[0]  # [T, H]

@@ -28,6 +28,7 @@ from transformers import AutoConfig, AutoModel, PretrainedConfig
 from ..decoding.draft_tree import DraftTree
 from ..decoding.kv_cache import TreeKVCache
 from ..decoding.tree import TreeSpec
+from ..targets import cache_keyword
 from .base import LearnedDrafter
 from .kinds import WeightsKind
 from .vocab import DraftVocab
@@ -167,8 +168,8 @@ class Eagle3Drafter(LearnedDrafter, nn.Module):
             hidden_states=x,
             position_embeddings=position_embeddings,
             attention_mask=attention_mask,
-            past_key_values=past_key_values,
             is_causal=attention_mask is None,
+            **{cache_keyword(self.self_attn): past_key_values},
         )
         hidden = residual + attn
         return hidden + self.mlp(self.post_attention_layernorm(hidden))
