@@ -39,6 +39,16 @@ def test_summary_agrees_with_decode_stats():
     assert summary["mean_accepted_draft"] == ds.mean_accepted_draft
 
 
+def test_prefill_share_pools_seconds_over_prompts():
+    # 1 s of prefill and 1 s of decoding, then 0 and 6: 1 / 8 of the time, not the mean of per-prompt shares (1 / 4)
+    timed = [
+        {**stats(9, 4, [2, 0, 3]), "prefill_seconds": 1.0, "decode_seconds": 1.0},
+        {**stats(9, 4, [2, 0, 3]), "prefill_seconds": 0.0, "decode_seconds": 6.0},
+    ]
+    assert metrics.summarize_decode(timed)["prefill_share"] == pytest.approx(1 / 8)
+    assert metrics.summarize_decode([stats(9, 4, [2])])["prefill_share"] == 0.0  # untimed stats
+
+
 def test_tau_errors():
     with pytest.raises(ValueError, match="at least one target forward"):
         metrics.tau(3, 0)

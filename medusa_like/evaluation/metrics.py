@@ -41,6 +41,8 @@ def summarize_decode(stats: Sequence[dict]) -> dict:
     forwards = sum(s["target_forwards"] for s in stats)
     steps = sum(len(s["accepted_draft"]) for s in stats)
     accepted = sum(sum(s["accepted_draft"]) for s in stats)
+    prefill = sum(s.get("prefill_seconds", 0.0) for s in stats)
+    decode = sum(s.get("decode_seconds", 0.0) for s in stats)
     return {
         "prompts": len(stats),
         "new_tokens": new_tokens,
@@ -51,6 +53,7 @@ def summarize_decode(stats: Sequence[dict]) -> dict:
         "acceptance_by_depth": acceptance_by_depth(stats),
         "draft_ms_per_step": 1000 * sum(s.get("draft_seconds", 0.0) for s in stats) / max(steps, 1),
         "verify_ms_per_step": 1000 * sum(s.get("verify_seconds", 0.0) for s in stats) / max(steps, 1),
+        "prefill_share": prefill / (prefill + decode) if prefill + decode > 0 else 0.0,
     }
 
 

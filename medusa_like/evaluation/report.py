@@ -113,12 +113,13 @@ def methods_markdown(report: dict) -> list[str]:
             f"{r['speedup']['hf_prompt_lookup']:.2f}x",
             f"{r['draft_ms_per_step']:.1f}",
             f"{r['verify_ms_per_step']:.1f}",
+            f"{r.get('prefill_share', 0.0):.0%}",
             ", ".join(f"{a:.2f}" for a in r["acceptance_by_depth"][:4]),
             ", ".join(f"{k} {v:.2f}" for k, v in r["source_share"].items()) or "-",
         ]
         for m, r in methods.items()
     ]
-    header = ["method", "tau", "tokens/s", "vs (a)", "vs (b)", "draft ms/step", "verify ms/step", "accept d1-d4"]
+    header = ["method", "tau", "tokens/s", "vs (a)", "vs (b)", "draft ms/step", "verify ms/step", "prefill", "accept d1-d4"]
     parts.append(_table([*header, "accepted tokens by source"], rows))
     categories = sorted({c for r in methods.values() for c in r["per_category"]})
     parts.append("Per category: tau / speedup over (a), median of per-prompt ratios")

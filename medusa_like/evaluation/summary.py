@@ -28,6 +28,7 @@ DEFINITIONS = {
     "acceptance_by_depth": "[d-1]: share of tree steps that accepted at least d draft tokens",
     "draft_ms_per_step": "milliseconds per tree step spent in the drafter proposing the tree",
     "verify_ms_per_step": "milliseconds per tree step spent verifying it: target forward, acceptance, commits",
+    "prefill_share": "share of a method's decoding time spent on the prompt's forward, which greedy pays too",
     "tokens_per_second": "new tokens / wall seconds of the whole call (prefill included); median over prompts",
     "speedup": "median tokens/s of the method / median tokens/s of the baseline (paired: median of per-prompt ratios)",
     "losslessness": "share of prompts whose speculative tokens equal transformers' greedy tokens, same length",
