@@ -9,7 +9,7 @@ from datasets import Dataset, DatasetDict
 from medusa_like.data.datamodule import TrainingDataModule
 from medusa_like.data.sharegpt import ReadStats, iter_json_array, sharegpt_path
 from medusa_like.data.sources import load_conversations, user_turns
-from medusa_like.data.split import is_validation, split_token_counts
+from medusa_like.data.split import is_validation, split_token_counts, training_answers
 from medusa_like.data.storage import FEATURES, save_dataset
 
 
@@ -118,6 +118,16 @@ def test_split_is_deterministic_about_the_requested_size_and_seeded():
     assert not any(is_validation(g, 0.0) for g in groups)
     with pytest.raises(ValueError, match="val_fraction"):
         is_validation("g", 1.0)
+
+
+def test_training_answers_are_the_training_splits_answers_in_order(tmp_path):
+    path = tmp_path / "conversations.jsonl"
+    path.write_text("\n".join(json.dumps(sharegpt_record(i, turns=2)) for i in range(20)))
+    held_out = [i for i in range(20) if is_validation(f"conv{i}_0", 0.5, seed=1)]
+    assert 0 < len(held_out) < 20
+    expected = [f"answer {i}.{t}" for i in range(20) if i not in held_out for t in range(2)]
+    assert list(training_answers(str(path), 0.5, split_seed=1)) == expected
+    assert len(list(training_answers(str(path), 0.0))) == 40  # no validation split: every answer
 
 
 def write_distilled(root, rows: list[dict]):

@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from eval.evaluate import evaluate, exit_code
+from medusa_like.data.split import is_validation
 from medusa_like.drafters.base import DrafterMismatchError
 from medusa_like.drafters.medusa import HeadsConfig, MedusaHeads
 from medusa_like.evaluation.questions import (
@@ -236,6 +237,33 @@ def small_eval(tmp_path, eval_cfg):
         )
 
     return compose
+
+
+def test_the_store_is_seeded_with_the_training_splits_answers_alone_and_decoding_stays_lossless(tmp_path, small_eval):
+    conversations = write_jsonl(
+        tmp_path / "conversations.jsonl",
+        [
+            {
+                "id": f"c{i}",
+                "conversations": [{"from": "human", "value": f"Count to {i}."}, {"from": "gpt", "value": a}],
+            }
+            for i, a in enumerate(["One, two.", "One, two, three.", "One.", "One, two, three, four.", "Zero."] * 2)
+        ],
+    )
+    split = [f"validation.source={conversations}", "validation.val_fraction=0.5", "validation.split_seed=1"]
+    cfg = small_eval(QUESTIONS, *split, "drafter.seed_store=1000")
+    model = load_model(cfg)
+    tokenize = lambda text: model.tokenizer(text, add_special_tokens=False)["input_ids"]  # noqa: E731
+    records = [json.loads(line) for line in conversations.read_text().splitlines()]
+    held_out = [r for r in records if is_validation(r["id"], 0.5, 1)]
+    trained = [r for r in records if r not in held_out]
+    assert held_out and trained
+    assert list(model.drafter.lookup.store.documents) == [tokenize(r["conversations"][1]["value"]) for r in trained]
+    assert load_model(small_eval(QUESTIONS, *split, "drafter.seed_store=0")).drafter.lookup.store.num_tokens == 0
+
+    report = evaluate(cfg)
+    assert report["losslessness"]["fraction"] == 1.0
+    assert report["setup"]["lookup_store"]["seed_budget_tokens"] == 1000
 
 
 def test_a_killed_evaluation_keeps_its_prompts_and_resumes(tmp_path, small_eval):

@@ -15,7 +15,7 @@ from medusa_like.drafters.base import DrafterMismatchError
 from medusa_like.drafters.combined import CombinedDrafter
 from medusa_like.drafters.eagle3 import EAGLE3
 from medusa_like.drafters.lookup import ContextLookup, Continuation, LookupDrafter, NgramIndex, OutputStore
-from medusa_like.drafters.merge import CombinedProposer, SessionState, best_rate, lookup_certainty
+from medusa_like.drafters.merge import PROBE_EVERY, CombinedProposer, SessionState, best_rate, lookup_certainty
 from medusa_like.model import MedusaLikeModel
 from medusa_like.targets import target_fingerprint
 
@@ -125,6 +125,17 @@ def test_store_seeded_from_token_ids_and_texts(tmp_path):
         OutputStore.seed(bad)
 
 
+def test_filling_a_store_stops_at_the_budget_and_evicts_nothing():
+    store = OutputStore(max_tokens=10)
+    store.add([1, 2, 3])
+    documents = [[4, 5, 6], [], [7, 8], [9, 9, 9, 9], [1]]
+    assert store.fill(iter(documents), num_tokens=9) == 2  # [4, 5, 6] and [7, 8]; [9, 9, 9, 9] would pass 9
+    assert list(store.documents) == [[1, 2, 3], [4, 5, 6], [7, 8]] and store.num_tokens == 8
+    assert {c.path for c in store.candidates([5], depth=2)} == {(6,)}  # filled answers are looked up
+    assert store.fill([[9, 9, 9]], num_tokens=100) == 0  # never beyond max_tokens: 11 > 10 would evict [1, 2, 3]
+    assert store.contains([1, 2, 3])
+
+
 def test_an_answer_enters_the_store_only_after_its_generation():
     """While a prompt is generated its own answer is never in the store: nothing is added before the call returns,
     and `remember=False` (what an evaluation running several methods on one prompt uses) adds nothing at all."""
@@ -216,14 +227,17 @@ def test_best_rate_maximises_expected_tokens_per_second():
     assert rate == pytest.approx(1.9 / (cost.verify(2) + 1.0))
 
 
-def test_the_learned_drafter_is_skipped_only_where_lookup_was_as_sure_when_it_did_not_pay():
-    """Its gain is kept per bucket of lookup's best score: judged not to pay where lookup is sure, it is not run there
-    (outside probes) but still runs where lookup has nothing."""
+def test_the_learned_drafter_is_skipped_only_where_lookup_was_as_sure_when_steps_without_it_were_faster():
+    """Its measured tokens per ms are kept per bucket of lookup's best score: slower where lookup is sure, it is not
+    run there (outside probes) but still runs where lookup has nothing and it was faster."""
     target = tiny_target("llama")
     sure = ScriptedSource("context", [Continuation((7,), 1.0, 9)])
     nothing = ScriptedSource("context", [])
     assert lookup_certainty({(7,): 0.9}) == 3 and lookup_certainty({}) == 0
-    state = SessionState(flat_cost(target), learned_gain={0: 2.0, 1: 0.5, 2: 0.5, 3: 0.5})
+    slower, faster = [1.0, 30.0], [2.0, 30.0]  # [tokens, ms] per step
+    state = SessionState(
+        flat_cost(target), steps={(3, True): slower, (3, False): faster, (0, True): faster, (0, False): slower}
+    )
     proposer = CombinedProposer(target, EAGLE3.fresh(target), [sure], state)
     width = len(proposer.feature_layers) * target.config.hidden_size
     proposer.begin(torch.tensor([1, 2, 3]), torch.zeros(3, width), torch.tensor(4), capacity=64)
@@ -238,6 +252,27 @@ def test_the_learned_drafter_is_skipped_only_where_lookup_was_as_sure_when_it_di
     learned_bit = 1 << ran.source_names.index("learned")
     assert state.learned_ms is not None
     assert len(paths_of(ran)) == 2 and all(bits & learned_bit for bits in ran.sources.tolist()[1:])
+
+
+def test_the_learned_drafters_gate_measures_each_side_end_to_end_and_probes_the_slower_one():
+    """A side never measured is tried first; each accepted step is recorded, with the tokens it gave, under its bucket
+    and side; every PROBE_EVERY steps the side judged slower is taken, so a misjudgement can be undone."""
+    target = tiny_target("llama")
+    state = SessionState(flat_cost(target))
+    proposer = CombinedProposer(target, EAGLE3.fresh(target), [ScriptedSource("context", [])], state)
+    width = len(proposer.feature_layers) * target.config.hidden_size
+    proposer.begin(torch.tensor([1, 2, 3]), torch.zeros(3, width), torch.tensor(4), capacity=256)
+    spec = BudgetedTreeSpec(DynamicTreeSpec(1, 2, 2), num_nodes=4, lookup_depth=4)
+    ran = []
+    for _ in range(2 * PROBE_EVERY):
+        tree = proposer.propose(spec)
+        ran.append(proposer.timed[1])
+        tokens = tree.tokens[:1]  # the root alone accepted: one token, the bonus
+        proposer.accept(tokens, torch.zeros(1, width), torch.tensor(5))
+    assert ran[:2] == [True, False]  # each side measured once before either is judged
+    assert state.steps[0, True][0] == state.steps[0, False][0] == 1.0  # one token per step, on either side
+    assert state.rate(0, True) < state.rate(0, False)  # drafting costs time and, all rejected, gives nothing
+    assert ran[2:] == [i % PROBE_EVERY == 0 for i in range(2, 2 * PROBE_EVERY)]  # skipped but at step 8, a probe
 
 
 def test_calibration_learns_from_outcomes():

@@ -3,14 +3,17 @@
 A conversation is in validation when a hash of its group key falls below `val_fraction`: the decision depends on
 nothing but the key and the seed, so it is stable across runs, shard counts, dataset sizes and orderings, and a
 validation conversation is never trained on. A draft vocabulary is chosen from the training split alone
-(`draft_vocab_from_training_split`), so held-out prompts stay held out.
+(`draft_vocab_from_training_split`), and so are the answers that seed a lookup store (`training_answers`), so
+held-out prompts stay held out.
 """
 
 import hashlib
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
 
+from medusa_like.data.sources import load_conversations
 from medusa_like.data.storage import load_distilled
 from medusa_like.drafters.vocab import DraftVocab, count_tokens
 
@@ -20,6 +23,17 @@ def is_validation(group: str, val_fraction: float, seed: int = 0) -> bool:
         raise ValueError(f"val_fraction must be in [0, 1), got {val_fraction}")
     digest = hashlib.sha256(f"{seed}:{group}".encode()).digest()
     return int.from_bytes(digest[:8], "big") / 2**64 < val_fraction
+
+
+def training_answers(source: str, val_fraction: float, split_seed: int = 0) -> Iterator[str]:
+    """The assistant answers of `source`'s training-split conversations, in order (a data config's `source`,
+    `val_fraction` and `split_seed`): text that may seed a lookup store without leaking a validation conversation."""
+    for conv in load_conversations(source):
+        if is_validation(conv["group"], val_fraction, split_seed):
+            continue
+        for message in conv["messages"]:
+            if message["role"] == "assistant" and message["content"].strip():
+                yield message["content"]
 
 
 def split_token_counts(

@@ -14,7 +14,7 @@ proposer with no learned drafter: `MedusaLikeModel.from_pretrained(target, draft
 
 import json
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -178,6 +178,19 @@ class OutputStore:
             self._reindex()
         else:
             self.index.extend([*tokens, SEPARATOR])
+
+    def fill(self, documents: Iterable[list[int]], num_tokens: int) -> int:
+        """Add `documents` (token-id lists) in order while they fit in `num_tokens` tokens, and never beyond
+        `max_tokens`, so filling evicts nothing; returns how many were added (a global store seeded from a corpus,
+        as SuffixDecoding seeds its tree)."""
+        budget, added = min(num_tokens, self.max_tokens), 0
+        for tokens in documents:
+            if self.num_tokens + len(tokens) > budget:
+                break
+            if tokens:
+                self.add(tokens)
+                added += 1
+        return added
 
     def contains(self, tokens: list[int]) -> bool:
         """Whether exactly this output is stored (tests use it to show no answer leaks into its own generation)."""

@@ -4,8 +4,8 @@ merged by prefix, each node scored by an estimated chance of acceptance, cut to 
 One step (`CombinedProposer.propose`):
 
     lookup      each source's trie of continuations after the text so far                   (~0.1-0.5 ms)
-    learned     the learned drafter's tree, unless its measured gain, where lookup's best guess was as sure as now,
-                does not pay its time                                                        (EAGLE-3: ms per depth)
+    learned     the learned drafter's tree, unless steps without it, where lookup's best guess was as sure as now,
+                gave more tokens per ms, measured end to end                                 (EAGLE-3: ms per depth)
     merge       one trie keyed by token paths: two sources proposing the same prefix give one node
     score       q(node) = P(node accepted | parent accepted), calibrated online per source and bucket (below);
                 score(node) = product of q along its path: the chance the target accepts it
@@ -34,7 +34,8 @@ from medusa_like.decoding.draft_tree import DraftTree
 from medusa_like.decoding.tree import TreeSpec, budgeted
 
 OVERHEAD_MS = 1.0  # per step outside drafting and the verification forward: acceptance, commits, Python
-PROBE_EVERY = 8  # a learned drafter judged not to pay is still run every this many steps, to keep its gain measured
+PROBE_EVERY = 8  # every this many steps the learned drafter's gate takes the side it judged slower, to keep it measured
+STEP_WEIGHT = 0.05  # the weight of one step in the gate's moving averages of tokens and milliseconds per step
 LEARNED = "learned"
 
 
@@ -80,8 +81,22 @@ class SessionState:
     cost_model: CostModel | None = None
     calibration: Calibration = field(default_factory=Calibration)
     learned_ms: float | None = None
-    # EMA of (best rate with it) / (best rate of lookup alone), per bucket of lookup's best score (`lookup_certainty`)
-    learned_gain: dict[int, float] = field(default_factory=dict)
+    # per (bucket of lookup's best score (`lookup_certainty`), learned drafter run): moving averages of the tokens a
+    # step gave and of its milliseconds from drafting to acceptance
+    steps: dict[tuple[int, bool], list[float]] = field(default_factory=dict)
+
+    def record(self, certainty: int, ran_learned: bool, tokens: int, ms: float) -> None:
+        averages = self.steps.get((certainty, ran_learned))
+        if averages is None:
+            self.steps[certainty, ran_learned] = [float(tokens), ms]
+        else:
+            averages[0] = _ema(averages[0], tokens, STEP_WEIGHT)
+            averages[1] = _ema(averages[1], ms, STEP_WEIGHT)
+
+    def rate(self, certainty: int, ran_learned: bool) -> float | None:
+        """Measured tokens per ms of steps in this bucket, with or without the learned drafter; None if none ran."""
+        averages = self.steps.get((certainty, ran_learned))
+        return None if averages is None else averages[0] / averages[1]
 
 
 @dataclass
@@ -115,11 +130,11 @@ class CombinedProposer:
             source.begin(self.history)
         if self.learned:
             self.learned.begin(prompt_ids, features, root, capacity)
-        self.root, self.step, self.last = root, 0, None
+        self.root, self.step, self.last, self.timed = root, 0, None, None
 
     def propose(self, spec: TreeSpec) -> DraftTree:
         spec = budgeted(spec)
-        start = time.perf_counter()
+        begun = start = time.perf_counter()
         candidates: dict[tuple[int, ...], Candidate] = {}
         for bit, source in enumerate(self.sources):
             for c in source.candidates(self.history, spec.lookup_depth):
@@ -132,28 +147,26 @@ class CombinedProposer:
                     key,
                 )
         lookup_ms = 1000 * (time.perf_counter() - start)
-        lookup_scores = path_scores(candidates)
-        certainty = lookup_certainty(lookup_scores)
+        certainty = lookup_certainty(path_scores(candidates))
         ran_learned = self.learned is not None and spec.learned is not None and self._learned_pays(certainty)
         if ran_learned:
-            lookup_rate = best_rate(lookup_scores, self.cost, lookup_ms)[1]  # before the learned nodes
             start = time.perf_counter()
             tree = self.learned.propose(spec.learned)
             self.state.learned_ms = _ema(self.state.learned_ms, 1000 * (time.perf_counter() - start))
             self._add_learned(candidates, tree)
         scores = path_scores(candidates)
         draft_ms = lookup_ms + (self.state.learned_ms if ran_learned else 0.0)
-        count, rate = best_rate(scores, self.cost, draft_ms, spec.num_nodes)
-        if ran_learned:
-            gains = self.state.learned_gain
-            gains[certainty] = _ema(gains.get(certainty), rate / max(lookup_rate, 1e-9))
+        count, _ = best_rate(scores, self.cost, draft_ms, spec.num_nodes)
         chosen = sorted(scores, key=lambda p: (-scores[p], len(p)))[:count]
-        self.last = candidates
+        self.last, self.timed = candidates, (certainty, ran_learned, begun)
         self.step += 1
         return self._compile(sorted(chosen, key=len), candidates)
 
     def accept(self, tokens: torch.Tensor, features: torch.Tensor, bonus: torch.Tensor) -> None:
         truth = [*tokens[1:].tolist(), int(bonus)]  # what the target produced after the root
+        if self.timed:
+            certainty, ran_learned, begun = self.timed
+            self.state.record(certainty, ran_learned, len(truth), 1000 * (time.perf_counter() - begun))
         if self.last:
             for path, candidate in self.last.items():
                 depth = len(path)
@@ -191,11 +204,15 @@ class CombinedProposer:
             self._add(candidates, path, self.calibration.estimate(key, probability), bit, key)
 
     def _learned_pays(self, certainty: int) -> bool:
-        """Run the learned drafter unless its measured gain in tokens/s, in steps where lookup was as sure of its
-        best guess, fell below 1; probe it now and then. (Where the text repeats, lookup's drafts are likelier than
-        the drafter's and it rarely pays; where nothing matches, it is the only source.)"""
-        gain = self.state.learned_gain.get(certainty)
-        return gain is None or gain > 1.0 or self.step % PROBE_EVERY == 0
+        """Run the learned drafter where steps that ran it, when lookup was as sure of its best guess, gave more
+        tokens per ms than steps that did not: measured from drafting to acceptance, so its drafting, the nodes it
+        adds to verification and its misjudged estimates all count. A side never measured is tried first; every
+        PROBE_EVERY steps the other side is taken. (Where the text repeats, lookup's drafts are likelier than the
+        drafter's and it rarely pays; where nothing matches, it is the only source.)"""
+        with_it, without = self.state.rate(certainty, True), self.state.rate(certainty, False)
+        if with_it is None or without is None:
+            return with_it is None
+        return (with_it > without) != (self.step % PROBE_EVERY == 0)
 
     def _compile(self, paths: list[tuple[int, ...]], candidates: dict) -> DraftTree:
         device = self.root.device

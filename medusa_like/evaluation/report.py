@@ -119,7 +119,17 @@ def methods_markdown(report: dict) -> list[str]:
         ]
         for m, r in methods.items()
     ]
-    header = ["method", "tau", "tokens/s", "vs (a)", "vs (b)", "draft ms/step", "verify ms/step", "prefill", "accept d1-d4"]
+    header = [
+        "method",
+        "tau",
+        "tokens/s",
+        "vs (a)",
+        "vs (b)",
+        "draft ms/step",
+        "verify ms/step",
+        "prefill",
+        "accept d1-d4",
+    ]
     parts.append(_table([*header, "accepted tokens by source"], rows))
     categories = sorted({c for r in methods.values() for c in r["per_category"]})
     parts.append("Per category: tau / speedup over (a), median of per-prompt ratios")

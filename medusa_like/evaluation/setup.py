@@ -7,16 +7,17 @@ import torch
 from omegaconf import DictConfig
 
 from medusa_like.data.prepare import load_model as load_target_model
-from medusa_like.data.split import draft_vocab_from_training_split
+from medusa_like.data.split import draft_vocab_from_training_split, training_answers
 from medusa_like.decoding.cost_model import CostModel
 from medusa_like.decoding.tree import save_tree
 from medusa_like.drafters.combined import COMBINED
-from medusa_like.drafters.lookup import LOOKUP
+from medusa_like.drafters.lookup import LOOKUP, OutputStore
 from medusa_like.drafters.medusa import MEDUSA
 from medusa_like.evaluation.questions import Question, load_questions, select
 from medusa_like.evaluation.tree_search import fastest_prompt_lookup, search
 from medusa_like.formats import load_drafter
 from medusa_like.model import MedusaLikeModel
+from medusa_like.targets import target_fingerprint
 
 
 def load_eval_model(cfg: DictConfig) -> MedusaLikeModel:
@@ -33,8 +34,9 @@ def load_eval_model(cfg: DictConfig) -> MedusaLikeModel:
     if cfg.drafter.kind not in ("combined", "learned", "lookup"):
         raise ValueError(f"drafter.kind must be combined, learned or lookup, got {cfg.drafter.kind!r}")
     target, tokenizer = load_target_model(cfg.model)
+    store = output_store(cfg.drafter, cfg.validation, target, tokenizer) if cfg.drafter.kind != "learned" else None
     if cfg.drafter.kind == "lookup":
-        drafter = LOOKUP.fresh(target, store=cfg.drafter.store)
+        drafter = LOOKUP.fresh(target, store=store)
     else:
         # without drafter.path: fresh zero-initialised Medusa heads (`drafter.num_heads`), as smoke runs and tests use
         path = cfg.drafter.path
@@ -46,7 +48,7 @@ def load_eval_model(cfg: DictConfig) -> MedusaLikeModel:
             learned.draft_vocab = draft_vocab_from_training_split(
                 cfg.drafter.vocab_data, int(size), vocab_size, split.val_fraction, split.split_seed
             )
-        drafter = learned if cfg.drafter.kind == "learned" else COMBINED.fresh(target, learned, cfg.drafter.store)
+        drafter = learned if cfg.drafter.kind == "learned" else COMBINED.fresh(target, learned, store)
     return MedusaLikeModel(
         target,
         tokenizer,
@@ -55,6 +57,20 @@ def load_eval_model(cfg: DictConfig) -> MedusaLikeModel:
         target_name=cfg.model.name_or_path,
         few_row_linear=cfg.target.get("few_row_linear"),
     )
+
+
+def output_store(drafter: DictConfig, training_data: DictConfig, target, tokenizer) -> OutputStore:
+    """The lookup store an evaluation starts from: the one saved at `drafter.store`, or an empty one of
+    `drafter.store_tokens`; then filled with up to `drafter.seed_store` tokens of the answers of the training data's
+    training split (`training_data`: its source and split), so no validation conversation leaks into it."""
+    if drafter.store:
+        store = OutputStore.load(drafter.store, target)
+    else:
+        store = OutputStore(drafter.store_tokens, fingerprint=target_fingerprint(target.config))
+    if drafter.seed_store:
+        answers = training_answers(training_data.source, training_data.val_fraction, training_data.split_seed)
+        store.fill((tokenizer(text, add_special_tokens=False)["input_ids"] for text in answers), drafter.seed_store)
+    return store
 
 
 def apply_tree_settings(model: MedusaLikeModel, tree) -> dict:

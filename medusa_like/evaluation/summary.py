@@ -196,6 +196,13 @@ def setup_section(cfg, model, tree, tree_name: str, questions: list, methods: li
         "drafter_kind": model.drafter_kind,
         "drafter_parameters": drafter_parameters(model),
         "tree": {"name": tree_name, "nodes": tree.max_nodes, "depth": tree.max_depth},
+        "lookup_store": None
+        if model.drafter_kind == "learned"
+        else {
+            "loaded_from": cfg.drafter.store,
+            "seed_budget_tokens": cfg.drafter.seed_store,
+            "seeded_from": f"answers of the training split of {cfg.validation.source}",
+        },
         "data": {"source": cfg.data.source, "path": cfg.data.path, "questions": len(questions)},
         "max_new_tokens": cfg.eval.max_new_tokens,
         "prompt_lookup_num_tokens": prompt_lookup,
