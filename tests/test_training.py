@@ -126,6 +126,24 @@ def test_eagle3_trains_validates_and_exports_through_train_on_the_cpu(tmp_path, 
     assert out.sequences.tolist() == reference.tolist()
 
 
+def test_a_time_budget_stops_the_epoch_then_validates_and_exports(tmp_path, data_dir):
+    """`trainer.max_time` (the default experiment's budget) ends the first epoch early: the step that passes the budget
+    is the last, and the run still validates and exports its drafter (`min_epochs: null`, as the experiment sets)."""
+    from medusa_like import Eagle3Drafter
+
+    budget = ("drafter=eagle3", "trainer.max_epochs=1", "trainer.min_epochs=null", "data.module.batch_size=1")
+    steps = {}
+    for run, limit in (("full", "null"), ("cut", "{milliseconds: 1}")):
+        metrics = train(
+            compose_train(tmp_path / run, data_dir, *budget, "callbacks=default", f"trainer.max_time={limit}")
+        )
+        steps[run] = torch.load(tmp_path / run / "checkpoints/last.ckpt", weights_only=True)["global_step"]
+        assert 0 <= metrics["val/acc_top1_depth1"] <= 1
+    assert steps["full"] > 1 and steps["cut"] == 1
+    target, _ = instantiate(compose_train(tmp_path, data_dir).model.loader)
+    assert isinstance(load_drafter(tmp_path / "cut/drafter", target), Eagle3Drafter)
+
+
 def test_the_loss_falls_on_an_overfit_batch(tmp_path, data_dir):
     cfg = compose_train(tmp_path, data_dir, "debug=overfit", "trainer.max_epochs=30", "module.optimizer.lr=0.05")
     train(cfg)
