@@ -201,7 +201,9 @@ def setup_section(cfg, model, tree, tree_name: str, questions: list, methods: li
         else {
             "loaded_from": cfg.drafter.store,
             "seed_budget_tokens": cfg.drafter.seed_store,
-            "seeded_from": f"answers of the training split of {cfg.validation.source}",
+            "seeded_from": f"answers of the training split of {cfg.validation.source}"
+            if cfg.drafter.seed_store
+            else None,
         },
         "data": {"source": cfg.data.source, "path": cfg.data.path, "questions": len(questions)},
         "max_new_tokens": cfg.eval.max_new_tokens,
