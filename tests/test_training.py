@@ -21,6 +21,7 @@ from medusa_like.data.storage import is_complete
 from medusa_like.formats import load_drafter, read_drafter
 from medusa_like.training.build import build_module as build_drafter_module
 from medusa_like.training.losses import IGNORE, decay_weights, head_labels, head_losses, topk_correct
+from medusa_like.training.schedule import cosine_with_warmup
 from train.train import train
 
 from .conftest import TINY_TRAIN, compose_config
@@ -128,20 +129,51 @@ def test_eagle3_trains_validates_and_exports_through_train_on_the_cpu(tmp_path, 
 
 def test_a_time_budget_stops_the_epoch_then_validates_and_exports(tmp_path, data_dir):
     """`trainer.max_time` (the default experiment's budget) ends the first epoch early: the step that passes the budget
-    is the last, and the run still validates and exports its drafter (`min_epochs: null`, as the experiment sets)."""
+    is the last, its learning rate has decayed to the floor as the whole epoch's last would, and the run still
+    validates and exports its drafter (`min_epochs: null`, as the experiment sets)."""
     from medusa_like import Eagle3Drafter
 
     budget = ("drafter=eagle3", "trainer.max_epochs=1", "trainer.min_epochs=null", "data.module.batch_size=1")
-    steps = {}
+    steps, last_lr = {}, {}
     for run, limit in (("full", "null"), ("cut", "{milliseconds: 1}")):
-        metrics = train(
-            compose_train(tmp_path / run, data_dir, *budget, "callbacks=default", f"trainer.max_time={limit}")
-        )
-        steps[run] = torch.load(tmp_path / run / "checkpoints/last.ckpt", weights_only=True)["global_step"]
+        cfg = compose_train(tmp_path / run, data_dir, *budget, "callbacks=default", f"trainer.max_time={limit}")
+        metrics = train(cfg)
+        checkpoint = torch.load(tmp_path / run / "checkpoints/last.ckpt", weights_only=True)
+        steps[run], last_lr[run] = checkpoint["global_step"], checkpoint["lr_schedulers"][0]["_last_lr"][0]
         assert 0 <= metrics["val/acc_top1_depth1"] <= 1
     assert steps["full"] > 1 and steps["cut"] == 1
+    floor = cfg.module.optimizer.lr * cfg.module.scheduler.min_lr_ratio
+    assert last_lr["cut"] == pytest.approx(floor) and last_lr["full"] == pytest.approx(floor)
     target, _ = instantiate(compose_train(tmp_path, data_dir).model.loader)
     assert isinstance(load_drafter(tmp_path / "cut/drafter", target), Eagle3Drafter)
+
+
+def test_the_schedule_decays_with_the_steps_or_the_time_budget_whichever_is_further():
+    """Without a budget the rate follows the steps (warmup, cosine, floor); under one, the share of it spent brings
+    the floor forward, and a budget barely begun leaves the step schedule as it is."""
+    lr, total, floor = 1.0, 100, 0.1
+    spent = [0.0]
+
+    def rates(time_spent=None) -> list[float]:
+        optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=lr)
+        scheduler = cosine_with_warmup(optimizer, total, warmup_ratio=0.05, min_lr_ratio=floor, time_spent=time_spent)
+        out = []
+        for _ in range(total):
+            out.append(optimizer.param_groups[0]["lr"])
+            optimizer.step()
+            scheduler.step()
+        return out
+
+    by_steps = rates()
+    assert by_steps[0] < by_steps[4] < by_steps[5] == pytest.approx(lr)  # 5 warmup steps, then the peak
+    assert all(a >= b for a, b in zip(by_steps[5:-1], by_steps[6:], strict=True)) and by_steps[-1] > floor
+    assert rates(lambda: spent[0]) == pytest.approx(by_steps)  # no time spent: the steps decide
+    spent[0] = 0.5  # half the budget gone: from the warmup's end on, at least half-way down the cosine
+    half = rates(lambda: spent[0])
+    assert half[:5] == pytest.approx(by_steps[:5])
+    assert half[5] == pytest.approx(floor + (lr - floor) / 2) and half[-1] == pytest.approx(by_steps[-1])
+    spent[0] = 1.0  # the budget is out: the floor
+    assert rates(lambda: spent[0])[5:] == pytest.approx([floor] * (total - 5))
 
 
 def test_the_loss_falls_on_an_overfit_batch(tmp_path, data_dir):

@@ -16,7 +16,7 @@ import torch.nn as nn
 from medusa_like.drafters.base import CHECKPOINT_KEY
 from medusa_like.targets import freeze, target_fingerprint
 from medusa_like.training.hidden_cache import HiddenStateCache
-from medusa_like.training.schedule import total_optimizer_steps
+from medusa_like.training.schedule import budget_spent, total_optimizer_steps
 
 
 class DrafterModule(L.LightningModule):
@@ -28,7 +28,7 @@ class DrafterModule(L.LightningModule):
         target: nn.Module,
         target_name: str,
         optimizer: Callable,  # partial(torch.optim.AdamW, lr=...) from Hydra (`_partial_: true`)
-        scheduler: Callable | None = None,  # partial(schedule, ...) called with (optimizer, total_steps=...)
+        scheduler: Callable | None = None,  # partial(schedule, ...): (optimizer, total_steps=[, time_spent=])
         hidden_cache_dir: str | None = None,  # cache the target's hidden states here during the first epoch
     ):
         super().__init__()
@@ -108,7 +108,9 @@ class DrafterModule(L.LightningModule):
         optimizer = self.optimizer_factory([p for p in self.drafter.parameters() if p.requires_grad])
         if self.scheduler_factory is None:
             return optimizer
-        scheduler = self.scheduler_factory(optimizer, total_steps=total_optimizer_steps(self.trainer))
+        spent = budget_spent(self.trainer)  # under a time budget the schedule also follows the time spent
+        budget = {} if spent is None else {"time_spent": spent}
+        scheduler = self.scheduler_factory(optimizer, total_steps=total_optimizer_steps(self.trainer), **budget)
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
     def on_fit_end(self) -> None:

@@ -35,7 +35,7 @@ class Eagle3Module(DrafterModule):
         vocab: DraftVocab,
         target_name: str,
         optimizer: Callable,  # partial(torch.optim.AdamW, lr=...) from Hydra (`_partial_: true`)
-        scheduler: Callable | None = None,  # partial(schedule, ...) called with (optimizer, total_steps=...)
+        scheduler: Callable | None = None,  # partial(schedule, ...): (optimizer, total_steps=[, time_spent=])
         aux_layer_ids: list[int] | None = None,  # null: layers 2, L/2 and L-3
         ttt_steps: int = 4,  # unrolled draft steps (EAGLE-3: 7)
         decay: float = 0.8,  # step j's loss is weighted decay^j

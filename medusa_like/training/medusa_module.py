@@ -30,7 +30,7 @@ class MedusaHeadsModule(DrafterModule):
         heads_config: HeadsConfig,
         target_name: str,
         optimizer: Callable,  # partial(torch.optim.AdamW, lr=...) from Hydra (`_partial_: true`)
-        scheduler: Callable | None = None,  # partial(schedule, ...) called with (optimizer, total_steps=...)
+        scheduler: Callable | None = None,  # partial(schedule, ...): (optimizer, total_steps=[, time_spent=])
         decay: float = 0.8,
         kl_weight: float = 0.0,  # mix of the soft-label KL to the target's own distribution
         kl_temperature: float = 1.0,
