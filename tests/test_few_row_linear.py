@@ -10,16 +10,20 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from medusa_like.decoding import row_plans
+from medusa_like.decoding import few_row_linear, row_plans
 from medusa_like.decoding.cost_model import CostModel, CostModelMismatchError, measure_cost_model
 from medusa_like.decoding.few_row_linear import (
     MAX_ROWS,
     ROW_KERNELS,
     FewRowLinear,
+    MklPacks,
     few_row_product,
     kernel_rows,
     linear_kernel,
+    mkl_packs_available,
     set_row_kernel,
+    sync_packs,
+    usable_row_kernels,
     use_few_row_linears,
     weight_first_linear,
     with_stock_linears,
@@ -44,10 +48,20 @@ def test_few_row_linear_computes_the_same_product(rows, bias):
     )
 
 
-def random_plan(seed: int) -> tuple[int, ...]:
-    """A valid plan naming every kind of kernel: F.linear (0), weight-first over the rows, over padded rows."""
+needs_mkl = pytest.mark.skipif(not mkl_packs_available(), reason="torch built without MKL")
+
+
+def random_plan(seed: int, packed: bool = False) -> tuple[int, ...]:
+    """A plan naming every kind of kernel: F.linear (0), weight-first over the rows, over padded rows, and with
+    `packed` MKL's packed sgemm over the rows padded to a pack's row count (-m)."""
     rng = random.Random(seed)
-    return tuple(rng.choice([0, n, rng.randint(n, PLANNED_ROWS)]) for n in range(1, PLANNED_ROWS + 1))
+    plan = []
+    for n in range(1, PLANNED_ROWS + 1):
+        choices = [0, n, rng.randint(n, PLANNED_ROWS)]
+        if packed:
+            choices.append(kernel_rows("packed", n, 0))
+        plan.append(rng.choice(choices))
+    return tuple(plan)
 
 
 @pytest.mark.parametrize("rows", [1, 2, 3, 5, 13, PLANNED_ROWS, PLANNED_ROWS + 1, MAX_ROWS + 1])
@@ -56,15 +70,49 @@ def test_every_kernel_a_plan_names_computes_the_same_product(rows):
     weight, bias, x = torch.randn(80, 48), torch.randn(80), torch.randn(1, rows, 48)  # x [B, T, H]
     transposed = x.transpose(1, 2).contiguous().transpose(1, 2)  # the same rows, as a weight-first product leaves them
     expected = F.linear(x, weight, bias)
-    plans = [random_plan(seed) for seed in range(4)]
-    if rows <= PLANNED_ROWS:  # force the padded path for this row count
+    packed = mkl_packs_available()
+    plans = [random_plan(seed, packed) for seed in range(6)]
+    if rows <= PLANNED_ROWS:  # force the padded path, and the packed one, for this row count
         plans.append(tuple(PLANNED_ROWS if n == rows else 0 for n in range(1, PLANNED_ROWS + 1)))
+        if packed:
+            plans.append(tuple(kernel_rows("packed", n, 0) for n in range(1, PLANNED_ROWS + 1)))
+    packs = MklPacks()
     for plan in plans:
-        assert valid_plan(plan)
         for rows_in in (x, transposed):
-            out = few_row_product(rows_in, weight, bias, plan)
+            out = few_row_product(rows_in, weight, bias, plan, packs)
             assert out.shape == expected.shape
             torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+    assert not packed or rows > PLANNED_ROWS or len(packs) > 0
+
+
+@needs_mkl
+def test_packs_are_made_when_needed_remade_when_the_weight_changes_and_released_when_unused():
+    target = tiny_target("llama", tie_word_embeddings=False)
+    use_few_row_linears(target)
+    layer = target.model.layers[0].mlp.up_proj
+    x = torch.randn(1, 5, layer.in_features)
+    set_row_kernel(target, 5, "packed")
+    assert layer.plan[4] == -8 and len(layer.packs) == 0  # made when first run, not when planned
+    torch.testing.assert_close(layer(x), F.linear(x, layer.weight), rtol=1e-5, atol=1e-5)
+    assert set(layer.packs.packs) == {8}
+    with torch.no_grad():
+        layer.weight.mul_(2)  # a pack of the old weight would give the old product
+    torch.testing.assert_close(layer(x), F.linear(x, layer.weight), rtol=1e-5, atol=1e-5)
+    assert copy.deepcopy(layer).packs.packs == {}  # a copy does not copy the packs
+    set_row_kernel(target, 12, "packed")
+    sync_packs(target)  # what the plans run is made now, for every layer
+    assert set(layer.packs.packs) == {8, 16} and set(target.model.layers[1].mlp.up_proj.packs.packs) == {8, 16}
+    set_row_kernel(target, 5, "planned")
+    sync_packs(target)
+    assert set(layer.packs.packs) == {16}
+
+
+def test_packed_kernels_are_offered_only_where_mkl_and_memory_allow(monkeypatch):
+    target = tiny_target("llama")
+    use_few_row_linears(target)
+    assert ("packed" in usable_row_kernels(target)) == mkl_packs_available()
+    monkeypatch.setattr(few_row_linear, "PACK_MEMORY_SHARE", 0.0)
+    assert usable_row_kernels(target) == tuple(k for k in ROW_KERNELS if k != "packed")
 
 
 def test_a_measured_plan_is_valid_and_cached_on_disk(tmp_path, monkeypatch):
@@ -215,7 +263,7 @@ def test_a_row_kernel_changes_only_its_row_count_in_every_planned_layer():
         set_row_kernel(target, PLANNED_ROWS + 1, "planned")
 
 
-def test_the_cost_model_picks_a_row_kernel_per_size_and_sets_it_where_it_is_loaded():
+def test_the_cost_model_picks_a_row_kernel_per_size_and_sets_it_where_it_is_loaded(monkeypatch):
     measured = tiny_target("llama")
     use_few_row_linears(measured)
     cost = measure_cost_model(measured, sizes=(1, 3, 5), prefix=8, repeats=1)
@@ -233,6 +281,14 @@ def test_the_cost_model_picks_a_row_kernel_per_size_and_sets_it_where_it_is_load
     for bad in (["padded"], ["planned", "planned", "fastest"]):
         with pytest.raises(CostModelMismatchError, match="row kernels"):
             CostModel.from_json(cost.to_json() | {"row_kernels": bad}, loaded)
+    with_packs = cost.to_json() | {"row_kernels": ["planned", "packed", "packed"]}
+    if mkl_packs_available():
+        CostModel.from_json(with_packs, loaded)
+        assert [loaded.model.layers[1].mlp.down_proj.plan[n - 1] for n in (3, 5)] == [-4, -8]
+    # measured where MKL was, loaded where it is not
+    monkeypatch.setattr(few_row_linear, "mkl_packs_available", lambda: False)
+    with pytest.raises(CostModelMismatchError, match="cannot run here"):
+        CostModel.from_json(with_packs, loaded)
     assert measure_cost_model(loaded, sizes=(1, 2), prefix=8, repeats=1, pick_kernels=False).row_kernels is None
 
 

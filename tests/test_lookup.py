@@ -283,8 +283,23 @@ def test_calibration_learns_from_outcomes():
     for _ in range(10):
         proposer.propose(BudgetedTreeSpec(None, 4, 4))
         proposer.accept(torch.tensor([4]), torch.zeros(1, 32), torch.tensor(8))  # the target said 8, not 7
-    after = proposer.calibration.estimate(next(iter(proposer.last.values())).keys[0], 1.0)
+    after = proposer.calibration.estimate(next(iter(proposer.last.values())).bucket, 1.0)
     assert after < before / 2
+
+
+def test_agreement_of_two_sources_is_calibrated_apart_from_either_source_alone():
+    """Where both sources propose a node the target accepts it, where one alone proposes one it rejects it: the agreed
+    node's estimate rises, the lone ones' fall, and neither drags the other's along."""
+    a = ScriptedSource("a", [Continuation((7,), 0.5, 3), Continuation((5,), 0.5, 3)])
+    b = ScriptedSource("b", [Continuation((7,), 0.5, 3), Continuation((6,), 0.5, 3)])
+    proposer, _ = merged_tree([a, b], num_nodes=4)
+    first = {path: c.q for path, c in proposer.last.items()}
+    for _ in range(20):
+        proposer.propose(BudgetedTreeSpec(None, 4, 4))
+        proposer.accept(torch.tensor([4, 7]), torch.zeros(2, 32), torch.tensor(8))  # the target said 7, then 8
+    q = {path: c.q for path, c in proposer.last.items()}
+    assert q[(7,)] > 0.8 > first[(7,)] and q[(5,)] < 0.2 < first[(5,)] and q[(6,)] < 0.2
+    assert proposer.last[(7,)].bucket != proposer.last[(5,)].bucket
 
 
 # ---------------------------------------------------------------------------------------------------------------------

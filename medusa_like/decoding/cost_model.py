@@ -15,10 +15,12 @@ curve, so that no leftover blip makes more nodes look cheaper. Timed one size af
 nodes cost 1.4x 4 nodes here, and the budget then stopped every step at 3 drafted tokens. The fit also smooths the
 few real dips (4 nodes measured ~10% cheaper than 3 in every run here; `measured_ms` keeps the medians).
 
-With row-planned few-row layers, every size is timed with each row kernel of `few_row_linear.ROW_KERNELS` (the layers'
-own plans, weight-first, padded to a power of two) and keeps the fastest: a plan is timed one layer at a time, and
-in a whole forward another kernel was up to ~15% faster at some sizes here. The cost model saves the kernel per size
-and sets it on the target it is loaded for, so that the times it holds are the times of the kernels that run.
+With row-planned few-row layers, every size is timed with each row kernel of `few_row_linear.ROW_KERNELS` this machine
+can run (the layers' own plans, weight-first, padded to a power of two, MKL's packed sgemm) and keeps the fastest: a
+plan is timed one layer at a time, and in a whole forward another kernel was up to ~15% faster at some sizes here
+(packed sgemm up to ~20% from 4 nodes on). The cost model saves the kernel per size and sets it on the target it is
+loaded for, so that the times it holds are the times of the kernels that run; one that names a kernel this machine
+cannot run is refused.
 """
 
 import platform
@@ -30,7 +32,14 @@ import torch
 from medusa_like.targets import target_fingerprint
 
 from .attention import pick_backend, tree_attention
-from .few_row_linear import ROW_KERNELS, has_row_plans, linear_kernel, set_row_kernel
+from .few_row_linear import (
+    ROW_KERNELS,
+    has_row_plans,
+    linear_kernel,
+    set_row_kernel,
+    sync_packs,
+    usable_row_kernels,
+)
 from .generate import target_forward
 from .kv_cache import TreeKVCache
 from .projection import VocabProjection
@@ -103,8 +112,15 @@ class CostModel:
         model.check_fits(target)
         model.verify_ms = non_decreasing_fit(model.verify_ms)  # files written before the fit hold raw medians
         if kernels is not None and has_row_plans(target):
+            unusable = set(kernels) - set(usable_row_kernels(target))
+            if unusable:
+                raise CostModelMismatchError(
+                    f"the cost model's row kernels {sorted(unusable)} cannot run here (no MKL, or too little memory "
+                    "for its packs): measure it again (eval.tree_search) on this machine"
+                )
             for size, kernel in zip(model.nodes, kernels, strict=True):
                 set_row_kernel(target, size, kernel)
+            sync_packs(target)
         return model
 
     def check_fits(self, target) -> None:
@@ -129,16 +145,17 @@ def non_decreasing_fit(values: list[float]) -> list[float]:
     return [mean for mean, count in blocks for _ in range(int(count))]
 
 
-def pick_row_kernels(target, sizes, medians: dict) -> list[str]:
-    """Per size, the row kernel with the least median ms (`medians[(size, kernel)]`), each layer's own plan unless
-    another is more than PLAN_MARGIN faster; sets the target's layers to them."""
+def pick_row_kernels(target, sizes, medians: dict, kernels: tuple[str, ...]) -> list[str]:
+    """Per size, the row kernel of `kernels` with the least median ms (`medians[(size, kernel)]`), each layer's own
+    plan unless another is more than PLAN_MARGIN faster; sets the target's layers to them and drops unused packs."""
     picked = []
     for size in sizes:
-        kernel = min(ROW_KERNELS, key=lambda k: medians[(size, k)])
+        kernel = min(kernels, key=lambda k: medians[(size, k)])
         if medians[(size, kernel)] * PLAN_MARGIN > medians[(size, "planned")]:
             kernel = "planned"
         set_row_kernel(target, size, kernel)
         picked.append(kernel)
+    sync_packs(target)
     return picked
 
 
@@ -154,7 +171,7 @@ def measure_cost_model(
     device = target.device
     vocab = target.config.get_text_config().vocab_size
     picking = pick_kernels and has_row_plans(target) and max(sizes) <= PLANNED_ROWS
-    kernels = ROW_KERNELS if picking else (None,)  # None: the layers as they are
+    kernels = usable_row_kernels(target) if picking else (None,)  # None: the layers as they are
     generator = torch.Generator().manual_seed(0)
     context = torch.randint(0, vocab, (1, prefix), generator=generator).to(device)
     cache = TreeKVCache.for_model(target, prefix + max(sizes))
@@ -178,7 +195,7 @@ def measure_cost_model(
                 samples[(size, kernel)].append(1000 * (time.perf_counter() - start))
                 cache.rewind(prefix)
     medians = {key: sorted(times[1:])[repeats // 2] for key, times in samples.items()}
-    row_kernels = pick_row_kernels(target, sizes, medians) if picking else None
+    row_kernels = pick_row_kernels(target, sizes, medians, kernels) if picking else None
     chosen = [medians[(size, row_kernels[i] if picking else None)] for i, size in enumerate(sizes)]
     return CostModel(
         sizes,

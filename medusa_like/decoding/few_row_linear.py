@@ -7,11 +7,19 @@ less than 13 on a 2-core AMD EPYC). Each `FewRowLinear` carries its weight's row
 per shape on this machine): for 1..32 rows, `F.linear` or weight-first over how many rows. Without a plan, 2..MAX_ROWS
 rows go weight-first. Long prefills keep `nn.Linear`'s own path. `eval/bench_linear.py` measures the whole forward.
 
+From 4 rows on, MKL's packed sgemm does better still: the weight is laid out once for a product over m rows
+(`torch.ops.mkl._mkl_reorder_linear_weight`, what inductor uses for frozen CPU linears), and the product over m rows
+runs on that layout (8 rows of SmolLM2's layers: 24 ms instead of 30 on a 2-core Xeon with AVX512). A pack holds for
+one row count only and is a copy of the weight, so a layer keeps packs for a few row counts (PACK_ROWS; fewer rows are
+zero-padded); the cost model picks this kernel per tree size where whole forwards run faster with it, and makes the
+packs its picks run (`sync_packs`), dropping the others.
+
 The swap shares the original parameters (no copy, same state-dict keys) and changes only fp32 rounding, as any other
 row count or kernel would: the target's greedy decoding stays the reference, computed with the same layers.
 """
 
 import copy
+import os
 
 import torch
 import torch.nn.functional as F
@@ -20,6 +28,8 @@ from torch import nn
 from .row_plans import PLANNED_ROWS, row_plan
 
 MAX_ROWS = 64  # above this a product is a prefill: nn.Linear's own path, measured as fast
+PACK_ROWS = (4, 8, 16, 32)  # the row counts MKL packs are made for; a plan entry -m runs a pack for m rows
+PACK_MEMORY_SHARE = 0.25  # packs for every PACK_ROWS of a model may take at most this share of the machine's memory
 
 
 def weight_first_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -31,12 +41,46 @@ def weight_first_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tenso
     return y.reshape(*x.shape[:-1], weight.shape[0])
 
 
+def mkl_packs_available() -> bool:
+    return torch.backends.mkl.is_available() and hasattr(torch.ops.mkl, "_mkl_linear")
+
+
+class MklPacks:
+    """A weight laid out for MKL's packed sgemm, one pack per row count: made on first use, made again if the weight
+    changed in place. Derived data: not in the state dict, and not copied with the layer."""
+
+    def __init__(self):
+        self.packs: dict[int, tuple[tuple, torch.Tensor]] = {}  # rows -> ((weight version, address), pack)
+
+    def get(self, weight: torch.Tensor, rows: int) -> torch.Tensor:
+        stamp = (weight._version, weight.data_ptr())
+        found = self.packs.get(rows)
+        if found is None or found[0] != stamp:
+            with torch.no_grad():
+                found = (stamp, torch.ops.mkl._mkl_reorder_linear_weight(weight.detach(), rows))
+            self.packs[rows] = found
+        return found[1]
+
+    def keep(self, rows: set[int]) -> None:
+        self.packs = {m: pack for m, pack in self.packs.items() if m in rows}
+
+    def __len__(self) -> int:
+        return len(self.packs)
+
+    def __deepcopy__(self, memo) -> "MklPacks":
+        return MklPacks()
+
+
 def few_row_product(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, plan: tuple[int, ...] = ()
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    plan: tuple[int, ...] = (),
+    packs: MklPacks | None = None,
 ) -> torch.Tensor:
     """`F.linear(x, weight, bias)` by the kernel `plan` names for x's row count (`row_plans.py`): 0 -> F.linear,
-    m -> weight-first over the rows padded with zero rows to m. Row counts the plan does not cover: weight-first for
-    2..MAX_ROWS, else F.linear."""
+    m -> weight-first over the rows padded with zero rows to m, -m -> MKL's packed sgemm over them padded to m (needs
+    `packs`). Row counts the plan does not cover: weight-first for 2..MAX_ROWS, else F.linear."""
     rows = x.numel() // x.shape[-1]
     if rows > MAX_ROWS:
         return F.linear(x, weight, bias)
@@ -44,19 +88,28 @@ def few_row_product(
     # with strides (1, rows)), and MKL multiplies the next weight by such rows more slowly (README, few-row layers:
     # a 2-node forward of SmolLM2 took 48 ms without this copy and 37 ms with it).
     x = x.contiguous()
-    padded = plan[rows - 1] if 0 < rows <= len(plan) else (rows if rows >= 2 else 0)
-    if padded == 0:
+    entry = plan[rows - 1] if 0 < rows <= len(plan) else (rows if rows >= 2 else 0)
+    if entry == 0:
         return F.linear(x, weight, bias)
-    if padded == rows:
+    if entry == rows:
         return weight_first_linear(x, weight, bias)
+    padded = abs(entry)
     flat = F.pad(x.reshape(rows, -1), (0, 0, 0, padded - rows))  # [m, in]: zero rows after x's
-    return weight_first_linear(flat, weight, bias)[:rows].reshape(*x.shape[:-1], weight.shape[0])
+    if entry > 0:
+        y = weight_first_linear(flat, weight, bias)  # [m, out]
+    else:
+        y = torch.ops.mkl._mkl_linear(flat, packs.get(weight, padded), weight, bias, padded)  # [m, out]
+    return y[:rows].reshape(*x.shape[:-1], weight.shape[0])
 
 
 class FewRowLinear(nn.Linear):
     """`nn.Linear` (same parameters) that computes few rows by its weight's row plan (`few_row_product`)."""
 
     plan: tuple[int, ...] = ()
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.packs = MklPacks()  # the weight laid out for the row counts the plan runs packed
 
     @classmethod
     def sharing(cls, linear: nn.Linear) -> "FewRowLinear":
@@ -65,25 +118,48 @@ class FewRowLinear(nn.Linear):
         return layer
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return few_row_product(x, self.weight, self.bias, self.plan)
+        return few_row_product(x, self.weight, self.bias, self.plan, self.packs)
 
 
 # What computes n rows in every layer at once, chosen per row count by timing whole forwards (`cost_model.py`):
 # each layer's own plan (timed one layer at a time), weight-first over the n rows, or over n rows zero-padded to the
-# next power of two. A plan is the best guess of one layer timed alone; a whole forward shares caches and threads.
-ROW_KERNELS = ("planned", "weight_first", "padded")
+# next power of two, or MKL's packed sgemm over the rows padded to the next of PACK_ROWS. A plan is the best guess of
+# one layer timed alone; a whole forward shares caches and threads.
+ROW_KERNELS = ("planned", "weight_first", "padded", "packed")
 
 
 def kernel_rows(kernel: str, rows: int, planned: int) -> int:
-    """The plan entry `kernel` gives for `rows` rows (0: F.linear, m: weight-first over m rows); `planned` is the
-    layer's own plan's entry."""
+    """The plan entry `kernel` gives for `rows` rows (0: F.linear, m: weight-first over m rows, -m: packed over m
+    rows); `planned` is the layer's own plan's entry."""
     if kernel == "planned":
         return planned
     if kernel == "weight_first":
         return rows
     if kernel == "padded":
         return 1 << (rows - 1).bit_length()
+    if kernel == "packed":
+        return -next(m for m in PACK_ROWS if m >= rows)
     raise ValueError(f"unknown row kernel {kernel!r}; known: {ROW_KERNELS}")
+
+
+def usable_row_kernels(model: nn.Module) -> tuple[str, ...]:
+    """The row kernels this machine can run for `model`: "packed" needs MKL, and packs for every PACK_ROWS that fit
+    in PACK_MEMORY_SHARE of the machine's memory."""
+    weights = sum(m.weight.numel() * m.weight.element_size() for m in model.modules() if isinstance(m, FewRowLinear))
+    memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") if hasattr(os, "sysconf") else 0
+    fits = weights * len(PACK_ROWS) <= PACK_MEMORY_SHARE * memory
+    return ROW_KERNELS if mkl_packs_available() and fits else tuple(k for k in ROW_KERNELS if k != "packed")
+
+
+def sync_packs(model: nn.Module) -> None:
+    """Give every layer the MKL packs its plan runs, and only those: unused ones are dropped, missing ones made now
+    (else the first step that needs one would pay for it, ~0.5 s for SmolLM2)."""
+    for module in model.modules():
+        if isinstance(module, FewRowLinear):
+            wanted = {-entry for entry in module.plan if entry < 0}
+            module.packs.keep(wanted)
+            for rows in wanted:
+                module.packs.get(module.weight, rows)
 
 
 def set_row_kernel(model: nn.Module, rows: int, kernel: str) -> None:

@@ -34,4 +34,5 @@ class VocabProjection:
 
     def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [..., H] -> logits [..., V] (or [..., N] for restricted rows)."""
-        return softcap(few_row_product(hidden, self.weight, self.bias, self.plan), self.softcap)
+        packs = self.planned.packs if self.planned is not None else None
+        return softcap(few_row_product(hidden, self.weight, self.bias, self.plan, packs), self.softcap)
