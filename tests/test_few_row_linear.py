@@ -105,6 +105,10 @@ def test_packs_are_made_when_needed_remade_when_the_weight_changes_and_released_
     set_row_kernel(target, 5, "planned")
     sync_packs(target)
     assert set(layer.packs.packs) == {16}
+    with torch.inference_mode():  # weights made under inference mode keep no version counter
+        made = FewRowLinear(layer.in_features, layer.out_features, bias=False)
+        made.plan = tuple(kernel_rows("packed", n, 0) for n in range(1, PLANNED_ROWS + 1))
+        torch.testing.assert_close(made(x), F.linear(x, made.weight), rtol=1e-5, atol=1e-5)
 
 
 def test_packed_kernels_are_offered_only_where_mkl_and_memory_allow(monkeypatch):

@@ -41,6 +41,12 @@ def weight_first_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tenso
     return y.reshape(*x.shape[:-1], weight.shape[0])
 
 
+def weight_stamp(weight: torch.Tensor) -> tuple:
+    """What changes when a weight does (in place, or replaced): what data derived from it (packs, copies) is checked
+    against. Inference tensors keep no version counter: their address alone."""
+    return (None if weight.is_inference() else weight._version, weight.data_ptr())
+
+
 def mkl_packs_available() -> bool:
     return torch.backends.mkl.is_available() and hasattr(torch.ops.mkl, "_mkl_linear")
 
@@ -53,7 +59,7 @@ class MklPacks:
         self.packs: dict[int, tuple[tuple, torch.Tensor]] = {}  # rows -> ((weight version, address), pack)
 
     def get(self, weight: torch.Tensor, rows: int) -> torch.Tensor:
-        stamp = (weight._version, weight.data_ptr())
+        stamp = weight_stamp(weight)
         found = self.packs.get(rows)
         if found is None or found[0] != stamp:
             with torch.no_grad():
