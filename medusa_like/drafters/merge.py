@@ -15,9 +15,9 @@ One step (`CombinedProposer.propose`):
 
 Calibration: a node's raw estimate is its drafter probability (learned) or how often it followed its parent among
 the matches (lookup). After each step the target's accepted path and bonus token tell, for every candidate whose
-parent was accepted, whether the target agreed with it, verified or not; those outcomes update Beta counts per
-(set of sources that proposed it, raw-estimate bucket, match-length bucket, depth bucket) of its most confident
-proposal, whose mean (with the raw estimate as prior) is q. A node two sources agree on is far likelier than one
+parent was accepted, whether the target agreed with it, verified or not; those outcomes update Beta counts per bucket
+(the set of sources that proposed it, then its most confident proposal's source, raw-estimate, match-length and depth
+buckets), whose mean (with that raw estimate as prior) is q. A node two sources agree on is far likelier than one
 either proposes alone (measured on the validation prompts: .67 against .22 at the same per-source estimate), so
 agreement is its own bucket: pooled into each source's buckets, it made single-source nodes look ~25% likelier than
 they were, and the budget verified too many of them.
@@ -108,7 +108,7 @@ class Candidate:
     sources: int  # bitmask over the proposer's source names
     key: tuple  # the calibration bucket of its most confident proposal (`lookup_key`, `learned_key`)
     raw: float  # that proposal's raw estimate, the calibration's prior
-    q: float = 0.0  # calibrated P(accepted | parent accepted), set by `calibrate`
+    q: float = 0.0  # calibrated P(accepted | parent accepted), set by `CombinedProposer._calibrate`
 
     @property
     def bucket(self) -> tuple:
