@@ -19,8 +19,7 @@ from medusa_like.decoding.few_row_linear import use_few_row_linears, worth_swapp
 from medusa_like.decoding.generate import GenerateOutput, StopChecker, speculative_generate
 from medusa_like.decoding.tree import TreeSpec, resolve_tree
 from medusa_like.drafters.protocol import Drafter, Proposer
-from medusa_like.drafters.registry import KINDS, kind_named
-from medusa_like.formats import load_drafter
+from medusa_like.formats import resolve_drafter
 from medusa_like.targets import DEFAULT_TARGET, chat_input_ids, eos_token_ids, freeze, load_target
 
 DEFAULT_DRAFTER = "lookup"  # without a trained drafter: lookup drafting from the context and earlier outputs
@@ -74,10 +73,7 @@ class MedusaLikeModel:
             target_name = getattr(target.config, "name_or_path", None)
         if drafter is None:
             drafter = DEFAULT_DRAFTER
-        if isinstance(drafter, str) and drafter in KINDS:
-            drafter = kind_named(drafter).fresh(target, **drafter_options)
-        elif isinstance(drafter, (str, Path)):
-            drafter = load_drafter(drafter, target)
+        drafter = resolve_drafter(drafter, target, **drafter_options)
         return cls(target, tokenizer, drafter, backend=backend, target_name=target_name, few_row_linear=few_row_linear)
 
     @property

@@ -69,3 +69,22 @@ def test_every_registered_kind_builds_a_lossless_drafter_from_its_name():
         model = MedusaLikeModel.from_pretrained(target, drafter=name, tokenizer=None, backend="sdpa")
         assert model.drafter.kind == name == kind_named(name).name
         assert model.generate(prompt, max_new_tokens=12, eos_token_id=[]).new_tokens.tolist() == reference, name
+
+
+def test_a_combined_drafter_loads_its_learned_drafter_from_a_directory(tmp_path):
+    """`from_pretrained(drafter="combined", learned=<directory>)` merges the saved drafter itself, not a fresh one, and
+    decodes the target's greedy output; a learned drafter of a kind that cannot be merged is refused by name."""
+    target = tiny_target("llama")
+    saved = EAGLE3.fresh(target)
+    out = save_drafter(saved, tmp_path / "drafter", target, "tiny")
+    model = MedusaLikeModel.from_pretrained(target, drafter="combined", learned=out, backend="sdpa")
+    assert model.drafter.kind == "combined" and model.drafter.learned.kind == "eagle3"
+    loaded = model.drafter.learned.state_dict()
+    assert all(torch.equal(loaded[name], weight) for name, weight in saved.state_dict().items())
+    prompt = random_prompts(1, seed=4, min_len=6, max_len=6)[0]
+    reference = greedy_reference(target, prompt, 12).tolist()
+    assert model.generate(prompt, max_new_tokens=12, eos_token_id=[]).new_tokens.tolist() == reference
+    with pytest.raises(ValueError, match="learned='lookup'.*eagle3.*medusa"):
+        MedusaLikeModel.from_pretrained(target, drafter="combined", learned="lookup")
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        MedusaLikeModel.from_pretrained(target, drafter="combined", learned=tmp_path / "missing")

@@ -5,16 +5,20 @@ into one cost-aware tree each step by `merge.CombinedProposer` (see `drafters/me
 """
 
 from collections.abc import Iterator
-from pathlib import Path
 
 import torch
 
 from medusa_like.decoding.cost_model import CostModel
 from medusa_like.decoding.tree import TreeSpec, budgeted
 
+from .eagle3 import EAGLE3
 from .kinds import TrainingFreeKind
 from .lookup import LOOKUP
+from .medusa import MEDUSA
 from .merge import CombinedProposer, SessionState
+from .protocol import Drafter
+
+LEARNED_KINDS = {kind.name: kind for kind in (EAGLE3, MEDUSA)}  # what a combined drafter merges with lookup
 
 
 class CombinedDrafter:
@@ -56,17 +60,19 @@ class CombinedDrafter:
         return self.learned.modules()
 
 
-def fresh_combined(target, learned="eagle3", store=None, cost_model: CostModel | None = None, **options):
-    """A learned drafter (a drafter directory, checkpoint or object, or "eagle3"/"medusa" for a fresh one built with
-    `options`) with context lookup and an output store (empty, or loaded from `store`)."""
-    from medusa_like.formats import load_drafter  # a combined drafter is built from the other kinds
-
-    from .registry import kind_named
-
-    if learned in ("eagle3", "medusa"):
-        learned = kind_named(learned).fresh(target, **options)
-    elif isinstance(learned, (str, Path)):
-        learned = load_drafter(learned, target)
+def fresh_combined(
+    target, learned: str | Drafter = "eagle3", store=None, cost_model: CostModel | None = None, **options
+) -> CombinedDrafter:
+    """A learned drafter (an object, or "eagle3"/"medusa" for a fresh one built with `options`; `formats.resolve_drafter`
+    loads one named by a directory or checkpoint first) with context lookup and an output store (empty, or loaded
+    from `store`)."""
+    if isinstance(learned, str):
+        if learned not in LEARNED_KINDS:
+            raise ValueError(
+                f"learned={learned!r}: a learned drafter, one of {sorted(LEARNED_KINDS)} for a fresh one, or a drafter "
+                "directory or checkpoint through MedusaLikeModel.from_pretrained / formats.resolve_drafter"
+            )
+        learned = LEARNED_KINDS[learned].fresh(target, **options)
     return CombinedDrafter(learned, LOOKUP.fresh(target, store=store), cost_model)
 
 

@@ -41,6 +41,19 @@ def load_drafter(path: str | Path, target) -> Drafter:
     return read_drafter(path, target)[0]
 
 
+def resolve_drafter(drafter: str | Path | Drafter, target, **options) -> Drafter:
+    """A drafter for `target` from what a user names: an object as it is, a directory or checkpoint loaded, or a kind's
+    name built fresh with `options`, where a combined drafter's `learned=` directory or checkpoint is loaded too."""
+    if isinstance(drafter, str) and drafter in KINDS:
+        learned = options.get("learned")
+        if isinstance(learned, (str, Path)) and learned not in KINDS:
+            options["learned"] = load_drafter(learned, target)
+        return kind_named(drafter).fresh(target, **options)
+    if isinstance(drafter, (str, Path)):
+        return load_drafter(drafter, target)
+    return drafter
+
+
 def export_drafter(
     drafter: Drafter,
     out_dir: str | Path,
