@@ -41,7 +41,8 @@ def main() -> None:
     use_few_row_linears(few_row, plans=False)
     use_few_row_linears(planned)
     use_few_row_linears(picked)
-    kernels = measure_cost_model(picked, SIZES).row_kernels  # picked per size in whole forwards, then kept
+    # picked per size in whole forwards, then kept; bf16 layers have none to pick (oneDNN's pack, where it runs)
+    kernels = measure_cost_model(picked, SIZES).row_kernels or ["-"] * len(SIZES)
     targets = {"nn.Linear": stock, "few_row": few_row, "few_row planned": planned, "few_row picked": picked}
     times = {name: [] for name in targets}
     for _ in range(args.rounds):

@@ -35,8 +35,9 @@ class MedusaLikeModel:
         target_name: str | None = None,
         few_row_linear: bool | None = None,
     ):
-        """`few_row_linear`: compute the few rows of a tree step with the weight as left operand (see
-        `decoding/few_row_linear.py`; swaps the target's and drafter's `nn.Linear`s in place); None: on fp32 CPUs."""
+        """`few_row_linear`: compute the few rows of a tree step by this CPU's fastest kernels (see
+        `decoding/few_row_linear.py`; swaps the target's and drafter's `nn.Linear`s in place); None: on CPUs in fp32,
+        and in bf16 where AMX runs oneDNN's packed product."""
         drafter.check_fits(target)
         self.target = freeze(target)
         self.tokenizer = tokenizer

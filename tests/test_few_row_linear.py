@@ -13,20 +13,23 @@ from torch import nn
 from medusa_like.decoding import few_row_linear, row_plans
 from medusa_like.decoding.cost_model import CostModel, CostModelMismatchError, measure_cost_model
 from medusa_like.decoding.few_row_linear import (
+    ANY_ROWS,
     MAX_ROWS,
     ROW_KERNELS,
     FewRowLinear,
-    MklPacks,
+    WeightPacks,
     few_row_product,
     kernel_rows,
     linear_kernel,
     mkl_packs_available,
+    onednn_bf16_packs_available,
     set_row_kernel,
     sync_packs,
     usable_row_kernels,
     use_few_row_linears,
     weight_first_linear,
     with_stock_linears,
+    worth_swapping,
 )
 from medusa_like.decoding.projection import VocabProjection
 from medusa_like.decoding.row_plans import PLANNED_ROWS, measure_row_plan, row_plan, valid_plan
@@ -76,7 +79,7 @@ def test_every_kernel_a_plan_names_computes_the_same_product(rows):
         plans.append(tuple(PLANNED_ROWS if n == rows else 0 for n in range(1, PLANNED_ROWS + 1)))
         if packed:
             plans.append(tuple(kernel_rows("packed", n, 0) for n in range(1, PLANNED_ROWS + 1)))
-    packs = MklPacks()
+    packs = WeightPacks()
     for plan in plans:
         for rows_in in (x, transposed):
             out = few_row_product(rows_in, weight, bias, plan, packs)
@@ -109,6 +112,35 @@ def test_packs_are_made_when_needed_remade_when_the_weight_changes_and_released_
         made = FewRowLinear(layer.in_features, layer.out_features, bias=False)
         made.plan = tuple(kernel_rows("packed", n, 0) for n in range(1, PLANNED_ROWS + 1))
         torch.testing.assert_close(made(x), F.linear(x, made.weight), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.skipif(not onednn_bf16_packs_available(), reason="no AMX: bf16 layers keep nn.Linear's kernel")
+def test_bf16_layers_run_on_one_onednn_pack_for_every_row_count():
+    target = tiny_target("llama", tie_word_embeddings=False).to(torch.bfloat16)
+    assert worth_swapping(target)
+    use_few_row_linears(target)
+    layer = target.model.layers[0].mlp.up_proj
+    assert layer.plan == () and set(layer.packs.packs) == {ANY_ROWS}  # made at the swap; fp32's row plans not needed
+    for rows in (1, 3, 16, MAX_ROWS + 1):
+        x = torch.randn(1, rows, layer.in_features, dtype=torch.bfloat16)  # [B, T, H]
+        torch.testing.assert_close(layer(x), F.linear(x, layer.weight), rtol=1.6e-2, atol=1e-2)
+    with torch.no_grad():
+        layer.weight.mul_(2)  # a pack of the old weight would give half the product
+    torch.testing.assert_close(layer(x), F.linear(x, layer.weight), rtol=1.6e-2, atol=1e-2)
+    sync_packs(target)  # bf16 layers keep their pack, and need no other
+    assert set(layer.packs.packs) == {ANY_ROWS}
+    assert linear_kernel(target) == "few_row" and linear_kernel(with_stock_linears(target)) == "nn.Linear"
+
+
+def test_bf16_layers_are_swapped_only_where_onednn_packs_run(monkeypatch):
+    target = tiny_target("llama")
+    assert worth_swapping(target)  # fp32 on a CPU: always
+    monkeypatch.setattr(few_row_linear, "onednn_bf16_packs_available", lambda: False)
+    assert not worth_swapping(target.to(torch.bfloat16))
+    monkeypatch.setattr(few_row_linear, "onednn_bf16_packs_available", lambda: True)
+    assert worth_swapping(target)
+    monkeypatch.setattr(few_row_linear, "PACK_MEMORY_SHARE", 0.0)  # a pack of every weight would not fit
+    assert not worth_swapping(target)
 
 
 def test_packed_kernels_are_offered_only_where_mkl_and_memory_allow(monkeypatch):
@@ -235,6 +267,21 @@ def test_decoding_with_few_row_linears_equals_the_targets_greedy(family, drafter
         accepted += sum(out.stats.accepted_draft)
     if drafter == "lookup":  # tiny random targets repeat themselves: lookup drafts get accepted
         assert accepted > 0
+
+
+@pytest.mark.skipif(not onednn_bf16_packs_available(), reason="no AMX: bf16 layers keep nn.Linear's kernel")
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+@pytest.mark.parametrize("drafter", ["eagle3", "lookup"])
+def test_bf16_decoding_on_onednn_packs_equals_the_targets_greedy(family, drafter):
+    """In bf16 the tree's rows and greedy's single row run on the same packs (the target's own bf16 greedy decoding
+    with the same layers is the reference, as in fp32)."""
+    target = tiny_target(family).to(torch.bfloat16)
+    model = MedusaLikeModel(target, None, kind_named(drafter).fresh(target), backend="sdpa")
+    assert set(model.target.model.layers[0].mlp.up_proj.packs.packs) == {ANY_ROWS}
+    for ids in random_prompts(3, seed=5):
+        expected = greedy_reference(model.target, ids, 24)
+        out = model.generate(ids, max_new_tokens=24, tree="dynamic", eos_token_id=[])
+        assert out.new_tokens.tolist() == expected.tolist()
 
 
 def test_a_cost_model_measured_with_other_linears_is_refused():

@@ -14,11 +14,17 @@ one row count only and is a copy of the weight, so a layer keeps packs for a few
 zero-padded); the cost model picks this kernel per tree size where whole forwards run faster with it, and makes the
 packs its picks run (`sync_packs`), dropping the others.
 
+In bf16 on a CPU with AMX, every product runs on the weight laid out once by oneDNN for any row count
+(`torch.ops.mkldnn._reorder_linear_weight`, what inductor uses for frozen bf16 CPU linears): a whole SmolLM2 forward
+over 1-16 rows takes 29-34 ms instead of `F.linear`'s 36-40 on a 2-core Xeon (weights are read as laid out, not
+reordered at every call). Row plans are fp32's: bf16 layers carry none.
+
 The swap shares the original parameters (no copy, same state-dict keys) and changes only fp32 rounding, as any other
 row count or kernel would: the target's greedy decoding stays the reference, computed with the same layers.
 """
 
 import copy
+import functools
 import os
 
 import torch
@@ -51,9 +57,26 @@ def mkl_packs_available() -> bool:
     return torch.backends.mkl.is_available() and hasattr(torch.ops.mkl, "_mkl_linear")
 
 
-class MklPacks:
-    """A weight laid out for MKL's packed sgemm, one pack per row count: made on first use, made again if the weight
-    changed in place. Derived data: not in the state dict, and not copied with the layer."""
+@functools.cache
+def onednn_bf16_packs_available() -> bool:
+    """Where bf16 layers run on oneDNN's packed weight: CPUs with AMX, where it was measured faster. Elsewhere (AVX2,
+    AVX512 without AMX) bf16 layers keep `nn.Linear`'s own kernel."""
+    amx = getattr(torch.cpu, "_is_amx_tile_supported", lambda: False)
+    return torch.backends.mkldnn.is_available() and amx()
+
+
+ANY_ROWS = 0  # the key of a oneDNN bf16 pack: one layout serves every row count
+
+
+def runs_onednn_bf16(weight: torch.Tensor) -> bool:
+    """Whether a layer of this weight computes on oneDNN's bf16 pack (whatever its plan)."""
+    return weight.dtype == torch.bfloat16 and weight.device.type == "cpu" and onednn_bf16_packs_available()
+
+
+class WeightPacks:
+    """A weight laid out for a packed product: MKL's sgemm, one pack per row count (fp32), or oneDNN's, one pack for
+    any row count (bf16, key ANY_ROWS). Made on first use, made again if the weight changed. Derived data: not in the
+    state dict, and not copied with the layer."""
 
     def __init__(self):
         self.packs: dict[int, tuple[tuple, torch.Tensor]] = {}  # rows -> ((weight version, address), pack)
@@ -63,7 +86,11 @@ class MklPacks:
         found = self.packs.get(rows)
         if found is None or found[0] != stamp:
             with torch.no_grad():
-                found = (stamp, torch.ops.mkl._mkl_reorder_linear_weight(weight.detach(), rows))
+                if rows == ANY_ROWS:
+                    pack = torch.ops.mkldnn._reorder_linear_weight(weight.detach())
+                else:
+                    pack = torch.ops.mkl._mkl_reorder_linear_weight(weight.detach(), rows)
+            found = (stamp, pack)
             self.packs[rows] = found
         return found[1]
 
@@ -73,8 +100,8 @@ class MklPacks:
     def __len__(self) -> int:
         return len(self.packs)
 
-    def __deepcopy__(self, memo) -> "MklPacks":
-        return MklPacks()
+    def __deepcopy__(self, memo) -> "WeightPacks":
+        return WeightPacks()
 
 
 def few_row_product(
@@ -82,11 +109,14 @@ def few_row_product(
     weight: torch.Tensor,
     bias: torch.Tensor | None,
     plan: tuple[int, ...] = (),
-    packs: MklPacks | None = None,
+    packs: WeightPacks | None = None,
 ) -> torch.Tensor:
     """`F.linear(x, weight, bias)` by the kernel `plan` names for x's row count (`row_plans.py`): 0 -> F.linear,
     m -> weight-first over the rows padded with zero rows to m, -m -> MKL's packed sgemm over them padded to m (needs
-    `packs`). Row counts the plan does not cover: weight-first for 2..MAX_ROWS, else F.linear."""
+    `packs`). Row counts the plan does not cover: weight-first for 2..MAX_ROWS, else F.linear. bf16 with `packs`
+    where oneDNN's bf16 packs run: oneDNN's packed product for any row count, whatever the plan."""
+    if packs is not None and runs_onednn_bf16(weight):
+        return torch.ops.mkldnn._linear_pointwise(x.contiguous(), packs.get(weight, ANY_ROWS), bias, "none", [], "")
     rows = x.numel() // x.shape[-1]
     if rows > MAX_ROWS:
         return F.linear(x, weight, bias)
@@ -115,7 +145,7 @@ class FewRowLinear(nn.Linear):
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        self.packs = MklPacks()  # the weight laid out for the row counts the plan runs packed
+        self.packs = WeightPacks()  # the weight laid out for the row counts the plan runs packed, or for bf16
 
     @classmethod
     def sharing(cls, linear: nn.Linear) -> "FewRowLinear":
@@ -148,21 +178,27 @@ def kernel_rows(kernel: str, rows: int, planned: int) -> int:
     raise ValueError(f"unknown row kernel {kernel!r}; known: {ROW_KERNELS}")
 
 
+def packs_fit(model: nn.Module, copies: int) -> bool:
+    """Whether `copies` packed copies of every linear weight of `model` fit in PACK_MEMORY_SHARE of this machine's
+    memory."""
+    weights = sum(m.weight.numel() * m.weight.element_size() for m in model.modules() if isinstance(m, nn.Linear))
+    memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") if hasattr(os, "sysconf") else 0
+    return weights * copies <= PACK_MEMORY_SHARE * memory
+
+
 def usable_row_kernels(model: nn.Module) -> tuple[str, ...]:
     """The row kernels this machine can run for `model`: "packed" needs MKL, and packs for every PACK_ROWS that fit
-    in PACK_MEMORY_SHARE of the machine's memory."""
-    weights = sum(m.weight.numel() * m.weight.element_size() for m in model.modules() if isinstance(m, FewRowLinear))
-    memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") if hasattr(os, "sysconf") else 0
-    fits = weights * len(PACK_ROWS) <= PACK_MEMORY_SHARE * memory
+    in memory."""
+    fits = packs_fit(model, len(PACK_ROWS))
     return ROW_KERNELS if mkl_packs_available() and fits else tuple(k for k in ROW_KERNELS if k != "packed")
 
 
 def sync_packs(model: nn.Module) -> None:
-    """Give every layer the MKL packs its plan runs, and only those: unused ones are dropped, missing ones made now
-    (else the first step that needs one would pay for it, ~0.5 s for SmolLM2)."""
+    """Give every layer the packs it runs (MKL's its plan names, or its oneDNN bf16 pack), and only those: unused ones
+    are dropped, missing ones made now (else the first step that needs one would pay for it, ~0.5 s for SmolLM2)."""
     for module in model.modules():
         if isinstance(module, FewRowLinear):
-            wanted = {-entry for entry in module.plan if entry < 0}
+            wanted = {ANY_ROWS} if runs_onednn_bf16(module.weight) else {-entry for entry in module.plan if entry < 0}
             module.packs.keep(wanted)
             for rows in wanted:
                 module.packs.get(module.weight, rows)
@@ -183,25 +219,32 @@ def has_row_plans(model: nn.Module) -> bool:
 
 
 def worth_swapping(module: nn.Module) -> bool:
-    """Measured on x86 CPUs in fp32; other devices and dtypes keep their own kernels."""
+    """Measured on x86 CPUs: fp32, and bf16 where oneDNN's bf16 packs run and one pack of every weight fits in memory;
+    other devices and dtypes keep their own kernels."""
     weight = next(module.parameters(), None)
-    return weight is not None and weight.device.type == "cpu" and weight.dtype == torch.float32
+    if weight is None or weight.device.type != "cpu":
+        return False
+    return weight.dtype == torch.float32 or (runs_onednn_bf16(weight) and packs_fit(module, 1))
 
 
 def use_few_row_linears(model, plans: bool = True) -> int:
     """Replace every `nn.Linear` inside `model` (a module, or a drafter: anything with `.modules()`), in place, by a
-    `FewRowLinear` sharing its parameters, with its weight's row plan unless `plans=False` (measured once per shape on
-    this machine, then cached); returns how many were replaced. Idempotent."""
+    `FewRowLinear` sharing its parameters, with its weight's row plan unless `plans=False` (fp32 weights: measured once
+    per shape on this machine, then cached; bf16 weights get their oneDNN pack now instead, where it runs); returns
+    how many were replaced. Idempotent."""
     swapped = 0
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
             if type(child) is nn.Linear:
                 parent.register_module(name, FewRowLinear.sharing(child))
                 swapped += 1
-    if plans:
-        for module in model.modules():
-            if isinstance(module, FewRowLinear):
-                module.plan = row_plan(module.weight)
+    for module in model.modules():
+        if not isinstance(module, FewRowLinear):
+            continue
+        if runs_onednn_bf16(module.weight):
+            module.packs.get(module.weight, ANY_ROWS)  # made now, not in the first timed step
+        elif plans:
+            module.plan = row_plan(module.weight)
     return swapped
 
 
