@@ -289,19 +289,6 @@ def fresh_eagle3(target, draft_vocab_size: int | None = None, aux_layer_ids=None
     return Eagle3Drafter(config, DraftVocab(torch.arange(config.draft_vocab_size), vocab_size))
 
 
-def eagle3_training_module(cfg, target, **shared):
-    """The Lightning module of `cfg.drafter` (conf/drafter/eagle3.yaml), its draft vocabulary counted on the training
-    split of `cfg.data`."""
-    from hydra.utils import instantiate
-
-    from medusa_like.data.split import draft_vocab_from_training_split
-
-    vocab_size = target.config.get_text_config().vocab_size
-    data = cfg.data
-    vocab = draft_vocab_from_training_split(
-        data.dir, int(cfg.drafter.draft_vocab_size), vocab_size, data.val_fraction, data.split_seed
-    )
-    return instantiate(cfg.drafter.module, vocab=vocab, target=target, **shared, _convert_="object")
-
-
-EAGLE3 = WeightsKind("eagle3", "medusa_like.formats.eagle3:CODEC", fresh_eagle3, eagle3_training_module)
+EAGLE3 = WeightsKind(
+    "eagle3", "medusa_like.formats.eagle3:CODEC", fresh_eagle3, "medusa_like.training.build:eagle3_training_module"
+)

@@ -1,10 +1,11 @@
 """The two shapes of a drafter kind (`protocol.DrafterKind`), so each kind is a few lines in its drafter's module:
 
     WeightsKind        trained weights on disk: files through its codec in `formats/`, a Lightning module to train it
+                       (built in `training/build.py`)
     TrainingFreeKind   nothing to train or save (lookup, combined): its file operations explain what to do instead
 
-A kind's codec is named as "module:attribute" and imported when files are first read or written, because the format
-modules import the drafters they read.
+A kind's codec and its training module's builder are named as "module:attribute" and imported when first used,
+because the format modules import the drafters they read, and the training modules the drafters they train.
 """
 
 import importlib
@@ -12,17 +13,25 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 
+def named_attribute(name: str):
+    """The object a "module:attribute" name names, its module imported now."""
+    module, attribute = name.split(":")
+    return getattr(importlib.import_module(module), attribute)
+
+
 @dataclass(frozen=True)
 class WeightsKind:
     name: str
     codec: str  # "module:attribute" of its `formats.common.Codec`
     fresh: Callable  # (target, **options) -> a new drafter for the target
-    training_module: Callable  # (cfg, target, **shared) -> the Lightning module that trains it
+    trainer: str  # "module:attribute" of (cfg, target, **shared) -> the Lightning module that trains it
     trainable: bool = True
 
     def _codec(self):
-        module, attribute = self.codec.split(":")
-        return getattr(importlib.import_module(module), attribute)
+        return named_attribute(self.codec)
+
+    def training_module(self, cfg, target, **shared):
+        return named_attribute(self.trainer)(cfg, target, **shared)
 
     @property
     def formats(self) -> tuple[str, ...]:

@@ -166,13 +166,6 @@ def fresh_heads(target, num_heads: int = 4, num_layers: int = 1, shared_lm_head:
     )
 
 
-def heads_training_module(cfg, target, **shared):
-    """The Lightning module of `cfg.drafter` (conf/drafter/medusa.yaml) for `target`."""
-    from hydra.utils import instantiate
-
-    lm_head = target.get_output_embeddings().weight
-    heads = instantiate(cfg.drafter.heads, vocab_size=lm_head.shape[0], hidden_size=lm_head.shape[1])
-    return instantiate(cfg.drafter.module, heads_config=heads, target=target, **shared, _convert_="object")
-
-
-MEDUSA = WeightsKind("medusa", "medusa_like.formats.heads_io:CODEC", fresh_heads, heads_training_module)
+MEDUSA = WeightsKind(
+    "medusa", "medusa_like.formats.heads_io:CODEC", fresh_heads, "medusa_like.training.build:heads_training_module"
+)
