@@ -16,7 +16,7 @@ packs its picks run (`sync_packs`), dropping the others.
 
 In bf16 on a CPU with AMX, every product runs on the weight laid out once by oneDNN for any row count
 (`torch.ops.mkldnn._reorder_linear_weight`, what inductor uses for frozen bf16 CPU linears): a whole SmolLM2 forward
-over 1-16 rows takes 29-34 ms instead of `F.linear`'s 36-40 on a 2-core Xeon (weights are read as laid out, not
+over 1-16 rows takes 29-34 ms instead of `F.linear`'s 36-39 on a 2-core Xeon (weights are read as laid out, not
 reordered at every call). Row plans are fp32's: bf16 layers carry none.
 
 The swap shares the original parameters (no copy, same state-dict keys) and changes only fp32 rounding, as any other
@@ -238,13 +238,11 @@ def use_few_row_linears(model, plans: bool = True) -> int:
             if type(child) is nn.Linear:
                 parent.register_module(name, FewRowLinear.sharing(child))
                 swapped += 1
-    for module in model.modules():
-        if not isinstance(module, FewRowLinear):
-            continue
-        if runs_onednn_bf16(module.weight):
-            module.packs.get(module.weight, ANY_ROWS)  # made now, not in the first timed step
-        elif plans:
-            module.plan = row_plan(module.weight)
+    if plans:
+        for module in model.modules():
+            if isinstance(module, FewRowLinear) and not runs_onednn_bf16(module.weight):
+                module.plan = row_plan(module.weight)
+    sync_packs(model)  # bf16 packs made now, not in the first timed step
     return swapped
 
 
