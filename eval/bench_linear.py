@@ -6,8 +6,8 @@ its row plans.
 
 Four copies of the target, one with its own `nn.Linear` layers, one with `decoding/few_row_linear.py`'s computing
 2..64 rows weight-first, one with those layers following their row plans (`decoding/row_plans.py`), and one with the
-row kernel picked per size in whole forwards (as the cost model picks it, before the rounds: the plans, weight-first,
-padded, or MKL's packed sgemm), are timed alternately
+row kernel picked per size in whole forwards (as the cost model picks it, before the rounds: F.linear, the plans,
+weight-first, padded, or MKL's packed sgemm), are timed alternately
 (`measure_cost_model`: one forward plus the vocabulary projection over N nodes after a 128-token prefix, median of
 repeats), round after round, so that all four see the same machine load. Prints the table and writes JSON.
 """

@@ -11,9 +11,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from medusa_like.decoding import few_row_linear, row_plans
-from medusa_like.decoding.cost_model import CostModel, CostModelMismatchError, measure_cost_model
+from medusa_like.decoding.cost_model import CostModel, CostModelMismatchError, measure_cost_model, pick_row_kernels
 from medusa_like.decoding.few_row_linear import (
     ANY_ROWS,
+    KERNEL_ROWS,
     MAX_ROWS,
     ROW_KERNELS,
     FewRowLinear,
@@ -61,13 +62,18 @@ def random_plan(seed: int, packed: bool = False) -> tuple[int, ...]:
     plan = []
     for n in range(1, PLANNED_ROWS + 1):
         choices = [0, n, rng.randint(n, PLANNED_ROWS)]
-        if packed:
+        if packed and n <= KERNEL_ROWS:
             choices.append(kernel_rows("packed", n, 0))
         plan.append(rng.choice(choices))
     return tuple(plan)
 
 
-@pytest.mark.parametrize("rows", [1, 2, 3, 5, 13, PLANNED_ROWS, PLANNED_ROWS + 1, MAX_ROWS + 1])
+def packed_plan() -> tuple[int, ...]:
+    """A plan that runs MKL's packed sgemm wherever a pack serves the rows (1..KERNEL_ROWS), F.linear beyond."""
+    return tuple(kernel_rows("packed", n, 0) if n <= KERNEL_ROWS else 0 for n in range(1, PLANNED_ROWS + 1))
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, 13, KERNEL_ROWS, KERNEL_ROWS + 1, 50, PLANNED_ROWS, MAX_ROWS + 1])
 def test_every_kernel_a_plan_names_computes_the_same_product(rows):
     torch.manual_seed(rows)
     weight, bias, x = torch.randn(80, 48), torch.randn(80), torch.randn(1, rows, 48)  # x [B, T, H]
@@ -78,14 +84,14 @@ def test_every_kernel_a_plan_names_computes_the_same_product(rows):
     if rows <= PLANNED_ROWS:  # force the padded path, and the packed one, for this row count
         plans.append(tuple(PLANNED_ROWS if n == rows else 0 for n in range(1, PLANNED_ROWS + 1)))
         if packed:
-            plans.append(tuple(kernel_rows("packed", n, 0) for n in range(1, PLANNED_ROWS + 1)))
+            plans.append(packed_plan())
     packs = WeightPacks()
     for plan in plans:
         for rows_in in (x, transposed):
             out = few_row_product(rows_in, weight, bias, plan, packs)
             assert out.shape == expected.shape
             torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
-    assert not packed or rows > PLANNED_ROWS or len(packs) > 0
+    assert not packed or rows > KERNEL_ROWS or len(packs) > 0
 
 
 @needs_mkl
@@ -110,7 +116,7 @@ def test_packs_are_made_when_needed_remade_when_the_weight_changes_and_released_
     assert set(layer.packs.packs) == {16}
     with torch.inference_mode():  # weights made under inference mode keep no version counter
         made = FewRowLinear(layer.in_features, layer.out_features, bias=False)
-        made.plan = tuple(kernel_rows("packed", n, 0) for n in range(1, PLANNED_ROWS + 1))
+        made.plan = packed_plan()
         torch.testing.assert_close(made(x), F.linear(x, made.weight), rtol=1e-5, atol=1e-5)
 
 
@@ -311,7 +317,10 @@ def test_a_row_kernel_changes_only_its_row_count_in_every_planned_layer():
     with pytest.raises(ValueError, match="unknown row kernel"):
         set_row_kernel(target, 2, "fastest")
     with pytest.raises(ValueError, match="1..32"):
-        set_row_kernel(target, PLANNED_ROWS + 1, "planned")
+        set_row_kernel(target, KERNEL_ROWS + 1, "planned")
+    with pytest.raises(ValueError, match="MKL packs serve 1..32"):
+        kernel_rows("packed", KERNEL_ROWS + 1, 0)
+    assert kernel_rows("linear", 7, 8) == 0
 
 
 def test_the_cost_model_picks_a_row_kernel_per_size_and_sets_it_where_it_is_loaded(monkeypatch):
@@ -343,12 +352,26 @@ def test_the_cost_model_picks_a_row_kernel_per_size_and_sets_it_where_it_is_load
     assert measure_cost_model(loaded, sizes=(1, 2), prefix=8, repeats=1, pick_kernels=False).row_kernels is None
 
 
+def test_a_row_kernel_replaces_transformers_own_product_only_where_it_is_clearly_faster():
+    target = tiny_target("llama")
+    use_few_row_linears(target)
+    kernels = ("linear", "planned", "weight_first")
+    medians = {  # ms per (size, kernel): size 1 within 3% of F.linear, size 2 well under it, size 3 F.linear fastest
+        (1, "linear"): 10.0, (1, "planned"): 9.8, (1, "weight_first"): 9.9,
+        (2, "linear"): 12.0, (2, "planned"): 12.5, (2, "weight_first"): 10.0,
+        (3, "linear"): 11.0, (3, "planned"): 11.5, (3, "weight_first"): 12.0,
+    }  # fmt: skip
+    assert pick_row_kernels(target, (1, 2, 3), medians, kernels) == ["linear", "weight_first", "linear"]
+    layer = target.model.layers[0].self_attn.q_proj
+    assert layer.plan[:3] == (0, 2, 0) and len(layer.plan) == PLANNED_ROWS
+
+
 @pytest.mark.parametrize("family", ["llama", "qwen2"])
 def test_decoding_with_any_row_kernels_equals_the_targets_greedy(family):
     target = tiny_target(family)
     model = MedusaLikeModel(target, None, kind_named("lookup").fresh(target), backend="sdpa", few_row_linear=True)
     rng = random.Random(5)
-    for size in range(1, PLANNED_ROWS + 1):
+    for size in range(1, KERNEL_ROWS + 1):
         set_row_kernel(model.target, size, rng.choice(ROW_KERNELS))
     for ids in random_prompts(3, seed=8):
         expected = greedy_reference(model.target, ids, 24)

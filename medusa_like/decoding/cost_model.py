@@ -1,6 +1,6 @@
 """What a decoding step costs on this machine: the target's verification forward against the number of tree nodes.
 
-    cost = measure_cost_model(target)               # ~10 s: forwards of 1..32 nodes after a 128-token prefix
+    cost = measure_cost_model(target)               # ~40 s: forwards of 1..32 nodes after a 128-token prefix
     cost.verify(12)                                 # ms, fitted (interpolated past 16)
     save_tree(spec, "tree.json", cost_model=cost.to_json())
     cost = CostModel.from_json(data, target)        # refused for another target or dtype
@@ -16,11 +16,12 @@ nodes cost 1.4x 4 nodes here, and the budget then stopped every step at 3 drafte
 few real dips (4 nodes measured ~10% cheaper than 3 in every run here; `measured_ms` keeps the medians).
 
 With row-planned few-row layers, every size is timed with each row kernel of `few_row_linear.ROW_KERNELS` this machine
-can run (the layers' own plans, weight-first, padded to a power of two, MKL's packed sgemm) and keeps the fastest: a
-plan is timed one layer at a time, and in a whole forward another kernel was up to ~15% faster at some sizes here
-(packed sgemm up to ~20% from 4 nodes on). The cost model saves the kernel per size and sets it on the target it is
-loaded for, so that the times it holds are the times of the kernels that run; one that names a kernel this machine
-cannot run is refused.
+can run (`F.linear` as transformers runs it, the layers' own plans, weight-first, padded to a power of two, MKL's
+packed sgemm) and keeps the fastest, `F.linear` unless another is over 3% faster: a plan is timed one layer at a time,
+and in a whole forward another kernel was up to ~15% faster at some sizes here (packed sgemm up to ~20% from 4 nodes
+on), and the plans' own pick ~2% slower than `F.linear` for one row on a Xeon. The cost model saves the kernel per
+size and sets it on the target it is loaded for, so that the times it holds are the times of the kernels that run; one
+that names a kernel this machine cannot run is refused.
 """
 
 import platform
@@ -33,6 +34,7 @@ from medusa_like.targets import target_fingerprint
 
 from .attention import pick_backend, tree_attention
 from .few_row_linear import (
+    KERNEL_ROWS,
     ROW_KERNELS,
     has_row_plans,
     linear_kernel,
@@ -43,11 +45,10 @@ from .few_row_linear import (
 from .generate import target_forward
 from .kv_cache import TreeKVCache
 from .projection import VocabProjection
-from .row_plans import PLANNED_ROWS
 
 # every size a step picks from: the cost of a forward is not monotonic in the nodes (few_row_linear.py)
 SIZES = (*range(1, 17), 20, 24, 32)
-PLAN_MARGIN = 1.03  # another row kernel replaces the layers' own plans for a size only if over 3% faster
+KERNEL_MARGIN = 1.03  # another row kernel replaces F.linear for a size only if over 3% faster
 
 
 class CostModelMismatchError(ValueError):
@@ -105,7 +106,7 @@ class CostModel:
         if kernels is not None and (
             len(kernels) != len(model.nodes)
             or not set(kernels) <= set(ROW_KERNELS)
-            or max(model.nodes) > PLANNED_ROWS
+            or max(model.nodes) > KERNEL_ROWS
             or min(model.nodes) < 1
         ):
             raise CostModelMismatchError(f"a cost model's row kernels must be one of {ROW_KERNELS} per tree size")
@@ -146,13 +147,14 @@ def non_decreasing_fit(values: list[float]) -> list[float]:
 
 
 def pick_row_kernels(target, sizes, medians: dict, kernels: tuple[str, ...]) -> list[str]:
-    """Per size, the row kernel of `kernels` with the least median ms (`medians[(size, kernel)]`), each layer's own
-    plan unless another is more than PLAN_MARGIN faster; sets the target's layers to them and drops unused packs."""
+    """Per size, the row kernel of `kernels` with the least median ms (`medians[(size, kernel)]`), `F.linear`
+    (transformers' own product) unless another is more than KERNEL_MARGIN faster; sets the target's layers to them and
+    drops unused packs."""
     picked = []
     for size in sizes:
         kernel = min(kernels, key=lambda k: medians[(size, k)])
-        if medians[(size, kernel)] * PLAN_MARGIN > medians[(size, "planned")]:
-            kernel = "planned"
+        if medians[(size, kernel)] * KERNEL_MARGIN > medians[(size, "linear")]:
+            kernel = "linear"
         set_row_kernel(target, size, kernel)
         picked.append(kernel)
     sync_packs(target)
@@ -170,7 +172,7 @@ def measure_cost_model(
     sizes = sorted(sizes)
     device = target.device
     vocab = target.config.get_text_config().vocab_size
-    picking = pick_kernels and has_row_plans(target) and max(sizes) <= PLANNED_ROWS
+    picking = pick_kernels and has_row_plans(target) and max(sizes) <= KERNEL_ROWS
     kernels = usable_row_kernels(target) if picking else (None,)  # None: the layers as they are
     generator = torch.Generator().manual_seed(0)
     context = torch.randint(0, vocab, (1, prefix), generator=generator).to(device)

@@ -4,8 +4,9 @@ A tree step multiplies a handful of rows (the verified nodes, or a drafter's top
 BLAS (MKL, as torch ships it) does this up to twice as fast when the weight is the left operand, `W @ x.T`, than in
 `nn.Linear`'s orientation, `x @ W.T`, and for some row counts faster still over a few zero rows more (16 rows cost
 less than 13 on a 2-core AMD EPYC). Each `FewRowLinear` carries its weight's row plan (`row_plans.py`, measured once
-per shape on this machine): for 1..32 rows, `F.linear` or weight-first over how many rows. Without a plan, 2..MAX_ROWS
-rows go weight-first. Long prefills keep `nn.Linear`'s own path. `eval/bench_linear.py` measures the whole forward.
+per shape on this machine): for 1..MAX_ROWS rows, `F.linear` or weight-first over how many rows. Without a plan,
+2..MAX_ROWS rows go weight-first. Long prefills keep `nn.Linear`'s own path. `eval/bench_linear.py` measures the
+whole forward.
 
 From 4 rows on, MKL's packed sgemm does better still: the weight is laid out once for a product over m rows
 (`torch.ops.mkl._mkl_reorder_linear_weight`, what inductor uses for frozen CPU linears), and the product over m rows
@@ -33,8 +34,9 @@ from torch import nn
 
 from .row_plans import PLANNED_ROWS, row_plan
 
-MAX_ROWS = 64  # above this a product is a prefill: nn.Linear's own path, measured as fast
+MAX_ROWS = PLANNED_ROWS  # above this (64) a product is a prefill: nn.Linear's own path, measured as fast
 PACK_ROWS = (4, 8, 16, 32)  # the row counts MKL packs are made for; a plan entry -m runs a pack for m rows
+KERNEL_ROWS = PACK_ROWS[-1]  # the tree sizes a row kernel is picked for in whole forwards (`cost_model.py`)
 PACK_MEMORY_SHARE = 0.25  # packs for every PACK_ROWS of a model may take at most this share of the machine's memory
 
 
@@ -158,15 +160,17 @@ class FewRowLinear(nn.Linear):
 
 
 # What computes n rows in every layer at once, chosen per row count by timing whole forwards (`cost_model.py`):
-# each layer's own plan (timed one layer at a time), weight-first over the n rows, or over n rows zero-padded to the
-# next power of two, or MKL's packed sgemm over the rows padded to the next of PACK_ROWS. A plan is the best guess of
-# one layer timed alone; a whole forward shares caches and threads.
-ROW_KERNELS = ("planned", "weight_first", "padded", "packed")
+# `F.linear` (transformers' own product), each layer's own plan (timed one layer at a time), weight-first over the n
+# rows, or over n rows zero-padded to the next power of two, or MKL's packed sgemm over the rows padded to the next of
+# PACK_ROWS. A plan is the best guess of one layer timed alone; a whole forward shares caches and threads.
+ROW_KERNELS = ("linear", "planned", "weight_first", "padded", "packed")
 
 
 def kernel_rows(kernel: str, rows: int, planned: int) -> int:
     """The plan entry `kernel` gives for `rows` rows (0: F.linear, m: weight-first over m rows, -m: packed over m
     rows); `planned` is the layer's own plan's entry."""
+    if kernel == "linear":
+        return 0
     if kernel == "planned":
         return planned
     if kernel == "weight_first":
@@ -174,6 +178,8 @@ def kernel_rows(kernel: str, rows: int, planned: int) -> int:
     if kernel == "padded":
         return 1 << (rows - 1).bit_length()
     if kernel == "packed":
+        if rows > KERNEL_ROWS:
+            raise ValueError(f"MKL packs serve 1..{KERNEL_ROWS} rows, not {rows}")
         return -next(m for m in PACK_ROWS if m >= rows)
     raise ValueError(f"unknown row kernel {kernel!r}; known: {ROW_KERNELS}")
 
@@ -205,9 +211,9 @@ def sync_packs(model: nn.Module) -> None:
 
 
 def set_row_kernel(model: nn.Module, rows: int, kernel: str) -> None:
-    """Let every planned `FewRowLinear` of `model` compute `rows` rows (1..PLANNED_ROWS) by `kernel`."""
-    if not 1 <= rows <= PLANNED_ROWS:
-        raise ValueError(f"row kernels cover 1..{PLANNED_ROWS} rows, not {rows}")
+    """Let every planned `FewRowLinear` of `model` compute `rows` rows (1..KERNEL_ROWS) by `kernel`."""
+    if not 1 <= rows <= KERNEL_ROWS:
+        raise ValueError(f"row kernels cover 1..{KERNEL_ROWS} rows, not {rows}")
     for module in model.modules():
         if isinstance(module, FewRowLinear) and module.plan:
             entry = kernel_rows(kernel, rows, row_plan(module.weight)[rows - 1])

@@ -10,7 +10,7 @@ A decoding step streams every weight of the model from memory, so a plan is time
 copy of the weight, COLD_BYTES of copies in all (more than any CPU's last-level cache). Timed with one weight hot in
 the cache, plans chose kernels that made a whole forward over 6-8 rows ~25% dearer than no plans.
 
-    plan = row_plan(weight)          # read from the cache, or measured (6.1 s for all of SmolLM2's shapes) and cached
+    plan = row_plan(weight)          # read from the cache, or measured (8 s for all of SmolLM2's shapes) and cached
     y = few_row_product(x, weight, bias, plan)      # few_row_linear.py, whose layers carry their weight's plan
 
 The cache is `row_plans.json` in `io.user_cache_dir()`, keyed by plan version, CPU model, torch version, thread
@@ -33,10 +33,10 @@ from medusa_like.io import exclusive_lock, user_cache_dir, write_json
 
 log = logging.getLogger(__name__)
 
-PLANNED_ROWS = 32  # row counts a plan covers; more rows follow few_row_linear's fixed rule
+PLANNED_ROWS = 64  # row counts a plan covers: every product short of a prefill (few_row_linear.MAX_ROWS)
 NEAR = 1.05  # a kernel within 5% of the fastest counts as fast: F.linear, then the fewest padded rows, win ties
 COLD_BYTES = 256 * 2**20  # the weight copies a plan's timing cycles through, so that no call finds its weight cached
-PLAN_VERSION = 2  # part of the cache key: 2 = timed over cache-cold copies (1 timed one hot weight)
+PLAN_VERSION = 3  # part of the cache key: 3 = 1..64 rows (2: 1..32, 1: timed one hot weight)
 
 
 def _median_ms(fn, weights: Iterator[torch.Tensor], repeats: int) -> float:
