@@ -3,6 +3,7 @@ its row plans.
 
     python -m eval.bench_linear                      # default target, fp32, this machine
     python -m eval.bench_linear --rounds 5 --out bench_linear.json
+    python -m eval.bench_linear --nodes 1,2,40,50,59,64    # past 32 nodes: short prefills, by the layers' own plans
 
 Four copies of the target, one with its own `nn.Linear` layers, one with `decoding/few_row_linear.py`'s computing
 2..64 rows weight-first, one with those layers following their row plans (`decoding/row_plans.py`), and one with the
@@ -21,7 +22,7 @@ from rich.console import Console
 from rich.table import Table
 
 from medusa_like.decoding.cost_model import measure_cost_model
-from medusa_like.decoding.few_row_linear import use_few_row_linears
+from medusa_like.decoding.few_row_linear import KERNEL_ROWS, use_few_row_linears
 from medusa_like.io import write_json
 from medusa_like.targets import DEFAULT_TARGET, load_target
 
@@ -33,26 +34,33 @@ def main() -> None:
     parser.add_argument("--target", default=DEFAULT_TARGET)
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--rounds", type=int, default=5, help="alternating rounds; the median round is reported")
+    parser.add_argument("--nodes", default=",".join(map(str, SIZES)), help="comma-separated node counts, 1..64")
     parser.add_argument("--out", default="bench_linear.json")
     args = parser.parse_args()
+    sizes = sorted({int(n) for n in args.nodes.split(",")})
 
     stock, _ = load_target(args.target, dtype=args.dtype)
     few_row, planned, picked = copy.deepcopy(stock), copy.deepcopy(stock), copy.deepcopy(stock)
     use_few_row_linears(few_row, plans=False)
     use_few_row_linears(planned)
     use_few_row_linears(picked)
-    # picked per size in whole forwards, then kept; bf16 layers have none to pick (oneDNN's pack, where it runs)
-    kernels = measure_cost_model(picked, SIZES).row_kernels or ["-"] * len(SIZES)
+    # picked per size in whole forwards (1..KERNEL_ROWS nodes), then kept; more nodes follow the layers' own plans,
+    # and bf16 layers have none to pick (oneDNN's pack, where it runs)
+    pickable = [n for n in sizes if n <= KERNEL_ROWS]
+    picks = (
+        dict(zip(pickable, measure_cost_model(picked, pickable).row_kernels or [], strict=False)) if pickable else {}
+    )
+    kernels = [picks.get(n, "-") for n in sizes]
     targets = {"nn.Linear": stock, "few_row": few_row, "few_row planned": planned, "few_row picked": picked}
     times = {name: [] for name in targets}
     for _ in range(args.rounds):
         for name, target in targets.items():
-            times[name].append(measure_cost_model(target, SIZES, repeats=1, pick_kernels=False).measured_ms)
+            times[name].append(measure_cost_model(target, sizes, repeats=1, pick_kernels=False).measured_ms)
     median = {name: [statistics.median(col) for col in zip(*rounds, strict=True)] for name, rounds in times.items()}
 
     table = Table(title=f"target forward over N nodes, ms ({args.dtype}, {torch.get_num_threads()} threads)")
     table.add_column("linears")
-    for size in SIZES:
+    for size in sizes:
         table.add_column(str(size), justify="right")
     for name, ms in median.items():
         table.add_row(name, *(f"{x:.0f}" for x in ms))
@@ -62,7 +70,7 @@ def main() -> None:
     Console(width=200).print(table)
     write_json(
         args.out,
-        {"target": args.target, "dtype": args.dtype, "nodes": list(SIZES), "verify_ms": median, "row_kernels": kernels},
+        {"target": args.target, "dtype": args.dtype, "nodes": sizes, "verify_ms": median, "row_kernels": kernels},
     )
 
 

@@ -19,7 +19,7 @@ With row-planned few-row layers, every size is timed with each row kernel of `fe
 can run (`F.linear` as transformers runs it, the layers' own plans, weight-first, padded to a power of two, MKL's
 packed sgemm) and keeps the fastest, `F.linear` unless another is over 3% faster: a plan is timed one layer at a time,
 and in a whole forward another kernel was up to ~15% faster at some sizes here (packed sgemm up to ~20% from 4 nodes
-on), and the plans' own pick ~2% slower than `F.linear` for one row on a Xeon. The cost model saves the kernel per
+on), and the plans' own pick a little slower than `F.linear` for one row on a Xeon. The cost model saves the kernel per
 size and sets it on the target it is loaded for, so that the times it holds are the times of the kernels that run; one
 that names a kernel this machine cannot run is refused.
 """
