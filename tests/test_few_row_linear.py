@@ -16,6 +16,7 @@ from medusa_like.decoding.few_row_linear import (
     ANY_ROWS,
     KERNEL_ROWS,
     MAX_ROWS,
+    ONEDNN,
     ROW_KERNELS,
     FewRowLinear,
     WeightPacks,
@@ -24,6 +25,7 @@ from medusa_like.decoding.few_row_linear import (
     linear_kernel,
     mkl_packs_available,
     onednn_bf16_packs_available,
+    onednn_packs_available,
     set_row_kernel,
     sync_packs,
     usable_row_kernels,
@@ -55,15 +57,20 @@ def test_few_row_linear_computes_the_same_product(rows, bias):
 needs_mkl = pytest.mark.skipif(not mkl_packs_available(), reason="torch built without MKL")
 
 
-def random_plan(seed: int, packed: bool = False) -> tuple[int, ...]:
-    """A plan naming every kind of kernel: F.linear (0), weight-first over the rows, over padded rows, and with
-    `packed` MKL's packed sgemm over the rows padded to a pack's row count (-m)."""
+needs_onednn = pytest.mark.skipif(not onednn_packs_available(), reason="torch built without oneDNN")
+
+
+def random_plan(seed: int, packed: bool = False, onednn: bool = False) -> tuple[int, ...]:
+    """A plan naming every kind of kernel: F.linear (0), weight-first over the rows, over padded rows, with `packed`
+    MKL's packed sgemm over the rows padded to a pack's row count (-m), and with `onednn` oneDNN's pack (ONEDNN)."""
     rng = random.Random(seed)
     plan = []
     for n in range(1, PLANNED_ROWS + 1):
         choices = [0, n, rng.randint(n, PLANNED_ROWS)]
         if packed and n <= KERNEL_ROWS:
             choices.append(kernel_rows("packed", n, 0))
+        if onednn:
+            choices.append(ONEDNN)
         plan.append(rng.choice(choices))
     return tuple(plan)
 
@@ -79,12 +86,14 @@ def test_every_kernel_a_plan_names_computes_the_same_product(rows):
     weight, bias, x = torch.randn(80, 48), torch.randn(80), torch.randn(1, rows, 48)  # x [B, T, H]
     transposed = x.transpose(1, 2).contiguous().transpose(1, 2)  # the same rows, as a weight-first product leaves them
     expected = F.linear(x, weight, bias)
-    packed = mkl_packs_available()
-    plans = [random_plan(seed, packed) for seed in range(6)]
-    if rows <= PLANNED_ROWS:  # force the padded path, and the packed one, for this row count
+    packed, onednn = mkl_packs_available(), onednn_packs_available()
+    plans = [random_plan(seed, packed, onednn) for seed in range(6)]
+    if rows <= PLANNED_ROWS:  # force the padded path, the packed one and oneDNN's for this row count
         plans.append(tuple(PLANNED_ROWS if n == rows else 0 for n in range(1, PLANNED_ROWS + 1)))
         if packed:
             plans.append(packed_plan())
+        if onednn:
+            plans.append((ONEDNN,) * PLANNED_ROWS)
     packs = WeightPacks()
     for plan in plans:
         for rows_in in (x, transposed):
@@ -92,6 +101,7 @@ def test_every_kernel_a_plan_names_computes_the_same_product(rows):
             assert out.shape == expected.shape
             torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
     assert not packed or rows > KERNEL_ROWS or len(packs) > 0
+    assert not onednn or rows > PLANNED_ROWS or ANY_ROWS in packs.packs
 
 
 @needs_mkl
@@ -118,6 +128,29 @@ def test_packs_are_made_when_needed_remade_when_the_weight_changes_and_released_
         made = FewRowLinear(layer.in_features, layer.out_features, bias=False)
         made.plan = packed_plan()
         torch.testing.assert_close(made(x), F.linear(x, made.weight), rtol=1e-5, atol=1e-5)
+
+
+@needs_onednn
+def test_a_onednn_row_kernel_runs_one_pack_for_every_row_count_it_is_set_for():
+    target = tiny_target("llama", tie_word_embeddings=False)
+    use_few_row_linears(target)
+    layer = target.model.layers[0].mlp.up_proj
+    set_row_kernel(target, 3, "onednn")
+    set_row_kernel(target, 7, "onednn")
+    assert layer.plan[2] == layer.plan[6] == ONEDNN and len(layer.packs) == 0  # made when first run
+    for rows in (3, 7):
+        x = torch.randn(1, rows, layer.in_features)  # [B, T, H]
+        torch.testing.assert_close(layer(x), F.linear(x, layer.weight), rtol=1e-5, atol=1e-5)
+    assert set(layer.packs.packs) == {ANY_ROWS}  # one pack serves both row counts
+    with torch.no_grad():
+        layer.weight.mul_(2)  # a pack of the old weight would give half the product
+    torch.testing.assert_close(layer(x), F.linear(x, layer.weight), rtol=1e-5, atol=1e-5)
+    sync_packs(target)  # every layer gets the pack its plan runs
+    assert all(ANY_ROWS in m.packs.packs for m in target.modules() if isinstance(m, FewRowLinear))
+    set_row_kernel(target, 3, "planned")
+    set_row_kernel(target, 7, "linear")
+    sync_packs(target)  # no plan names it any more: released
+    assert len(layer.packs) == 0
 
 
 @pytest.mark.skipif(not onednn_bf16_packs_available(), reason="no AMX: bf16 layers keep nn.Linear's kernel")
@@ -149,12 +182,15 @@ def test_bf16_layers_are_swapped_only_where_onednn_packs_run(monkeypatch):
     assert not worth_swapping(target)
 
 
-def test_packed_kernels_are_offered_only_where_mkl_and_memory_allow(monkeypatch):
+def test_packed_kernels_are_offered_only_where_their_library_and_memory_allow(monkeypatch):
     target = tiny_target("llama")
     use_few_row_linears(target)
     assert ("packed" in usable_row_kernels(target)) == mkl_packs_available()
+    assert ("onednn" in usable_row_kernels(target)) == onednn_packs_available()
+    monkeypatch.setattr(few_row_linear, "onednn_packs_available", lambda: False)
+    assert "onednn" not in usable_row_kernels(target)
     monkeypatch.setattr(few_row_linear, "PACK_MEMORY_SHARE", 0.0)
-    assert usable_row_kernels(target) == tuple(k for k in ROW_KERNELS if k != "packed")
+    assert usable_row_kernels(target) == tuple(k for k in ROW_KERNELS if k not in ("packed", "onednn"))
 
 
 def test_a_measured_plan_is_valid_and_cached_on_disk(tmp_path, monkeypatch):
@@ -345,10 +381,17 @@ def test_the_cost_model_picks_a_row_kernel_per_size_and_sets_it_where_it_is_load
     if mkl_packs_available():
         CostModel.from_json(with_packs, loaded)
         assert [loaded.model.layers[1].mlp.down_proj.plan[n - 1] for n in (3, 5)] == [-4, -8]
-    # measured where MKL was, loaded where it is not
+    with_onednn = cost.to_json() | {"row_kernels": ["linear", "onednn", "onednn"]}
+    if onednn_packs_available():
+        CostModel.from_json(with_onednn, loaded)
+        assert [loaded.model.layers[1].mlp.down_proj.plan[n - 1] for n in (1, 3, 5)] == [0, ONEDNN, ONEDNN]
+        assert set(loaded.model.layers[1].mlp.down_proj.packs.packs) == {ANY_ROWS}  # made where it is loaded
+    # measured where MKL and oneDNN were, loaded where they are not
     monkeypatch.setattr(few_row_linear, "mkl_packs_available", lambda: False)
-    with pytest.raises(CostModelMismatchError, match="cannot run here"):
-        CostModel.from_json(with_packs, loaded)
+    monkeypatch.setattr(few_row_linear, "onednn_packs_available", lambda: False)
+    for unusable in (with_packs, with_onednn):
+        with pytest.raises(CostModelMismatchError, match="cannot run here"):
+            CostModel.from_json(unusable, loaded)
     assert measure_cost_model(loaded, sizes=(1, 2), prefix=8, repeats=1, pick_kernels=False).row_kernels is None
 
 
@@ -367,12 +410,17 @@ def test_a_row_kernel_replaces_transformers_own_product_only_where_it_is_clearly
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen2"])
-def test_decoding_with_any_row_kernels_equals_the_targets_greedy(family):
+@pytest.mark.parametrize("kernel", ["mixed", *ROW_KERNELS])
+def test_decoding_with_any_row_kernels_equals_the_targets_greedy(family, kernel):
+    """Every size on one row kernel, or each size on a random one ("mixed")."""
     target = tiny_target(family)
     model = MedusaLikeModel(target, None, kind_named("lookup").fresh(target), backend="sdpa", few_row_linear=True)
+    kernels = usable_row_kernels(model.target)
+    if kernel not in ("mixed", *kernels):
+        pytest.skip(f"the {kernel} row kernel cannot run here")
     rng = random.Random(5)
     for size in range(1, KERNEL_ROWS + 1):
-        set_row_kernel(model.target, size, rng.choice(ROW_KERNELS))
+        set_row_kernel(model.target, size, rng.choice(kernels) if kernel == "mixed" else kernel)
     for ids in random_prompts(3, seed=8):
         expected = greedy_reference(model.target, ids, 24)
         out = model.generate(ids, max_new_tokens=24, tree="dynamic", eos_token_id=[])

@@ -15,10 +15,14 @@ one row count only and is a copy of the weight, so a layer keeps packs for a few
 zero-padded); the cost model picks this kernel per tree size where whole forwards run faster with it, and makes the
 packs its picks run (`sync_packs`), dropping the others.
 
-In bf16 on a CPU with AMX, every product runs on the weight laid out once by oneDNN for any row count
-(`torch.ops.mkldnn._reorder_linear_weight`, what inductor uses for frozen bf16 CPU linears): a whole SmolLM2 forward
-over 1-16 rows takes 29-34 ms instead of `F.linear`'s 36-39 on a 2-core Xeon (weights are read as laid out, not
-reordered at every call). Row plans are fp32's: bf16 layers carry none.
+oneDNN lays a weight out once for every row count (`torch.ops.mkldnn._reorder_linear_weight`, what inductor uses
+for frozen bf16 CPU linears) and runs its own JIT kernels for the CPU's instruction set, whoever made the CPU. MKL
+takes slower paths on AMD CPUs: on a 2-core AMD EPYC with AVX512, a whole SmolLM2 forward over 8 / 16 nodes takes
+23 / 28 ms on oneDNN's fp32 packs against 41 / 56 ms with the best of the other kernels, and 1 node 20 ms with either.
+So oneDNN's pack is a row kernel too (plan entry ONEDNN), which the cost model picks per tree size where whole
+forwards run faster with it. In bf16 on a CPU with AMX every product runs on it, whatever the plan: a whole forward
+over 1-16 rows takes 29-34 ms instead of `F.linear`'s 36-39 on a 2-core Xeon (`F.linear` in bf16 reorders the weight
+at every call). Row plans are fp32's: bf16 layers carry none.
 
 The swap shares the original parameters (no copy, same state-dict keys) and changes only fp32 rounding, as any other
 row count or kernel would: the target's greedy decoding stays the reference, computed with the same layers.
@@ -36,6 +40,7 @@ from .row_plans import PLANNED_ROWS, row_plan
 
 MAX_ROWS = PLANNED_ROWS  # above this (64) a product is a prefill: nn.Linear's own path, measured as fast
 PACK_ROWS = (4, 8, 16, 32)  # the row counts MKL packs are made for; a plan entry -m runs a pack for m rows
+ONEDNN = -1  # the plan entry that runs oneDNN's pack, one layout for every row count (no MKL pack is made for 1 row)
 KERNEL_ROWS = PACK_ROWS[-1]  # the tree sizes a row kernel is picked for in whole forwards (`cost_model.py`)
 PACK_MEMORY_SHARE = 0.25  # packs for every PACK_ROWS of a model may take at most this share of the machine's memory
 
@@ -59,15 +64,19 @@ def mkl_packs_available() -> bool:
     return torch.backends.mkl.is_available() and hasattr(torch.ops.mkl, "_mkl_linear")
 
 
+def onednn_packs_available() -> bool:
+    return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+
+
 @functools.cache
 def onednn_bf16_packs_available() -> bool:
     """Where bf16 layers run on oneDNN's packed weight: CPUs with AMX, where it was measured faster. Elsewhere (AVX2,
     AVX512 without AMX) bf16 layers keep `nn.Linear`'s own kernel."""
     amx = getattr(torch.cpu, "_is_amx_tile_supported", lambda: False)
-    return torch.backends.mkldnn.is_available() and amx()
+    return onednn_packs_available() and amx()
 
 
-ANY_ROWS = 0  # the key of a oneDNN bf16 pack: one layout serves every row count
+ANY_ROWS = 0  # the key of a oneDNN pack: one layout serves every row count
 
 
 def runs_onednn_bf16(weight: torch.Tensor) -> bool:
@@ -77,8 +86,8 @@ def runs_onednn_bf16(weight: torch.Tensor) -> bool:
 
 class WeightPacks:
     """A weight laid out for a packed product: MKL's sgemm, one pack per row count (fp32), or oneDNN's, one pack for
-    any row count (bf16, key ANY_ROWS). Made on first use, made again if the weight changed. Derived data: not in the
-    state dict, and not copied with the layer."""
+    any row count (fp32 or bf16, key ANY_ROWS). Made on first use, made again if the weight changed. Derived data: not
+    in the state dict, and not copied with the layer."""
 
     def __init__(self):
         self.packs: dict[int, tuple[tuple, torch.Tensor]] = {}  # rows -> ((weight version, address), pack)
@@ -114,9 +123,10 @@ def few_row_product(
     packs: WeightPacks | None = None,
 ) -> torch.Tensor:
     """`F.linear(x, weight, bias)` by the kernel `plan` names for x's row count (`row_plans.py`): 0 -> F.linear,
-    m -> weight-first over the rows padded with zero rows to m, -m -> MKL's packed sgemm over them padded to m (needs
-    `packs`). Row counts the plan does not cover: weight-first for 2..MAX_ROWS, else F.linear. bf16 with `packs`
-    where oneDNN's bf16 packs run: oneDNN's packed product for any row count, whatever the plan."""
+    m -> weight-first over the rows padded with zero rows to m, -m -> MKL's packed sgemm over them padded to m,
+    ONEDNN -> oneDNN's packed product (both need `packs`). Row counts the plan does not cover: weight-first for
+    2..MAX_ROWS, else F.linear. bf16 with `packs` where oneDNN's bf16 packs run: oneDNN for any row count, whatever
+    the plan."""
     if packs is not None and runs_onednn_bf16(weight):
         return torch.ops.mkldnn._linear_pointwise(x.contiguous(), packs.get(weight, ANY_ROWS), bias, "none", [], "")
     rows = x.numel() // x.shape[-1]
@@ -127,6 +137,8 @@ def few_row_product(
     # a 2-node forward of SmolLM2 took 48 ms without this copy and 37 ms with it).
     x = x.contiguous()
     entry = plan[rows - 1] if 0 < rows <= len(plan) else (rows if rows >= 2 else 0)
+    if entry == ONEDNN:
+        return torch.ops.mkldnn._linear_pointwise(x, packs.get(weight, ANY_ROWS), bias, "none", [], "")
     if entry == 0:
         return F.linear(x, weight, bias)
     if entry == rows:
@@ -161,14 +173,15 @@ class FewRowLinear(nn.Linear):
 
 # What computes n rows in every layer at once, chosen per row count by timing whole forwards (`cost_model.py`):
 # `F.linear` (transformers' own product), each layer's own plan (timed one layer at a time), weight-first over the n
-# rows, or over n rows zero-padded to the next power of two, or MKL's packed sgemm over the rows padded to the next of
-# PACK_ROWS. A plan is the best guess of one layer timed alone; a whole forward shares caches and threads.
-ROW_KERNELS = ("linear", "planned", "weight_first", "padded", "packed")
+# rows, or over n rows zero-padded to the next power of two, MKL's packed sgemm over the rows padded to the next of
+# PACK_ROWS, or oneDNN's pack. A plan is the best guess of one layer timed alone; a whole forward shares caches and
+# threads.
+ROW_KERNELS = ("linear", "planned", "weight_first", "padded", "packed", "onednn")
 
 
 def kernel_rows(kernel: str, rows: int, planned: int) -> int:
-    """The plan entry `kernel` gives for `rows` rows (0: F.linear, m: weight-first over m rows, -m: packed over m
-    rows); `planned` is the layer's own plan's entry."""
+    """The plan entry `kernel` gives for `rows` rows (0: F.linear, m: weight-first over m rows, -m: MKL-packed over m
+    rows, ONEDNN); `planned` is the layer's own plan's entry."""
     if kernel == "linear":
         return 0
     if kernel == "planned":
@@ -181,6 +194,8 @@ def kernel_rows(kernel: str, rows: int, planned: int) -> int:
         if rows > KERNEL_ROWS:
             raise ValueError(f"MKL packs serve 1..{KERNEL_ROWS} rows, not {rows}")
         return -next(m for m in PACK_ROWS if m >= rows)
+    if kernel == "onednn":
+        return ONEDNN
     raise ValueError(f"unknown row kernel {kernel!r}; known: {ROW_KERNELS}")
 
 
@@ -193,18 +208,28 @@ def packs_fit(model: nn.Module, copies: int) -> bool:
 
 
 def usable_row_kernels(model: nn.Module) -> tuple[str, ...]:
-    """The row kernels this machine can run for `model`: "packed" needs MKL, and packs for every PACK_ROWS that fit
-    in memory."""
-    fits = packs_fit(model, len(PACK_ROWS))
-    return ROW_KERNELS if mkl_packs_available() and fits else tuple(k for k in ROW_KERNELS if k != "packed")
+    """The row kernels this machine can run for `model`: "onednn" needs oneDNN and a pack of every weight in memory,
+    "packed" needs MKL and, besides that, packs for every PACK_ROWS in memory."""
+    onednn = onednn_packs_available() and packs_fit(model, 1)
+    packed = mkl_packs_available() and packs_fit(model, len(PACK_ROWS) + int(onednn))
+    usable = {"onednn": onednn, "packed": packed}  # the other kernels run everywhere
+    return tuple(k for k in ROW_KERNELS if usable.get(k, True))
+
+
+def wanted_packs(module: FewRowLinear) -> set[int]:
+    """The packs a layer runs: its oneDNN pack (key ANY_ROWS) for bf16 where those run or where its plan names ONEDNN,
+    and an MKL pack for each row count -m its plan names."""
+    if runs_onednn_bf16(module.weight):
+        return {ANY_ROWS}
+    return {ANY_ROWS if entry == ONEDNN else -entry for entry in module.plan if entry < 0}
 
 
 def sync_packs(model: nn.Module) -> None:
-    """Give every layer the packs it runs (MKL's its plan names, or its oneDNN bf16 pack), and only those: unused ones
-    are dropped, missing ones made now (else the first step that needs one would pay for it, ~0.5 s for SmolLM2)."""
+    """Give every layer the packs it runs (`wanted_packs`), and only those: unused ones are dropped, missing ones made
+    now (else the first step that needs one would pay for it, ~0.5 s for SmolLM2)."""
     for module in model.modules():
         if isinstance(module, FewRowLinear):
-            wanted = {ANY_ROWS} if runs_onednn_bf16(module.weight) else {-entry for entry in module.plan if entry < 0}
+            wanted = wanted_packs(module)
             module.packs.keep(wanted)
             for rows in wanted:
                 module.packs.get(module.weight, rows)
