@@ -5,12 +5,13 @@ its row plans.
     python -m eval.bench_linear --rounds 5 --out bench_linear.json
     python -m eval.bench_linear --nodes 1,2,40,50,59,64    # past 32 nodes: short prefills, by the layers' own plans
 
-Four copies of the target, one with its own `nn.Linear` layers, one with `decoding/few_row_linear.py`'s computing
-2..64 rows weight-first, one with those layers following their row plans (`decoding/row_plans.py`), and one with the
+Five copies of the target, one with its own `nn.Linear` layers, one with `decoding/few_row_linear.py`'s computing
+2..64 rows weight-first, one with those layers following their row plans (`decoding/row_plans.py`), and two with the
 row kernel picked per size in whole forwards (as the cost model picks it, before the rounds: F.linear, the plans,
-weight-first, padded, or MKL's packed sgemm), are timed alternately
-(`measure_cost_model`: one forward plus the vocabulary projection over N nodes after a 128-token prefix, median of
-repeats), round after round, so that all four see the same machine load. Prints the table and writes JSON.
+weight-first, padded, MKL's packed sgemm or oneDNN's pack; the second without oneDNN's, as before it was offered),
+are timed alternately (`measure_cost_model`: one forward plus the vocabulary projection over N nodes after a
+128-token prefix, median of repeats), round after round, so that all five see the same machine load. Prints the table
+and writes JSON.
 """
 
 import argparse
@@ -40,18 +41,28 @@ def main() -> None:
     sizes = sorted({int(n) for n in args.nodes.split(",")})
 
     stock, _ = load_target(args.target, dtype=args.dtype)
-    few_row, planned, picked = copy.deepcopy(stock), copy.deepcopy(stock), copy.deepcopy(stock)
+    few_row, planned = copy.deepcopy(stock), copy.deepcopy(stock)
+    picked, picked_without = copy.deepcopy(stock), copy.deepcopy(stock)
+    for target in (planned, picked, picked_without):
+        use_few_row_linears(target)
     use_few_row_linears(few_row, plans=False)
-    use_few_row_linears(planned)
-    use_few_row_linears(picked)
     # picked per size in whole forwards (1..KERNEL_ROWS nodes), then kept; more nodes follow the layers' own plans,
     # and bf16 layers have none to pick (oneDNN's pack, where it runs)
     pickable = [n for n in sizes if n <= KERNEL_ROWS]
-    picks = (
-        dict(zip(pickable, measure_cost_model(picked, pickable).row_kernels or [], strict=False)) if pickable else {}
-    )
-    kernels = [picks.get(n, "-") for n in sizes]
-    targets = {"nn.Linear": stock, "few_row": few_row, "few_row planned": planned, "few_row picked": picked}
+
+    def pick(target, without=()) -> list[str]:
+        """The kernel picked per size ("-" past KERNEL_ROWS), set on `target`."""
+        found = measure_cost_model(target, pickable, without=without).row_kernels if pickable else None
+        return [dict(zip(pickable, found or [], strict=False)).get(n, "-") for n in sizes]
+
+    kernels, kernels_without = pick(picked), pick(picked_without, without=("onednn",))
+    targets = {
+        "nn.Linear": stock,
+        "few_row": few_row,
+        "few_row planned": planned,
+        "few_row picked, no oneDNN": picked_without,
+        "few_row picked": picked,
+    }
     times = {name: [] for name in targets}
     for _ in range(args.rounds):
         for name, target in targets.items():
@@ -65,12 +76,20 @@ def main() -> None:
     for name, ms in median.items():
         table.add_row(name, *(f"{x:.0f}" for x in ms))
     base = median["nn.Linear"]
+    table.add_row("kernel picked, no oneDNN", *kernels_without)
     table.add_row("kernel picked", *kernels)
     table.add_row("ratio, picked", *(f"{a / b:.2f}" for a, b in zip(base, median["few_row picked"], strict=True)))
     Console(width=200).print(table)
     write_json(
         args.out,
-        {"target": args.target, "dtype": args.dtype, "nodes": sizes, "verify_ms": median, "row_kernels": kernels},
+        {
+            "target": args.target,
+            "dtype": args.dtype,
+            "nodes": sizes,
+            "verify_ms": median,
+            "row_kernels": kernels,
+            "row_kernels_without_onednn": kernels_without,
+        },
     )
 
 

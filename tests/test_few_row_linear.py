@@ -17,6 +17,7 @@ from medusa_like.decoding.few_row_linear import (
     KERNEL_ROWS,
     MAX_ROWS,
     ONEDNN,
+    PREFILL_KERNELS,
     ROW_KERNELS,
     FewRowLinear,
     WeightPacks,
@@ -26,6 +27,7 @@ from medusa_like.decoding.few_row_linear import (
     mkl_packs_available,
     onednn_bf16_packs_available,
     onednn_packs_available,
+    set_prefill_kernel,
     set_row_kernel,
     sync_packs,
     usable_row_kernels,
@@ -97,11 +99,12 @@ def test_every_kernel_a_plan_names_computes_the_same_product(rows):
     packs = WeightPacks()
     for plan in plans:
         for rows_in in (x, transposed):
-            out = few_row_product(rows_in, weight, bias, plan, packs)
-            assert out.shape == expected.shape
-            torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+            for prefill in (0, ONEDNN) if onednn else (0,):  # a prefill's kernel: F.linear or oneDNN
+                out = few_row_product(rows_in, weight, bias, plan, packs, prefill)
+                assert out.shape == expected.shape
+                torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
     assert not packed or rows > KERNEL_ROWS or len(packs) > 0
-    assert not onednn or rows > PLANNED_ROWS or ANY_ROWS in packs.packs
+    assert not onednn or ANY_ROWS in packs.packs
 
 
 @needs_mkl
@@ -149,8 +152,16 @@ def test_a_onednn_row_kernel_runs_one_pack_for_every_row_count_it_is_set_for():
     assert all(ANY_ROWS in m.packs.packs for m in target.modules() if isinstance(m, FewRowLinear))
     set_row_kernel(target, 3, "planned")
     set_row_kernel(target, 7, "linear")
-    sync_packs(target)  # no plan names it any more: released
-    assert len(layer.packs) == 0
+    set_prefill_kernel(target, "onednn")
+    sync_packs(target)  # a prefill still runs it
+    assert layer.prefill == ONEDNN and set(layer.packs.packs) == {ANY_ROWS}
+    x = torch.randn(1, MAX_ROWS + 3, layer.in_features)
+    torch.testing.assert_close(layer(x), F.linear(x, layer.weight), rtol=1e-5, atol=1e-5)
+    set_prefill_kernel(target, "linear")
+    sync_packs(target)  # nothing names it any more: released
+    assert layer.prefill == 0 and len(layer.packs) == 0
+    with pytest.raises(ValueError, match="unknown prefill kernel"):
+        set_prefill_kernel(target, "packed")
 
 
 @pytest.mark.skipif(not onednn_bf16_packs_available(), reason="no AMX: bf16 layers keep nn.Linear's kernel")
@@ -381,15 +392,22 @@ def test_the_cost_model_picks_a_row_kernel_per_size_and_sets_it_where_it_is_load
     if mkl_packs_available():
         CostModel.from_json(with_packs, loaded)
         assert [loaded.model.layers[1].mlp.down_proj.plan[n - 1] for n in (3, 5)] == [-4, -8]
-    with_onednn = cost.to_json() | {"row_kernels": ["linear", "onednn", "onednn"]}
+    assert cost.prefill_kernel in PREFILL_KERNELS and down.prefill == (ONEDNN if cost.prefill_kernel == "onednn" else 0)
+    with_onednn = cost.to_json() | {"row_kernels": ["linear", "onednn", "onednn"], "prefill_kernel": "onednn"}
     if onednn_packs_available():
         CostModel.from_json(with_onednn, loaded)
-        assert [loaded.model.layers[1].mlp.down_proj.plan[n - 1] for n in (1, 3, 5)] == [0, ONEDNN, ONEDNN]
-        assert set(loaded.model.layers[1].mlp.down_proj.packs.packs) == {ANY_ROWS}  # made where it is loaded
+        loaded_down = loaded.model.layers[1].mlp.down_proj
+        assert [loaded_down.plan[n - 1] for n in (1, 3, 5)] == [0, ONEDNN, ONEDNN] and loaded_down.prefill == ONEDNN
+        assert set(loaded_down.packs.packs) == {ANY_ROWS}  # made where it is loaded
+        CostModel.from_json(cost.to_json() | {"prefill_kernel": None}, loaded)  # written before prefills were timed
+        assert loaded_down.prefill == 0
+    with pytest.raises(CostModelMismatchError, match="prefill kernel"):
+        CostModel.from_json(cost.to_json() | {"prefill_kernel": "packed"}, loaded)
     # measured where MKL and oneDNN were, loaded where they are not
     monkeypatch.setattr(few_row_linear, "mkl_packs_available", lambda: False)
     monkeypatch.setattr(few_row_linear, "onednn_packs_available", lambda: False)
-    for unusable in (with_packs, with_onednn):
+    only_prefill = cost.to_json() | {"row_kernels": ["linear"] * 3, "prefill_kernel": "onednn"}
+    for unusable in (with_packs, with_onednn, only_prefill):
         with pytest.raises(CostModelMismatchError, match="cannot run here"):
             CostModel.from_json(unusable, loaded)
     assert measure_cost_model(loaded, sizes=(1, 2), prefix=8, repeats=1, pick_kernels=False).row_kernels is None
@@ -412,7 +430,8 @@ def test_a_row_kernel_replaces_transformers_own_product_only_where_it_is_clearly
 @pytest.mark.parametrize("family", ["llama", "qwen2"])
 @pytest.mark.parametrize("kernel", ["mixed", *ROW_KERNELS])
 def test_decoding_with_any_row_kernels_equals_the_targets_greedy(family, kernel):
-    """Every size on one row kernel, or each size on a random one ("mixed")."""
+    """Every size on one row kernel, or each size on a random one ("mixed"); prompts long enough to be prefilled by the
+    prefill kernel (oneDNN's with "onednn", else F.linear)."""
     target = tiny_target(family)
     model = MedusaLikeModel(target, None, kind_named("lookup").fresh(target), backend="sdpa", few_row_linear=True)
     kernels = usable_row_kernels(model.target)
@@ -421,7 +440,8 @@ def test_decoding_with_any_row_kernels_equals_the_targets_greedy(family, kernel)
     rng = random.Random(5)
     for size in range(1, KERNEL_ROWS + 1):
         set_row_kernel(model.target, size, rng.choice(kernels) if kernel == "mixed" else kernel)
-    for ids in random_prompts(3, seed=8):
+    set_prefill_kernel(model.target, "onednn" if kernel == "onednn" else "linear")
+    for ids in random_prompts(3, seed=8, min_len=MAX_ROWS + 1, max_len=2 * MAX_ROWS):
         expected = greedy_reference(model.target, ids, 24)
         out = model.generate(ids, max_new_tokens=24, tree="dynamic", eos_token_id=[])
         assert out.new_tokens.tolist() == expected.tolist()

@@ -17,11 +17,12 @@ few real dips (4 nodes measured ~10% cheaper than 3 in every run here; `measured
 
 With row-planned few-row layers, every size is timed with each row kernel of `few_row_linear.ROW_KERNELS` this machine
 can run (`F.linear` as transformers runs it, the layers' own plans, weight-first, padded to a power of two, MKL's
-packed sgemm) and keeps the fastest, `F.linear` unless another is over 3% faster: a plan is timed one layer at a time,
-and in a whole forward another kernel was up to ~15% faster at some sizes here (packed sgemm up to ~20% from 4 nodes
-on), and the plans' own pick a little slower than `F.linear` for one row on a Xeon. The cost model saves the kernel per
-size and sets it on the target it is loaded for, so that the times it holds are the times of the kernels that run; one
-that names a kernel this machine cannot run is refused.
+packed sgemm, oneDNN's pack) and keeps the fastest, `F.linear` unless another is over 3% faster: a plan is timed one
+layer at a time, and in a whole forward another kernel was up to ~15% faster at some sizes on a Xeon (packed sgemm up
+to ~20% from 4 nodes on), and oneDNN's pack up to 2x on an AMD EPYC. The context's prefill is timed the same way with
+each of `PREFILL_KERNELS` (a prompt's forward: F.linear or oneDNN), which every method, greedy included, then runs.
+The cost model saves the kernels and sets them on the target it is loaded for, so that the times it holds are the
+times of the kernels that run; one that names a kernel this machine cannot run is refused.
 """
 
 import platform
@@ -35,9 +36,11 @@ from medusa_like.targets import target_fingerprint
 from .attention import pick_backend, tree_attention
 from .few_row_linear import (
     KERNEL_ROWS,
+    PREFILL_KERNELS,
     ROW_KERNELS,
     has_row_plans,
     linear_kernel,
+    set_prefill_kernel,
     set_row_kernel,
     sync_packs,
     usable_row_kernels,
@@ -66,6 +69,7 @@ class CostModel:
     machine: str = platform.machine()
     measured_ms: list[float] | None = None  # the per-size medians before the fit
     row_kernels: list[str] | None = None  # per size, the few-row kernel it was timed with (`few_row_linear.py`)
+    prefill_kernel: str | None = None  # what computed prefills, `few_row_linear.PREFILL_KERNELS` (None: F.linear)
 
     def verify(self, num_nodes: int) -> float:
         """Milliseconds to verify `num_nodes` nodes: linear between measured sizes, extrapolated beyond them."""
@@ -90,6 +94,7 @@ class CostModel:
             "machine": self.machine,
             "measured_ms": None if self.measured_ms is None else [round(x, 4) for x in self.measured_ms],
             "row_kernels": self.row_kernels,
+            "prefill_kernel": self.prefill_kernel,
         }
 
     @classmethod
@@ -110,17 +115,20 @@ class CostModel:
             or min(model.nodes) < 1
         ):
             raise CostModelMismatchError(f"a cost model's row kernels must be one of {ROW_KERNELS} per tree size")
+        if model.prefill_kernel is not None and model.prefill_kernel not in PREFILL_KERNELS:
+            raise CostModelMismatchError(f"a cost model's prefill kernel must be one of {PREFILL_KERNELS}")
         model.check_fits(target)
         model.verify_ms = non_decreasing_fit(model.verify_ms)  # files written before the fit hold raw medians
         if kernels is not None and has_row_plans(target):
-            unusable = set(kernels) - set(usable_row_kernels(target))
+            unusable = {*kernels, model.prefill_kernel or "linear"} - set(usable_row_kernels(target))
             if unusable:
                 raise CostModelMismatchError(
-                    f"the cost model's row kernels {sorted(unusable)} cannot run here (no MKL, or too little memory "
-                    "for its packs): measure it again (eval.tree_search) on this machine"
+                    f"the cost model's row kernels {sorted(unusable)} cannot run here (no MKL or oneDNN, or too little "
+                    "memory for its packs): measure it again (eval.tree_search) on this machine"
                 )
             for size, kernel in zip(model.nodes, kernels, strict=True):
                 set_row_kernel(target, size, kernel)
+            set_prefill_kernel(target, model.prefill_kernel or "linear")
             sync_packs(target)
         return model
 
@@ -146,15 +154,19 @@ def non_decreasing_fit(values: list[float]) -> list[float]:
     return [mean for mean, count in blocks for _ in range(int(count))]
 
 
+def fastest_kernel(medians: dict, kernels) -> str:
+    """The kernel of `kernels` with the least median ms (`medians[kernel]`), `F.linear` (transformers' own product)
+    unless another is more than KERNEL_MARGIN faster."""
+    kernel = min(kernels, key=lambda k: medians[k])
+    return kernel if medians[kernel] * KERNEL_MARGIN <= medians["linear"] else "linear"
+
+
 def pick_row_kernels(target, sizes, medians: dict, kernels: tuple[str, ...]) -> list[str]:
-    """Per size, the row kernel of `kernels` with the least median ms (`medians[(size, kernel)]`), `F.linear`
-    (transformers' own product) unless another is more than KERNEL_MARGIN faster; sets the target's layers to them and
-    drops unused packs."""
+    """Per size, the fastest row kernel of `kernels` by `fastest_kernel` (`medians[(size, kernel)]`); sets the target's
+    layers to them and drops unused packs."""
     picked = []
     for size in sizes:
-        kernel = min(kernels, key=lambda k: medians[(size, k)])
-        if medians[(size, kernel)] * KERNEL_MARGIN > medians[(size, "linear")]:
-            kernel = "linear"
+        kernel = fastest_kernel({k: medians[(size, k)] for k in kernels}, kernels)
         set_row_kernel(target, size, kernel)
         picked.append(kernel)
     sync_packs(target)
@@ -163,26 +175,43 @@ def pick_row_kernels(target, sizes, medians: dict, kernels: tuple[str, ...]) -> 
 
 @torch.inference_mode()
 def measure_cost_model(
-    target, sizes=SIZES, prefix: int = 128, repeats: int = 5, pick_kernels: bool = True
+    target, sizes=SIZES, prefix: int = 128, repeats: int = 5, pick_kernels: bool = True, without: tuple[str, ...] = ()
 ) -> CostModel:
     """What verifying a tree of each of `sizes` nodes costs: the target's forward and vocabulary projection over a
     chain-shaped tree after a `prefix`-token context, timed in `repeats` interleaved rounds over all sizes (after a
     warm-up round); the per-size medians, fitted non-decreasing. With `pick_kernels` and row-planned layers, every
-    size is timed with each of `few_row_linear.ROW_KERNELS`, and the fastest is kept (set on the target, and saved)."""
+    size is timed with each of `few_row_linear.ROW_KERNELS` this machine runs but those named in `without`, and the
+    fastest is kept (set on the target, and saved); so is the fastest of `PREFILL_KERNELS` for the context's
+    prefill, timed in the same rounds."""
     sizes = sorted(sizes)
     device = target.device
     vocab = target.config.get_text_config().vocab_size
     picking = pick_kernels and has_row_plans(target) and max(sizes) <= KERNEL_ROWS
-    kernels = usable_row_kernels(target) if picking else (None,)  # None: the layers as they are
+    # None: the layers as they are
+    kernels = tuple(k for k in usable_row_kernels(target) if k not in without) if picking else (None,)
+    prefill_kernels = tuple(k for k in PREFILL_KERNELS if k in kernels) if picking else ()
     generator = torch.Generator().manual_seed(0)
     context = torch.randint(0, vocab, (1, prefix), generator=generator).to(device)
     cache = TreeKVCache.for_model(target, prefix + max(sizes))
     lm_head = VocabProjection(target)
     samples: dict[tuple, list[float]] = {(size, kernel): [] for size in sizes for kernel in kernels}
-    with tree_attention(target, pick_backend("auto", device)):
+    prefill_samples: dict[str, list[float]] = {kernel: [] for kernel in prefill_kernels}
+
+    def prefill() -> float:
+        """ms of the context's forward, from an empty cache."""
+        cache.rewind(0)
+        start = time.perf_counter()
         target_forward(target, context, torch.arange(prefix, device=device)[None], cache, None)
         cache.commit_all(prefix)
+        return 1000 * (time.perf_counter() - start)
+
+    with tree_attention(target, pick_backend("auto", device)):
+        if not prefill_kernels:
+            prefill()
         for _ in range(repeats + 1):  # the first round is a warm-up
+            for kernel in prefill_kernels:
+                set_prefill_kernel(target, kernel)
+                prefill_samples[kernel].append(prefill())
             for size, kernel in samples:
                 if kernel is not None:
                     set_row_kernel(target, size, kernel)
@@ -197,6 +226,12 @@ def measure_cost_model(
                 samples[(size, kernel)].append(1000 * (time.perf_counter() - start))
                 cache.rewind(prefix)
     medians = {key: sorted(times[1:])[repeats // 2] for key, times in samples.items()}
+    prefill_kernel = None
+    if picking:
+        prefill_kernel = fastest_kernel(
+            {k: sorted(t[1:])[repeats // 2] for k, t in prefill_samples.items()}, prefill_kernels
+        )
+        set_prefill_kernel(target, prefill_kernel)
     row_kernels = pick_row_kernels(target, sizes, medians, kernels) if picking else None
     chosen = [medians[(size, row_kernels[i] if picking else None)] for i, size in enumerate(sizes)]
     return CostModel(
@@ -208,4 +243,5 @@ def measure_cost_model(
         linear_kernel(target),
         measured_ms=chosen,
         row_kernels=row_kernels,
+        prefill_kernel=prefill_kernel,
     )

@@ -115,30 +115,36 @@ class WeightPacks:
         return WeightPacks()
 
 
+def onednn_product(x: torch.Tensor, packs: WeightPacks, weight: torch.Tensor, bias: torch.Tensor | None):
+    """`F.linear(x, weight, bias)` on oneDNN's pack of `weight`: x [..., in] -> [..., out]."""
+    return torch.ops.mkldnn._linear_pointwise(x.contiguous(), packs.get(weight, ANY_ROWS), bias, "none", [], "")
+
+
 def few_row_product(
     x: torch.Tensor,
     weight: torch.Tensor,
     bias: torch.Tensor | None,
     plan: tuple[int, ...] = (),
     packs: WeightPacks | None = None,
+    prefill: int = 0,
 ) -> torch.Tensor:
     """`F.linear(x, weight, bias)` by the kernel `plan` names for x's row count (`row_plans.py`): 0 -> F.linear,
     m -> weight-first over the rows padded with zero rows to m, -m -> MKL's packed sgemm over them padded to m,
     ONEDNN -> oneDNN's packed product (both need `packs`). Row counts the plan does not cover: weight-first for
-    2..MAX_ROWS, else F.linear. bf16 with `packs` where oneDNN's bf16 packs run: oneDNN for any row count, whatever
-    the plan."""
+    2..MAX_ROWS; over MAX_ROWS (a prefill) the entry `prefill`, 0 or ONEDNN. bf16 with `packs` where oneDNN's bf16
+    packs run: oneDNN for any row count, whatever the plan."""
     if packs is not None and runs_onednn_bf16(weight):
-        return torch.ops.mkldnn._linear_pointwise(x.contiguous(), packs.get(weight, ANY_ROWS), bias, "none", [], "")
+        return onednn_product(x, packs, weight, bias)
     rows = x.numel() // x.shape[-1]
     if rows > MAX_ROWS:
-        return F.linear(x, weight, bias)
+        return onednn_product(x, packs, weight, bias) if prefill == ONEDNN else F.linear(x, weight, bias)
     # Rows in memory order, as the plan was timed: a weight-first product leaves its output transposed ([rows, out]
     # with strides (1, rows)), and MKL multiplies the next weight by such rows more slowly (README, few-row layers:
     # a 2-node forward of SmolLM2 took 48 ms without this copy and 37 ms with it).
     x = x.contiguous()
     entry = plan[rows - 1] if 0 < rows <= len(plan) else (rows if rows >= 2 else 0)
     if entry == ONEDNN:
-        return torch.ops.mkldnn._linear_pointwise(x, packs.get(weight, ANY_ROWS), bias, "none", [], "")
+        return onednn_product(x, packs, weight, bias)
     if entry == 0:
         return F.linear(x, weight, bias)
     if entry == rows:
@@ -153,9 +159,11 @@ def few_row_product(
 
 
 class FewRowLinear(nn.Linear):
-    """`nn.Linear` (same parameters) that computes few rows by its weight's row plan (`few_row_product`)."""
+    """`nn.Linear` (same parameters) that computes few rows by its weight's row plan (`few_row_product`), and a
+    prefill's many by F.linear or oneDNN (`prefill`: 0 or ONEDNN, picked by the cost model)."""
 
     plan: tuple[int, ...] = ()
+    prefill: int = 0
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
@@ -168,7 +176,7 @@ class FewRowLinear(nn.Linear):
         return layer
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return few_row_product(x, self.weight, self.bias, self.plan, self.packs)
+        return few_row_product(x, self.weight, self.bias, self.plan, self.packs, self.prefill)
 
 
 # What computes n rows in every layer at once, chosen per row count by timing whole forwards (`cost_model.py`):
@@ -177,6 +185,7 @@ class FewRowLinear(nn.Linear):
 # PACK_ROWS, or oneDNN's pack. A plan is the best guess of one layer timed alone; a whole forward shares caches and
 # threads.
 ROW_KERNELS = ("linear", "planned", "weight_first", "padded", "packed", "onednn")
+PREFILL_KERNELS = ("linear", "onednn")  # what computes a prefill's rows (over MAX_ROWS) in every layer
 
 
 def kernel_rows(kernel: str, rows: int, planned: int) -> int:
@@ -217,11 +226,12 @@ def usable_row_kernels(model: nn.Module) -> tuple[str, ...]:
 
 
 def wanted_packs(module: FewRowLinear) -> set[int]:
-    """The packs a layer runs: its oneDNN pack (key ANY_ROWS) for bf16 where those run or where its plan names ONEDNN,
-    and an MKL pack for each row count -m its plan names."""
+    """The packs a layer runs: its oneDNN pack (key ANY_ROWS) for bf16 where those run or where its plan or prefill
+    names ONEDNN, and an MKL pack for each row count -m its plan names."""
     if runs_onednn_bf16(module.weight):
         return {ANY_ROWS}
-    return {ANY_ROWS if entry == ONEDNN else -entry for entry in module.plan if entry < 0}
+    entries = (*module.plan, module.prefill)
+    return {ANY_ROWS if entry == ONEDNN else -entry for entry in entries if entry < 0}
 
 
 def sync_packs(model: nn.Module) -> None:
@@ -243,6 +253,15 @@ def set_row_kernel(model: nn.Module, rows: int, kernel: str) -> None:
         if isinstance(module, FewRowLinear) and module.plan:
             entry = kernel_rows(kernel, rows, row_plan(module.weight)[rows - 1])
             module.plan = (*module.plan[: rows - 1], entry, *module.plan[rows:])
+
+
+def set_prefill_kernel(model: nn.Module, kernel: str) -> None:
+    """Let every planned `FewRowLinear` of `model` compute products over MAX_ROWS rows by `kernel`."""
+    if kernel not in PREFILL_KERNELS:
+        raise ValueError(f"unknown prefill kernel {kernel!r}; known: {PREFILL_KERNELS}")
+    for module in model.modules():
+        if isinstance(module, FewRowLinear) and module.plan:
+            module.prefill = ONEDNN if kernel == "onednn" else 0
 
 
 def has_row_plans(model: nn.Module) -> bool:

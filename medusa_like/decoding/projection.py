@@ -35,4 +35,5 @@ class VocabProjection:
     def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [..., H] -> logits [..., V] (or [..., N] for restricted rows)."""
         packs = self.planned.packs if self.planned is not None else None
-        return softcap(few_row_product(hidden, self.weight, self.bias, self.plan, packs), self.softcap)
+        prefill = self.planned.prefill if self.planned is not None else 0
+        return softcap(few_row_product(hidden, self.weight, self.bias, self.plan, packs, prefill), self.softcap)
