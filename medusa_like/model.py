@@ -37,7 +37,7 @@ class MedusaLikeModel:
     ):
         """`few_row_linear`: compute the few rows of a tree step by this CPU's fastest kernels (see
         `decoding/few_row_linear.py`; swaps the target's and drafter's `nn.Linear`s in place); None: on CPUs in fp32,
-        and in bf16 where AMX runs oneDNN's packed product."""
+        and in bf16 where AMX or AVX512-BF16 run oneDNN's packed product."""
         drafter.check_fits(target)
         self.target = freeze(target)
         self.tokenizer = tokenizer
