@@ -52,7 +52,7 @@ test: $(STAMP)
 
 # all 80 MT-Bench questions, both turns, with `make run`'s drafter and tree: transformers greedy and prompt lookup (the
 # same layers), transformers greedy as it ships, lookup alone and combined, interleaved; resumable (run it again after
-# a kill); 30-36 minutes on 2 cores with AVX512 (AMD EPYC; Intel Xeon), 47 and about 95 (estimated) on two AVX2-only ones
+# a kill); 26-38 minutes on 2 cores with AVX512 (AMD EPYC; Intel Xeon), 47 and about 95 (estimated) on two AVX2-only ones
 MT_BENCH ?= ../shared/data/mt_bench_question.jsonl
 bench: $(STAMP)
 	$(PY) -m eval.evaluate data.source=jsonl data.path=$(MT_BENCH) drafter.path=$(RUN_DIR)/train/drafter \

@@ -164,7 +164,9 @@ def test_a_onednn_row_kernel_runs_one_pack_for_every_row_count_it_is_set_for():
         set_prefill_kernel(target, "packed")
 
 
-@pytest.mark.skipif(not onednn_bf16_packs_available(), reason="no AMX or AVX512-BF16: bf16 layers keep nn.Linear's kernel")
+@pytest.mark.skipif(
+    not onednn_bf16_packs_available(), reason="no AMX or AVX512-BF16: bf16 layers keep nn.Linear's kernel"
+)
 def test_bf16_layers_run_on_one_onednn_pack_for_every_row_count():
     target = tiny_target("llama", tie_word_embeddings=False).to(torch.bfloat16)
     assert worth_swapping(target)
@@ -322,7 +324,9 @@ def test_decoding_with_few_row_linears_equals_the_targets_greedy(family, drafter
         assert accepted > 0
 
 
-@pytest.mark.skipif(not onednn_bf16_packs_available(), reason="no AMX or AVX512-BF16: bf16 layers keep nn.Linear's kernel")
+@pytest.mark.skipif(
+    not onednn_bf16_packs_available(), reason="no AMX or AVX512-BF16: bf16 layers keep nn.Linear's kernel"
+)
 @pytest.mark.parametrize("family", ["llama", "qwen2"])
 @pytest.mark.parametrize("drafter", ["eagle3", "lookup"])
 def test_bf16_decoding_on_onednn_packs_equals_the_targets_greedy(family, drafter):

@@ -18,9 +18,10 @@ packs its picks run (`sync_packs`), dropping the others.
 oneDNN lays a weight out once for every row count (`torch.ops.mkldnn._reorder_linear_weight`, what inductor uses
 for frozen bf16 CPU linears) and runs its own JIT kernels for the CPU's instruction set, whoever made the CPU. MKL
 takes slower paths on AMD CPUs: on a 2-core AMD EPYC with AVX512, a whole SmolLM2 forward over 8 / 16 nodes takes
-23 / 28 ms on oneDNN's fp32 packs against 41 / 56 ms with the best of the other kernels, and 1 node 20 ms with either.
-So oneDNN's pack is a row kernel too (plan entry ONEDNN), which the cost model picks per tree size where whole
-forwards run faster with it. In bf16 on a CPU with AMX or AVX512-BF16 every product runs on it, whatever the plan: a
+24 / 29 ms on oneDNN's fp32 packs against 43 / 55 ms with the best of the other kernels, and 1 node 20-21 ms with
+either (`eval.bench_linear`). So oneDNN's pack is a row kernel too (plan entry ONEDNN), which the cost model picks per
+tree size where whole forwards run faster with it, and a prompt's products over MAX_ROWS rows run on it where the cost
+model measured that faster than F.linear (`FewRowLinear.prefill`; `eval.bench_prefill`). In bf16 on a CPU with AMX or AVX512-BF16 every product runs on it, whatever the plan: a
 whole forward over 1-16 rows takes 29-34 ms instead of `F.linear`'s 36-39 on a 2-core Xeon with AMX (`F.linear` in
 bf16 reorders the weight at every call). Row plans are fp32's: bf16 layers carry none.
 
@@ -38,7 +39,7 @@ from torch import nn
 
 from .row_plans import PLANNED_ROWS, row_plan
 
-MAX_ROWS = PLANNED_ROWS  # above this (64) a product is a prefill: nn.Linear's own path, measured as fast
+MAX_ROWS = PLANNED_ROWS  # above this (64) a product is a prefill: F.linear, or oneDNN's pack (`prefill`)
 PACK_ROWS = (4, 8, 16, 32)  # the row counts MKL packs are made for; a plan entry -m runs a pack for m rows
 ONEDNN = -1  # the plan entry that runs oneDNN's pack, one layout for every row count (no MKL pack is made for 1 row)
 KERNEL_ROWS = PACK_ROWS[-1]  # the tree sizes a row kernel is picked for in whole forwards (`cost_model.py`)
@@ -71,8 +72,9 @@ def onednn_packs_available() -> bool:
 @functools.cache
 def onednn_bf16_packs_available() -> bool:
     """Where bf16 layers run on oneDNN's packed weight: CPUs that compute in bf16, with AMX or AVX512-BF16, where it
-    was measured faster (a whole forward 1.2x on a Xeon with AMX; a product 1.3-1.5x on an AMD EPYC with
-    AVX512-BF16). Elsewhere (AVX2, AVX512 without BF16: bf16 emulated) bf16 layers keep `nn.Linear`'s own kernel."""
+    was measured faster (whole forwards 1.1-1.2x on a Xeon with AMX, 1.3-1.5x on an AMD EPYC with AVX512-BF16:
+    `eval.bench_linear --dtype bfloat16`). Elsewhere (AVX2, AVX512 without BF16: bf16 emulated) bf16 layers keep
+    `nn.Linear`'s own kernel."""
     native = (
         getattr(torch.cpu, name, lambda: False)() for name in ("_is_amx_tile_supported", "_is_avx512_bf16_supported")
     )

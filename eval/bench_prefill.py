@@ -1,0 +1,87 @@
+"""Prefill benchmark: what the target's forward over an N-token prompt costs with each prefill kernel.
+
+    python -m eval.bench_prefill                                  # default target, fp32, N = 65, 128, 300, 600
+    python -m eval.bench_prefill --tokens 128,512 --rounds 5 --out bench_prefill.json
+
+A prompt's products run over more rows than any tree step (over `few_row_linear.MAX_ROWS`), by the prefill kernel the
+cost model picks (`few_row_linear.PREFILL_KERNELS`: F.linear, or oneDNN's pack). A copy of the target with its own
+`nn.Linear` layers and a few-row copy per prefill kernel this machine can run prefill random prompts of each length
+alternately, round after round (the forward alone, into an empty KV cache: decoding projects only a prompt's last
+row); the median round is reported. Prints the table and writes JSON.
+"""
+
+import argparse
+import copy
+import statistics
+import time
+
+import torch
+from rich.console import Console
+from rich.table import Table
+
+from medusa_like.decoding.attention import pick_backend, tree_attention
+from medusa_like.decoding.few_row_linear import (
+    PREFILL_KERNELS,
+    set_prefill_kernel,
+    sync_packs,
+    usable_row_kernels,
+    use_few_row_linears,
+)
+from medusa_like.decoding.generate import target_forward
+from medusa_like.decoding.kv_cache import TreeKVCache
+from medusa_like.io import write_json
+from medusa_like.targets import DEFAULT_TARGET, load_target
+
+
+@torch.inference_mode()
+def prefill_ms(target, ids: torch.Tensor) -> float:
+    """ms of the target's forward over `ids` [1, N] into an empty KV cache."""
+    cache = TreeKVCache.for_model(target, ids.shape[1])
+    positions = torch.arange(ids.shape[1], device=ids.device)[None]
+    with tree_attention(target, pick_backend("auto", ids.device)):
+        start = time.perf_counter()
+        target_forward(target, ids, positions, cache, None)
+        return 1000 * (time.perf_counter() - start)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--target", default=DEFAULT_TARGET)
+    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--rounds", type=int, default=5, help="alternating rounds; the median round is reported")
+    parser.add_argument("--tokens", default="65,128,300,600", help="comma-separated prompt lengths")
+    parser.add_argument("--out", default="bench_prefill.json")
+    args = parser.parse_args()
+    lengths = sorted({int(n) for n in args.tokens.split(",")})
+
+    stock, _ = load_target(args.target, dtype=args.dtype)
+    targets = {"nn.Linear": stock}
+    for kernel in PREFILL_KERNELS:
+        few_row = copy.deepcopy(stock)
+        use_few_row_linears(few_row)
+        if kernel in usable_row_kernels(few_row):
+            set_prefill_kernel(few_row, kernel)
+            sync_packs(few_row)
+            targets[f"few_row, prefill {kernel}"] = few_row
+    vocab = stock.config.get_text_config().vocab_size
+    prompts = [torch.randint(0, vocab, (1, n), generator=torch.Generator().manual_seed(n)) for n in lengths]
+    for target in targets.values():  # a warm-up
+        prefill_ms(target, prompts[0])
+    times = {name: [] for name in targets}
+    for _ in range(args.rounds):
+        for name, target in targets.items():
+            times[name].append([prefill_ms(target, ids) for ids in prompts])
+    median = {name: [statistics.median(col) for col in zip(*rounds, strict=True)] for name, rounds in times.items()}
+
+    table = Table(title=f"target forward over an N-token prompt, ms ({args.dtype}, {torch.get_num_threads()} threads)")
+    table.add_column("linears")
+    for n in lengths:
+        table.add_column(str(n), justify="right")
+    for name, ms in median.items():
+        table.add_row(name, *(f"{x:.0f}" for x in ms))
+    Console(width=200).print(table)
+    write_json(args.out, {"target": args.target, "dtype": args.dtype, "tokens": lengths, "prefill_ms": median})
+
+
+if __name__ == "__main__":
+    main()
