@@ -377,7 +377,7 @@ def test_a_row_kernel_changes_only_its_row_count_in_every_planned_layer():
 def test_the_cost_model_picks_a_row_kernel_per_size_and_sets_it_where_it_is_loaded(monkeypatch):
     measured = tiny_target("llama")
     use_few_row_linears(measured)
-    cost = measure_cost_model(measured, sizes=(1, 3, 5), prefix=8, repeats=1)
+    cost = measure_cost_model(measured, sizes=(1, 3, 5), prefix=MAX_ROWS + 8, repeats=1)
     assert len(cost.row_kernels) == 3 and set(cost.row_kernels) <= set(ROW_KERNELS)
     down = measured.model.layers[0].mlp.down_proj
     own = row_plan(down.weight)
@@ -415,6 +415,8 @@ def test_the_cost_model_picks_a_row_kernel_per_size_and_sets_it_where_it_is_load
         with pytest.raises(CostModelMismatchError, match="cannot run here"):
             CostModel.from_json(unusable, loaded)
     assert measure_cost_model(loaded, sizes=(1, 2), prefix=8, repeats=1, pick_kernels=False).row_kernels is None
+    short = measure_cost_model(loaded, sizes=(1, 2), prefix=8, repeats=1)  # a context no prefill kernel computes
+    assert short.row_kernels is not None and short.prefill_kernel is None
 
 
 def test_a_row_kernel_replaces_transformers_own_product_only_where_it_is_clearly_faster():

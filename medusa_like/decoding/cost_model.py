@@ -36,6 +36,7 @@ from medusa_like.targets import target_fingerprint
 from .attention import pick_backend, tree_attention
 from .few_row_linear import (
     KERNEL_ROWS,
+    MAX_ROWS,
     PREFILL_KERNELS,
     ROW_KERNELS,
     has_row_plans,
@@ -182,14 +183,15 @@ def measure_cost_model(
     warm-up round); the per-size medians, fitted non-decreasing. With `pick_kernels` and row-planned layers, every
     size is timed with each of `few_row_linear.ROW_KERNELS` this machine runs but those named in `without`, and the
     fastest is kept (set on the target, and saved); so is the fastest of `PREFILL_KERNELS` for the context's
-    prefill, timed in the same rounds."""
+    prefill, timed in the same rounds (a context over MAX_ROWS tokens; else None: F.linear)."""
     sizes = sorted(sizes)
     device = target.device
     vocab = target.config.get_text_config().vocab_size
     picking = pick_kernels and has_row_plans(target) and max(sizes) <= KERNEL_ROWS
     # None: the layers as they are
     kernels = tuple(k for k in usable_row_kernels(target) if k not in without) if picking else (None,)
-    prefill_kernels = tuple(k for k in PREFILL_KERNELS if k in kernels) if picking else ()
+    # a context over MAX_ROWS tokens runs the prefill kernel; a shorter one would time the row plans instead
+    prefill_kernels = tuple(k for k in PREFILL_KERNELS if k in kernels) if picking and prefix > MAX_ROWS else ()
     generator = torch.Generator().manual_seed(0)
     context = torch.randint(0, vocab, (1, prefix), generator=generator).to(device)
     cache = TreeKVCache.for_model(target, prefix + max(sizes))
@@ -227,7 +229,7 @@ def measure_cost_model(
                 cache.rewind(prefix)
     medians = {key: sorted(times[1:])[repeats // 2] for key, times in samples.items()}
     prefill_kernel = None
-    if picking:
+    if prefill_kernels:
         prefill_kernel = fastest_kernel(
             {k: sorted(t[1:])[repeats // 2] for k, t in prefill_samples.items()}, prefill_kernels
         )
