@@ -16,14 +16,13 @@ and writes JSON.
 
 import argparse
 import copy
-import statistics
 
 import torch
 from rich.console import Console
-from rich.table import Table
 
 from medusa_like.decoding.cost_model import measure_cost_model
 from medusa_like.decoding.few_row_linear import KERNEL_ROWS, use_few_row_linears
+from medusa_like.evaluation.timing import alternating_medians, ms_table
 from medusa_like.io import write_json
 from medusa_like.targets import DEFAULT_TARGET, load_target
 
@@ -63,18 +62,13 @@ def main() -> None:
         "few_row picked, no oneDNN": picked_without,
         "few_row picked": picked,
     }
-    times = {name: [] for name in targets}
-    for _ in range(args.rounds):
-        for name, target in targets.items():
-            times[name].append(measure_cost_model(target, sizes, repeats=1, pick_kernels=False).measured_ms)
-    median = {name: [statistics.median(col) for col in zip(*rounds, strict=True)] for name, rounds in times.items()}
-
-    table = Table(title=f"target forward over N nodes, ms ({args.dtype}, {torch.get_num_threads()} threads)")
-    table.add_column("linears")
-    for size in sizes:
-        table.add_column(str(size), justify="right")
-    for name, ms in median.items():
-        table.add_row(name, *(f"{x:.0f}" for x in ms))
+    median = alternating_medians(
+        lambda target: measure_cost_model(target, sizes, repeats=1, pick_kernels=False).measured_ms,
+        targets,
+        args.rounds,
+    )
+    title = f"target forward over N nodes, ms ({args.dtype}, {torch.get_num_threads()} threads)"
+    table = ms_table(title, "linears", sizes, median)
     base = median["nn.Linear"]
     table.add_row("kernel picked, no oneDNN", *kernels_without)
     table.add_row("kernel picked", *kernels)

@@ -12,12 +12,10 @@ row); the median round is reported. Prints the table and writes JSON.
 
 import argparse
 import copy
-import statistics
 import time
 
 import torch
 from rich.console import Console
-from rich.table import Table
 
 from medusa_like.decoding.attention import pick_backend, tree_attention
 from medusa_like.decoding.few_row_linear import (
@@ -29,6 +27,7 @@ from medusa_like.decoding.few_row_linear import (
 )
 from medusa_like.decoding.generate import target_forward
 from medusa_like.decoding.kv_cache import TreeKVCache
+from medusa_like.evaluation.timing import alternating_medians, ms_table
 from medusa_like.io import write_json
 from medusa_like.targets import DEFAULT_TARGET, load_target
 
@@ -67,18 +66,9 @@ def main() -> None:
     prompts = [torch.randint(0, vocab, (1, n), generator=torch.Generator().manual_seed(n)) for n in lengths]
     for target in targets.values():  # a warm-up
         prefill_ms(target, prompts[0])
-    times = {name: [] for name in targets}
-    for _ in range(args.rounds):
-        for name, target in targets.items():
-            times[name].append([prefill_ms(target, ids) for ids in prompts])
-    median = {name: [statistics.median(col) for col in zip(*rounds, strict=True)] for name, rounds in times.items()}
-
-    table = Table(title=f"target forward over an N-token prompt, ms ({args.dtype}, {torch.get_num_threads()} threads)")
-    table.add_column("linears")
-    for n in lengths:
-        table.add_column(str(n), justify="right")
-    for name, ms in median.items():
-        table.add_row(name, *(f"{x:.0f}" for x in ms))
+    median = alternating_medians(lambda target: [prefill_ms(target, ids) for ids in prompts], targets, args.rounds)
+    title = f"target forward over an N-token prompt, ms ({args.dtype}, {torch.get_num_threads()} threads)"
+    table = ms_table(title, "linears", lengths, median)
     Console(width=200).print(table)
     write_json(args.out, {"target": args.target, "dtype": args.dtype, "tokens": lengths, "prefill_ms": median})
 

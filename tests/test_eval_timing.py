@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from medusa_like.evaluation.methods import METHODS, REFERENCE, SPECULATIVE
-from medusa_like.evaluation.timing import median_tps, rotated, time_methods
+from medusa_like.evaluation.timing import alternating_medians, median_tps, ms_table, rotated, time_methods
 
 
 def recording_runners(calls: list, names=("a", "b", "c")):
@@ -51,3 +51,18 @@ def test_rotation_and_refusals():
 def test_the_methods_registry_names_the_reference_and_the_evaluated_method():
     assert REFERENCE in METHODS and SPECULATIVE in METHODS
     assert len({m.label for m in METHODS.values()}) == len(METHODS)  # the report's tables tell them apart
+
+
+def test_alternating_medians_measure_the_subjects_in_turn_and_take_each_columns_median():
+    order = []
+    values = {"a": iter([[1.0, 9.0], [3.0, 7.0], [2.0, 8.0]]), "b": iter([[5.0, 0.0], [4.0, 1.0], [6.0, 2.0]])}
+
+    def measure(name):
+        order.append(name)
+        return next(values[name])
+
+    medians = alternating_medians(measure, {"a": "a", "b": "b"}, rounds=3)
+    assert order == ["a", "b"] * 3  # round after round, not one subject's rounds in a row
+    assert medians == {"a": [2.0, 8.0], "b": [5.0, 1.0]}
+    table = ms_table("t", "linears", [1, 2], medians)
+    assert [c.header for c in table.columns] == ["linears", "1", "2"] and table.row_count == 2

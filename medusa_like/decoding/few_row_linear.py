@@ -5,8 +5,8 @@ BLAS (MKL, as torch ships it) does this up to twice as fast when the weight is t
 `nn.Linear`'s orientation, `x @ W.T`, and for some row counts faster still over a few zero rows more (16 rows cost
 less than 13 on a 2-core AMD EPYC). Each `FewRowLinear` carries its weight's row plan (`row_plans.py`, measured once
 per shape on this machine): for 1..MAX_ROWS rows, `F.linear` or weight-first over how many rows. Without a plan,
-2..MAX_ROWS rows go weight-first. Long prefills keep `nn.Linear`'s own path. `eval/bench_linear.py` measures the
-whole forward.
+2..MAX_ROWS rows go weight-first. Longer products (a prompt's prefill) run `F.linear`, or oneDNN's pack (below).
+`eval/bench_linear.py` measures the whole forward.
 
 From 4 rows on, MKL's packed sgemm does better still: the weight is laid out once for a product over m rows
 (`torch.ops.mkl._mkl_reorder_linear_weight`, what inductor uses for frozen CPU linears), and the product over m rows
@@ -21,9 +21,10 @@ takes slower paths on AMD CPUs: on a 2-core AMD EPYC with AVX512, a whole SmolLM
 24 / 29 ms on oneDNN's fp32 packs against 43 / 55 ms with the best of the other kernels, and 1 node 20-21 ms with
 either (`eval.bench_linear`). So oneDNN's pack is a row kernel too (plan entry ONEDNN), which the cost model picks per
 tree size where whole forwards run faster with it, and a prompt's products over MAX_ROWS rows run on it where the cost
-model measured that faster than F.linear (`FewRowLinear.prefill`; `eval.bench_prefill`). In bf16 on a CPU with AMX or AVX512-BF16 every product runs on it, whatever the plan: a
-whole forward over 1-16 rows takes 29-34 ms instead of `F.linear`'s 36-39 on a 2-core Xeon with AMX (`F.linear` in
-bf16 reorders the weight at every call). Row plans are fp32's: bf16 layers carry none.
+model measured that faster than F.linear (`FewRowLinear.prefill`; `eval.bench_prefill`). In bf16 on a CPU with AMX
+or AVX512-BF16 every product runs on it, whatever the plan: a whole forward over 1-16 rows takes 29-34 ms instead of
+`F.linear`'s 36-39 on a 2-core Xeon with AMX, 17-24 instead of 24-32 on the EPYC (`F.linear` in bf16 reorders the
+weight at every call). Row plans are fp32's: bf16 layers carry none.
 
 The swap shares the original parameters (no copy, same state-dict keys) and changes only fp32 rounding, as any other
 row count or kernel would: the target's greedy decoding stays the reference, computed with the same layers.

@@ -10,10 +10,12 @@ of its per-prompt tokens/s (`metrics.median`), new tokens over wall seconds of t
     median_tps(results["spec"])
 """
 
+import statistics
 import time
 from collections.abc import Callable, Sequence
 
 import torch
+from rich.table import Table
 
 from medusa_like.evaluation.metrics import median, tokens_per_second
 
@@ -75,3 +77,27 @@ def time_methods(
 def median_tps(results: Sequence[dict]) -> float:
     """The median tokens/s of one method's per-prompt results."""
     return median(r["tps"] for r in results)
+
+
+def alternating_medians(
+    measure: Callable[[object], list[float]], subjects: dict, rounds: int
+) -> dict[str, list[float]]:
+    """Per subject, the median over `rounds` of each value `measure(subject)` returns; the subjects are measured
+    alternately, round after round, so that a slow spell of the machine lands on all of them alike (the benchmarks
+    that compare copies of a model)."""
+    times: dict[str, list[list[float]]] = {name: [] for name in subjects}
+    for _ in range(rounds):
+        for name, subject in subjects.items():
+            times[name].append(measure(subject))
+    return {name: [statistics.median(col) for col in zip(*rows, strict=True)] for name, rows in times.items()}
+
+
+def ms_table(title: str, label: str, columns: Sequence, medians: dict[str, list[float]]) -> Table:
+    """A table of milliseconds: one row per name of `medians` (first column `label`), one column per `columns`."""
+    table = Table(title=title)
+    table.add_column(label)
+    for column in columns:
+        table.add_column(str(column), justify="right")
+    for name, ms in medians.items():
+        table.add_row(name, *(f"{x:.0f}" for x in ms))
+    return table
