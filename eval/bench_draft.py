@@ -26,7 +26,7 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
-from medusa_like.decoding.few_row_linear import use_few_row_linears
+from medusa_like.cpu.few_row_linear import use_few_row_linears
 from medusa_like.decoding.generate import target_forward
 from medusa_like.decoding.kv_cache import TreeKVCache
 from medusa_like.decoding.tree import DynamicTreeSpec, TokenTree

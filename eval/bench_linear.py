@@ -5,8 +5,8 @@ its row plans.
     python -m eval.bench_linear --rounds 5 --out bench_linear.json
     python -m eval.bench_linear --nodes 1,2,40,50,59,64    # past 32 nodes: short prefills, by the layers' own plans
 
-Five copies of the target, one with its own `nn.Linear` layers, one with `decoding/few_row_linear.py`'s computing
-2..64 rows weight-first, one with those layers following their row plans (`decoding/row_plans.py`), and two with the
+Five copies of the target, one with its own `nn.Linear` layers, one with `cpu/few_row_linear.py`'s computing
+2..64 rows weight-first, one with those layers following their row plans (`cpu/row_plans.py`), and two with the
 row kernel picked per size in whole forwards (as the cost model picks it, before the rounds: F.linear, the plans,
 weight-first, padded, MKL's packed sgemm or oneDNN's pack; the second without oneDNN's, as before it was offered),
 are timed alternately (`measure_cost_model`: one forward plus the vocabulary projection over N nodes after a
@@ -21,7 +21,7 @@ import torch
 from rich.console import Console
 
 from medusa_like.decoding.cost_model import measure_cost_model
-from medusa_like.decoding.few_row_linear import KERNEL_ROWS, use_few_row_linears
+from medusa_like.cpu.few_row_linear import KERNEL_ROWS, use_few_row_linears
 from medusa_like.evaluation.timing import alternating_medians, ms_table
 from medusa_like.io import write_json
 from medusa_like.targets import DEFAULT_TARGET, load_target

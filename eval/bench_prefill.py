@@ -18,7 +18,7 @@ import torch
 from rich.console import Console
 
 from medusa_like.decoding.attention import pick_backend, tree_attention
-from medusa_like.decoding.few_row_linear import (
+from medusa_like.cpu.few_row_linear import (
     PREFILL_KERNELS,
     set_prefill_kernel,
     sync_packs,

@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 
 from medusa_like.decoding.attention import pick_backend
-from medusa_like.decoding.few_row_linear import use_few_row_linears, worth_swapping
+from medusa_like.cpu.few_row_linear import use_few_row_linears, worth_swapping
 from medusa_like.decoding.generate import GenerateOutput, StopChecker, speculative_generate
 from medusa_like.decoding.tree import TreeSpec, resolve_tree
 from medusa_like.drafters.protocol import Drafter, Proposer
@@ -36,7 +36,7 @@ class MedusaLikeModel:
         few_row_linear: bool | None = None,
     ):
         """`few_row_linear`: compute the few rows of a tree step by this CPU's fastest kernels (see
-        `decoding/few_row_linear.py`; swaps the target's and drafter's `nn.Linear`s in place); None: on CPUs in fp32,
+        `cpu/few_row_linear.py`; swaps the target's and drafter's `nn.Linear`s in place); None: on CPUs in fp32,
         and in bf16 where AMX or AVX512-BF16 run oneDNN's packed product."""
         drafter.check_fits(target)
         self.target = freeze(target)

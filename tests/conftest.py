@@ -27,7 +27,7 @@ FAMILIES = ("llama", "qwen2", "mistral", "gemma3")
 # matmul up to 50x slower.
 torch.set_num_threads(1)
 
-# Row plans (decoding/row_plans.py) measured by the tests stay out of the user's cache.
+# Row plans (cpu/row_plans.py) measured by the tests stay out of the user's cache.
 os.environ["MEDUSA_LIKE_CACHE_DIR"] = tempfile.mkdtemp(prefix="medusa_like_test_cache_")
 atexit.register(shutil.rmtree, os.environ["MEDUSA_LIKE_CACHE_DIR"], ignore_errors=True)
 

@@ -10,9 +10,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from medusa_like.decoding import few_row_linear, row_plans
+from medusa_like.cpu import few_row_linear, row_plans
 from medusa_like.decoding.cost_model import CostModel, CostModelMismatchError, measure_cost_model, pick_row_kernels
-from medusa_like.decoding.few_row_linear import (
+from medusa_like.cpu.few_row_linear import (
     ANY_ROWS,
     KERNEL_ROWS,
     MAX_ROWS,
@@ -37,7 +37,7 @@ from medusa_like.decoding.few_row_linear import (
     worth_swapping,
 )
 from medusa_like.decoding.projection import VocabProjection
-from medusa_like.decoding.row_plans import PLANNED_ROWS, measure_row_plan, row_plan, valid_plan
+from medusa_like.cpu.row_plans import PLANNED_ROWS, measure_row_plan, row_plan, valid_plan
 from medusa_like.drafters.registry import kind_named
 from medusa_like.model import MedusaLikeModel
 from tests.conftest import greedy_reference, random_heads, random_prompts, tiny_target

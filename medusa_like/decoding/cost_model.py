@@ -34,7 +34,7 @@ import torch
 from medusa_like.targets import target_fingerprint
 
 from .attention import pick_backend, tree_attention
-from .few_row_linear import (
+from medusa_like.cpu.few_row_linear import (
     KERNEL_ROWS,
     MAX_ROWS,
     PREFILL_KERNELS,

@@ -4,7 +4,7 @@ import torch
 
 from medusa_like.targets import logit_softcap, softcap
 
-from .few_row_linear import FewRowLinear, few_row_product
+from medusa_like.cpu.few_row_linear import FewRowLinear, few_row_product
 
 
 class VocabProjection:

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
-from medusa_like.decoding.few_row_linear import linear_kernel, with_stock_linears
+from medusa_like.cpu.few_row_linear import linear_kernel, with_stock_linears
 from medusa_like.evaluation.timing import Runner
 
 REFERENCE = "hf_greedy"  # the output every method must reproduce token for token
