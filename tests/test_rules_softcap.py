@@ -65,9 +65,13 @@ def test_eagle3_labels_are_the_capped_target_distribution(draft_size):
     data = batch()
     counts = torch.bincount(data["input_ids"].flatten(), minlength=VOCAB).float()
     vocab = DraftVocab.from_counts(counts, draft_size)
-    module = Eagle3Module(target, vocab, "tiny_gemma3", optimizer=partial(torch.optim.AdamW), aux_layer_ids=[0, 1, 2])
+    module = Eagle3Module(
+        target, vocab, "tiny_gemma3", optimizer=partial(torch.optim.AdamW), aux_layer_ids=[0, 1, 2], top_k=None
+    )
     wanted = torch.ones_like(data["attention_mask"], dtype=torch.bool)  # [B, T]
-    _, teacher_logp, labelled = module._target_outputs(data, wanted)
+    out = module._target_outputs(data, wanted)
+    labelled = out["labelled"]
+    teacher_logp = torch.zeros_like(out["topk_logp"]).scatter(-1, out["topk_ids"], out["topk_logp"])  # [B, T, N]
     logits, _ = forward_logits(target, data["input_ids"])  # [B, T, V], capped by transformers
     expected = logits[..., vocab.token_ids].float().log_softmax(-1)  # [B, T, N]
     torch.testing.assert_close(teacher_logp, expected, rtol=1e-4, atol=1e-5)

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import hydra
 import lightning as L
+import torch
 from hydra.utils import instantiate
 from omegaconf import DictConfig
 
@@ -53,6 +54,9 @@ def train(cfg: DictConfig) -> dict[str, float]:
     trainer.fit(module, datamodule=datamodule, ckpt_path=last_checkpoint(cfg.get("ckpt_path"), out_dir))
 
     metrics = {k: float(v) for k, v in trainer.callback_metrics.items()}
+    best = restore_best(trainer, module)
+    if best is not None:
+        metrics.update(best)
     if trainer.is_global_zero:
         if cfg.get("export_drafter"):
             path = save_drafter(module.drafter, out_dir / "drafter", target, cfg.model.name_or_path)
@@ -61,6 +65,20 @@ def train(cfg: DictConfig) -> dict[str, float]:
         log.info("validation: %s", {k: round(v, 4) for k, v in sorted(metrics.items()) if k.startswith("val/acc")})
     _finish_wandb()
     return metrics
+
+
+def restore_best(trainer: L.Trainer, module) -> dict[str, float] | None:
+    """Load the weights of the best checkpoint by the drafter's monitored metric (`drafter.monitor`) into `module`,
+    so that the exported drafter is the best one rather than the last; returns {"best/<metric>": score, ...}, or None
+    when no checkpoint was chosen (no checkpoint callback, or nothing validated)."""
+    callback = trainer.checkpoint_callback
+    path = getattr(callback, "best_model_path", "") if callback is not None else ""
+    if not path or callback.best_model_score is None:
+        return None
+    checkpoint = torch.load(path, map_location=module.device, weights_only=False)
+    module.load_state_dict(checkpoint["state_dict"])
+    log.info("exporting the best checkpoint by %s (%.4f): %s", callback.monitor, callback.best_model_score, path)
+    return {f"best/{callback.monitor}": float(callback.best_model_score), "best/step": float(checkpoint["global_step"])}
 
 
 def _finish_wandb() -> None:

@@ -1,12 +1,16 @@
 """`checkpoints/last.ckpt`, the checkpoint `ckpt_path=last` resumes from: written every N optimizer steps (when asked),
-at every training epoch end, and when training ends.
+at every training epoch end, and when training ends; and checkpoints at token milestones, for learning curves.
 
 Lightning's `ModelCheckpoint` treats `every_n_train_steps` and `every_n_epochs` as mutually exclusive: with the former
 set it saves nothing at an epoch end, so a run's final `last.ckpt` could lag its last steps. This subclass adds the
 epoch-end and end-of-training saves; a step already saved is not saved twice.
 """
 
-from lightning.pytorch.callbacks import ModelCheckpoint
+from pathlib import Path
+
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint
+
+from medusa_like.io import write_json
 
 
 class LastCheckpoint(ModelCheckpoint):
@@ -32,3 +36,36 @@ class LastCheckpoint(ModelCheckpoint):
     def _save_now(self, trainer) -> None:
         if not self._should_skip_saving_checkpoint(trainer):  # fast_dev_run, not fitting, or this step saved already
             self._save_topk_checkpoint(trainer, self._monitor_candidates(trainer))
+
+
+class TokenMilestones(Callback):
+    """Save `tokens-<n>.ckpt` when the supervised tokens trained on (assistant tokens, `loss_mask`, summed over every
+    batch, repeats of later epochs included) first reach each of `milestones`; `milestones.json` lists them with the
+    step. The points of a learning curve (`eval.learning_curve`) from one run: each checkpoint is the drafter after
+    that many tokens, with the learning-rate schedule of the whole run."""
+
+    def __init__(self, dirpath: str, milestones: list[int]):
+        if not milestones or any(int(m) < 1 for m in milestones):
+            raise ValueError(f"milestones must be positive token counts, got {milestones}")
+        self.dirpath = Path(dirpath)
+        self.milestones = sorted(int(m) for m in milestones)
+        self.tokens = 0
+        self.saved: list[dict] = []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        self.tokens += int(batch["loss_mask"].sum()) * trainer.world_size
+        due = [m for m in self.milestones if m <= self.tokens and m not in {s["milestone"] for s in self.saved}]
+        if not due or not trainer.is_global_zero:
+            return
+        path = self.dirpath / f"tokens-{due[-1]}.ckpt"
+        trainer.save_checkpoint(path)
+        self.saved += [
+            {"milestone": m, "tokens": self.tokens, "step": trainer.global_step, "path": path.name} for m in due
+        ]
+        write_json(self.dirpath / "milestones.json", self.saved)
+
+    def state_dict(self) -> dict:
+        return {"tokens": self.tokens, "saved": self.saved}
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        self.tokens, self.saved = state_dict["tokens"], state_dict["saved"]

@@ -1,31 +1,38 @@
 """The Lightning module for the EAGLE-3-style drafter: a frozen target, a trainable one-layer drafter, and the
 training-time-test loss (`ttt.py`) unrolled over `ttt_steps` draft steps, step j weighted by `decay ** j`.
 
-One frozen target forward per batch gives the aux hidden states (the drafter's input) and the last hidden state
-(the labels: the target's distribution over the draft vocabulary); with `hidden_cache_dir` both are stored during the
-first epoch and later epochs skip the target. The frozen target, checkpoints (keys `drafter.*`, with the drafter config
-and the draft vocabulary in their metadata), the cache and the optimizer are `drafter_module.DrafterModule`'s.
+One frozen target forward per batch gives the aux hidden states (the drafter's input) and the labels: the target's
+distribution over the draft vocabulary, kept as its `top_k` most likely tokens (all of them when `top_k` is null).
+With `target_cache_dir`, both are computed once for every row before the first step (`target_cache.py`) and every
+epoch reads them back: training runs no target forward at all. Validation reports, besides the per-depth losses and
+accuracies, the acceptance length a chain of drafts would reach with those accuracies (`val/sim_tau_chain`), by which
+the best checkpoint is chosen. The frozen target, checkpoints (keys `drafter.*`, with the drafter config and the draft
+vocabulary in their metadata) and the optimizer are `drafter_module.DrafterModule`'s.
 """
 
 from collections.abc import Callable
 
 import torch
 import torch.nn as nn
+from hydra.utils import instantiate
 from torchmetrics import MeanMetric
 from transformers import DynamicCache
 
+from medusa_like.data.split import draft_vocab_from_training_split
 from medusa_like.drafters.base import check_fits
-from medusa_like.drafters.eagle3 import Eagle3Config, Eagle3Drafter
+from medusa_like.drafters.eagle3 import EAGLE3, Eagle3Config, Eagle3Drafter
 from medusa_like.drafters.vocab import DraftVocab
-from medusa_like.targets import output_logits
+from medusa_like.targets import output_logits, target_fingerprint
 from medusa_like.training.drafter_module import DrafterModule
 from medusa_like.training.losses import decay_weights, shift_left
-from medusa_like.training.ttt import soft_cross_entropy, supervised_rows, unrolled_mask
+from medusa_like.training.target_cache import TargetCache, cache_key
+from medusa_like.training.ttt import simulated_tau, supervised_rows, topk_soft_cross_entropy, unrolled_mask
 
 _PROJECTION_ROWS = 1024  # positions per chunk of the target's full projection (bounds memory: 1024 x V floats)
 
 
 class Eagle3Module(DrafterModule):
+    kind = EAGLE3.name
     checkpoint_prefix = "drafter"
     progress_metric = "acc_top1_depth1"
 
@@ -40,9 +47,17 @@ class Eagle3Module(DrafterModule):
         ttt_steps: int = 4,  # unrolled draft steps (EAGLE-3: 7)
         decay: float = 0.8,  # step j's loss is weighted decay^j
         init_from_target: bool = True,  # start lm_head and the final norm from the target's
-        hidden_cache_dir: str | None = None,  # cache the target's hidden states here during the first epoch
+        init_layer_from_target: int | None = None,  # start the decoder layer from this target layer's weights
+        top_k: int | None = 64,  # labels: the target's k most likely draft tokens (null: the whole draft vocabulary)
+        target_cache_dir: str | None = None,  # compute the target's side once, before the first step, and reuse it
+        target_cache_batch_tokens: int = 4096,  # padded tokens per target forward while building the cache
+        hidden_cache_dir: str | None = None,  # not used by this drafter: see `target_cache_dir`
     ):
-        super().__init__(target, target_name, optimizer, scheduler, hidden_cache_dir)
+        super().__init__(target, target_name, optimizer, scheduler, None)
+        if hidden_cache_dir:
+            raise ValueError("module.hidden_cache_dir is for Medusa heads; an EAGLE-3 drafter uses target_cache_dir")
+        if top_k is not None and top_k < 1:
+            raise ValueError(f"top_k must be >= 1 or null (the whole draft vocabulary), got {top_k}")
         if ttt_steps < 1 or not 0 < decay <= 1:
             raise ValueError(f"need ttt_steps >= 1 and 0 < decay <= 1, got ttt_steps={ttt_steps}, decay={decay}")
         check_fits(target.config.get_text_config().hidden_size, vocab.target_vocab_size, target, source="being trained")
@@ -50,18 +65,79 @@ class Eagle3Module(DrafterModule):
         self.drafter = Eagle3Drafter(config, vocab)
         if init_from_target:
             self.drafter.init_from_target(target)
+        if init_layer_from_target is not None:
+            self.drafter.init_layer_from_target(target, init_layer_from_target)
         self.ttt_steps, self.decay = ttt_steps, decay
+        self.top_k = min(top_k or vocab.size, vocab.size)
+        self.target_cache = None
+        if target_cache_dir:
+            key = cache_key(
+                target_fingerprint(target.config),
+                vocab.token_ids,
+                self.drafter.config.aux_layer_ids,
+                self.top_k,
+                0,  # set from the datamodule's longest row in `on_fit_start`
+            )
+            self._target_cache_args = (target_cache_dir, key, target_cache_batch_tokens)
         self.save_hyperparameters(
-            {"drafter": "eagle3", "target": target_name, "ttt_steps": ttt_steps, "decay": decay, "vocab": vocab.size}
+            {
+                "drafter": "eagle3",
+                "target": target_name,
+                "ttt_steps": ttt_steps,
+                "decay": decay,
+                "vocab": vocab.size,
+                "top_k": self.top_k,
+            }
         )
-        names = [f"{m}_depth{d}" for d in range(1, ttt_steps + 1) for m in ("loss", "acc_top1")]
+        names = [f"{m}_depth{d}" for d in range(1, ttt_steps + 1) for m in ("loss", "acc_top1", "acc_top4")]
         self.val_metrics = nn.ModuleDict({name: MeanMetric() for name in [*names, "loss"]})
+
+    @classmethod
+    def from_config(cls, cfg, target, **shared) -> "Eagle3Module":
+        """The module of `cfg.drafter` (conf/drafter/eagle3.yaml), its draft vocabulary counted on the training split
+        of `cfg.data`."""
+        vocab_size = target.config.get_text_config().vocab_size
+        data = cfg.data
+        vocab = draft_vocab_from_training_split(
+            data.dir, int(cfg.drafter.draft_vocab_size), vocab_size, data.val_fraction, data.split_seed
+        )
+        return instantiate(cfg.drafter.module, vocab=vocab, target=target, **shared, _convert_="object")
 
     def drafter_meta(self) -> dict:
         return {
-            "kind": "eagle3",
             "config": self.drafter.config.to_dict(),
             "draft_token_ids": self.drafter.token_ids.tolist(),
+        }
+
+    # ---- the target's side, once ------------------------------------------------------------------------------
+    def on_fit_start(self) -> None:
+        self.prepare_target_cache(self.trainer.datamodule, self.trainer.is_global_zero, self.trainer.strategy.barrier)
+
+    def prepare_target_cache(self, data, builder: bool = True, barrier=lambda: None) -> None:
+        """With `target_cache_dir`: compute the target's side of every training and validation row of `data` (a
+        set-up `TrainingDataModule`) not cached yet (on the `builder` rank; the others wait at `barrier`), then read
+        every batch from the cache."""
+        if not hasattr(self, "_target_cache_args"):
+            return
+        root, key, batch_tokens = self._target_cache_args
+        key = {**key, "max_length": int(data.max_length)}
+        if builder:
+            rows = [row for split in (data.train_set, data.val_set) for row in split]
+            TargetCache(root, key).build(rows, self._cacheable_outputs, batch_tokens)
+        barrier()
+        self.target_cache = TargetCache(root, key)
+
+    @torch.no_grad()
+    def _cacheable_outputs(self, batch: dict) -> dict[str, torch.Tensor]:
+        batch = {k: v.to(self.device) for k, v in batch.items()}
+        wanted = supervised_rows(batch["loss_mask"], batch["attention_mask"])
+        out = self._compute_target_outputs(batch, wanted)
+        ids = out["topk_ids"].to(torch.int16 if self.drafter.config.draft_vocab_size <= 2**15 else torch.int32)
+        return {
+            "aux": out["aux"].to(torch.bfloat16),
+            "topk_ids": ids,
+            "topk_logp": out["topk_logp"].to(torch.float16),
+            "labelled": out["labelled"],
         }
 
     # ---- steps --------------------------------------------------------------------------------------------------
@@ -71,23 +147,32 @@ class Eagle3Module(DrafterModule):
         self.log("train/loss", loss, prog_bar=True, batch_size=size)
         self.log("train/lr", self.optimizers().param_groups[0]["lr"], batch_size=size)
         for j in range(self.ttt_steps):
+            hits, _, count = accuracy[j]
             self.log(f"train/loss_depth{j + 1}", per_step[j], batch_size=size)
-            self.log(f"train/acc_top1_depth{j + 1}", accuracy[j][0] / accuracy[j][1].clamp(min=1), batch_size=size)
+            self.log(f"train/acc_top1_depth{j + 1}", hits / count.clamp(min=1), batch_size=size)
         return loss
 
     def validation_step(self, batch: dict, batch_idx: int) -> None:
         loss, per_step, accuracy = self._forward(batch)
         self.val_metrics["loss"].update(loss)
         for j in range(self.ttt_steps):
-            hits, count = accuracy[j]
+            hits, hits4, count = accuracy[j]
             self.val_metrics[f"loss_depth{j + 1}"].update(per_step[j], weight=count)
             self.val_metrics[f"acc_top1_depth{j + 1}"].update(hits / count.clamp(min=1), weight=count)
+            self.val_metrics[f"acc_top4_depth{j + 1}"].update(hits4 / count.clamp(min=1), weight=count)
+
+    def on_validation_epoch_end(self) -> None:
+        top1 = [self.val_metrics[f"acc_top1_depth{j + 1}"] for j in range(self.ttt_steps)]
+        if all(m.update_count for m in top1):
+            self.log("val/sim_tau_chain", simulated_tau([m.compute() for m in top1]))
+        super().on_validation_epoch_end()
 
     def _forward(self, batch: dict):
-        """Returns (weighted loss, loss per step [S], [(top-1 hits, supervised rows)] per step)."""
+        """Returns (weighted loss, loss per step [S], [(top-1 hits, top-4 hits, supervised rows)] per step)."""
         input_ids, attention_mask = batch["input_ids"], batch["attention_mask"]  # [B, T]
         wanted = supervised_rows(batch["loss_mask"], attention_mask)  # [B, T]
-        aux, teacher_logp, labelled = self._target_outputs(batch, wanted)  # [B, T, n*h], [B, T, N], [B, T]
+        out = self._target_outputs(batch, wanted)
+        aux, labelled = out["aux"], out["labelled"]  # [B, T, n*h], [B, T]
         if not labelled.any():
             raise ValueError(
                 f"batch of rows {batch['index'].tolist()} has no supervised assistant token whose target argmax is in "
@@ -96,7 +181,7 @@ class Eagle3Module(DrafterModule):
         batch_size, width = input_ids.shape
         positions = torch.arange(width, device=input_ids.device)[None].expand(batch_size, -1)  # [B, T]
         embed = self.target.get_input_embeddings()
-        feature = self.drafter.fuse(aux)  # [B, T, h]
+        feature = self.drafter.fuse(aux.to(self.drafter.fc.weight.dtype))  # [B, T, h]
         cache = DynamicCache()
         losses, accuracy = [], []
         for j in range(self.ttt_steps):
@@ -104,10 +189,14 @@ class Eagle3Module(DrafterModule):
             state = self.drafter(feature, embeds, positions + j, unrolled_mask(attention_mask, j), cache)
             valid = shift_left(labelled, 1 + j, fill=False)  # [B, T]: rows with a label at this step
             logits = self.drafter.logits(state[valid])  # [n, N]: only rows with a label pay the projection
-            teacher = shift_left(teacher_logp, 1 + j)[valid]  # the target after token t + 1 + j
-            losses.append(soft_cross_entropy(logits, teacher))
-            hits = (logits.argmax(-1) == teacher.argmax(-1)).sum()
-            accuracy.append((hits.detach(), valid.sum()))
+            ids = shift_left(out["topk_ids"], 1 + j)[valid].long()  # [n, k]: the target after token t + 1 + j
+            logp = shift_left(out["topk_logp"], 1 + j)[valid].float()  # [n, k]
+            losses.append(topk_soft_cross_entropy(logits, ids, logp))
+            with torch.no_grad():
+                top4 = logits.topk(min(4, logits.shape[-1]), dim=-1).indices  # [n, 4]
+                hits4 = (top4 == ids[:, :1]).any(-1).sum()
+                hits = (top4[:, 0] == ids[:, 0]).sum()
+            accuracy.append((hits, hits4, valid.sum()))
             feature = state  # the next step reads the drafter's own output
         per_step = torch.stack(losses)  # [S]
         loss = (decay_weights(self.ttt_steps, self.decay, device=per_step.device) * per_step).sum()
@@ -119,25 +208,42 @@ class Eagle3Module(DrafterModule):
         return loss, per_step.detach(), accuracy
 
     @torch.no_grad()
-    def _target_outputs(self, batch: dict, wanted: torch.Tensor):
-        """The target's side of a batch: aux hidden states [B, T, n*h]; its log-probabilities over the draft
-        vocabulary [B, T, N] at the `wanted` [B, T] positions (zero elsewhere); and which positions are labelled
-        (wanted, and the target's argmax over its full vocabulary is a draft token) [B, T]."""
+    def _target_outputs(self, batch: dict, wanted: torch.Tensor) -> dict[str, torch.Tensor]:
+        """The target's side of a batch, from the target cache when there is one (see `_compute_target_outputs`)."""
+        if self.target_cache is None:
+            return self._compute_target_outputs(batch, wanted)
+        lengths = batch["attention_mask"].sum(-1)
+        cached = self.target_cache.get(batch["index"].tolist(), batch["input_ids"], lengths)
+        out = {name: t.to(self.device) for name, t in cached.items()}
+        out["labelled"] = out["labelled"].bool() & wanted
+        return out
+
+    @torch.no_grad()
+    def _compute_target_outputs(self, batch: dict, wanted: torch.Tensor) -> dict[str, torch.Tensor]:
+        """The target's side of a batch: `aux` hidden states [B, T, n*h]; at the `wanted` [B, T] positions (zero
+        elsewhere) its `top_k` most likely draft tokens `topk_ids` [B, T, k] with their log-probabilities
+        `topk_logp` [B, T, k] under the target's distribution restricted to the draft vocabulary, most likely first;
+        and which positions are `labelled` [B, T] (wanted, and the target's argmax over its full vocabulary is a
+        draft token, EAGLE-3's rule)."""
         hidden = self.target_hidden(batch, self.drafter.config.aux_layer_ids)  # [B, T, (n+1)*h]
         size = self.target.config.get_text_config().hidden_size
         aux, last = hidden[..., :-size], hidden[..., -size:]
         rows = self.drafter.token_ids
-        draft_logits, in_vocab = [], []
+        logps, ids, in_vocab = [], [], []
         for chunk in last[wanted].split(_PROJECTION_ROWS):  # [n, h]
             full = output_logits(self.target, chunk).float()  # [n, V]: soft-capped as the target decodes
-            draft_logits.append(full[:, rows])
+            top = full[:, rows].log_softmax(-1).topk(self.top_k, dim=-1)  # [n, k]
+            logps.append(top.values)
+            ids.append(top.indices)
             in_vocab.append(self.drafter_vocab_mask[full.argmax(-1)])
-        teacher = last.new_zeros(*last.shape[:-1], rows.numel(), dtype=torch.float32)  # [B, T, N]
+        topk_logp = last.new_zeros(*last.shape[:-1], self.top_k, dtype=torch.float32)  # [B, T, k]
+        topk_ids = torch.zeros(*last.shape[:-1], self.top_k, dtype=torch.long, device=last.device)  # [B, T, k]
         labelled = torch.zeros_like(wanted)
-        if draft_logits:
-            teacher[wanted] = torch.cat(draft_logits).log_softmax(-1)
+        if logps:
+            topk_logp[wanted] = torch.cat(logps)
+            topk_ids[wanted] = torch.cat(ids)
             labelled[wanted] = torch.cat(in_vocab)
-        return aux, teacher, labelled
+        return {"aux": aux, "topk_ids": topk_ids, "topk_logp": topk_logp, "labelled": labelled}
 
     @property
     def drafter_vocab_mask(self) -> torch.Tensor:

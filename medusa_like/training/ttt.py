@@ -34,9 +34,23 @@ def supervised_rows(loss_mask: torch.Tensor, attention_mask: torch.Tensor) -> to
     return shift_left(loss_mask.bool() & attention_mask.bool(), 1, fill=False)
 
 
-def soft_cross_entropy(logits: torch.Tensor, teacher_logp: torch.Tensor) -> torch.Tensor:
-    """Mean over rows of -sum p_teacher * log q; logits, teacher_logp [n, N] -> [] (0 for no rows)."""
+def topk_soft_cross_entropy(logits: torch.Tensor, ids: torch.Tensor, logp: torch.Tensor) -> torch.Tensor:
+    """Mean over rows of -sum p_teacher * log q, the teacher kept as its k most likely tokens: logits [n, N], ids and logp [n, k]
+    (the teacher's log-probabilities of those tokens) -> []. The k probabilities are renormalised, so where they hold
+    the teacher's whole mass this equals the loss with the full distribution."""
     if logits.shape[0] == 0:
         return logits.sum() * 0.0
-    logq = F.log_softmax(logits.float(), dim=-1)
-    return -(teacher_logp.exp() * logq).sum(-1).mean()
+    logq = F.log_softmax(logits.float(), dim=-1).gather(-1, ids)  # [n, k]
+    return -(logp.float().softmax(-1) * logq).sum(-1).mean()
+
+
+def simulated_tau(accuracy: list) -> float:
+    """The expected acceptance length (tokens per target forward, bonus token included) of a chain of drafts whose
+    depth-d draft is accepted with probability accuracy[d-1] given the shallower ones were: 1 + sum_d prod_{i<=d} a_i.
+    The per-depth top-1 accuracies of the training-time test are such conditional rates (each depth is fed the true
+    earlier tokens and the drafter's own earlier states, as a draft that survived to that depth is)."""
+    tau, reach = 1.0, 1.0
+    for a in accuracy:
+        reach *= float(a)
+        tau += reach
+    return tau

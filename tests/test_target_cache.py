@@ -1,0 +1,173 @@
+"""The EAGLE-3 target cache: the top-k loss against the full one, refusal of a cache made for other settings or other
+rows, a killed build resumed to the same content, training read from the cache, and the best checkpoint exported."""
+
+import json
+
+import pytest
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file
+
+from medusa_like.formats import load_drafter
+from medusa_like.training.target_cache import FIELDS, MANIFEST, TargetCache, TargetCacheMismatchError, cache_key
+from medusa_like.training.ttt import simulated_tau, topk_soft_cross_entropy
+from train.train import train
+
+from .test_training import build_module, compose_train, data_dir  # noqa: F401  (data_dir: the module's fixture)
+
+
+def full_soft_cross_entropy(logits, teacher_logp):
+    return -(teacher_logp.exp() * F.log_softmax(logits, -1)).sum(-1).mean()
+
+
+def test_topk_loss_equals_the_full_loss_where_k_covers_the_mass():
+    torch.manual_seed(0)
+    logits = torch.randn(6, 50)
+    # a teacher whose whole mass lies on 5 tokens per row (the rest 0)
+    support = torch.randn(6, 50).topk(5, -1).indices
+    teacher = torch.full((6, 50), float("-inf")).scatter(-1, support, torch.randn(6, 5)).log_softmax(-1)
+    top = teacher.topk(8, -1)
+    full = full_soft_cross_entropy(logits, torch.where(teacher.isinf(), -1e30, teacher))
+    torch.testing.assert_close(topk_soft_cross_entropy(logits, top.indices, top.values), full)
+    # k = the whole vocabulary equals the full loss for any teacher
+    teacher = torch.randn(6, 50).log_softmax(-1)
+    top = teacher.topk(50, -1)
+    torch.testing.assert_close(
+        topk_soft_cross_entropy(logits, top.indices, top.values), full_soft_cross_entropy(logits, teacher)
+    )
+    # and a teacher cut to too few tokens gives another loss: the equality above is not vacuous
+    top = teacher.topk(3, -1)
+    assert not torch.isclose(
+        topk_soft_cross_entropy(logits, top.indices, top.values), full_soft_cross_entropy(logits, teacher)
+    )
+
+
+def test_simulated_tau_of_a_chain():
+    assert simulated_tau([]) == 1.0
+    assert simulated_tau([1.0, 1.0, 1.0]) == 4.0
+    assert simulated_tau([0.5, 0.5]) == pytest.approx(1 + 0.5 + 0.25)
+
+
+def rows_of(datamodule, n=None):
+    rows = [dict(r) for split in (datamodule.train_set, datamodule.val_set) for r in split]
+    return rows[:n] if n else rows
+
+
+def fake_outputs(batch):
+    """Deterministic FIELDS from a batch: what `Eagle3Module._cacheable_outputs` returns, without a target."""
+    ids = batch["input_ids"]  # [B, T]
+    return {
+        "aux": ids[..., None].expand(-1, -1, 6).to(torch.bfloat16),
+        "topk_ids": (ids[..., None] + torch.arange(4)).to(torch.int16),
+        "topk_logp": -ids[..., None].expand(-1, -1, 4).to(torch.float16) / 100,
+        "labelled": batch["loss_mask"].bool(),
+    }
+
+
+KEY = cache_key("fp", torch.arange(10), [0, 1, 2], 4, 64)
+
+
+def test_a_cache_for_other_settings_or_rows_is_refused(tmp_path, data_dir):  # noqa: F811
+    _, datamodule = build_module(data_dir, tmp_path)
+    rows = rows_of(datamodule, 6)
+    TargetCache(tmp_path / "cache", KEY).build(rows, fake_outputs, batch_tokens=64, shard_rows=2)
+    others = {
+        "target_fingerprint": cache_key("other", torch.arange(10), [0, 1, 2], 4, 64),
+        "draft_vocab": cache_key("fp", torch.arange(1, 11), [0, 1, 2], 4, 64),
+        "aux_layer_ids": cache_key("fp", torch.arange(10), [0, 1, 3], 4, 64),
+        "top_k": cache_key("fp", torch.arange(10), [0, 1, 2], 8, 64),
+        "max_length": cache_key("fp", torch.arange(10), [0, 1, 2], 4, 128),
+    }
+    for field, key in others.items():
+        with pytest.raises(TargetCacheMismatchError, match=field):
+            TargetCache(tmp_path / "cache", key)
+    cache = TargetCache(tmp_path / "cache", KEY)
+    row = rows[0]
+    ids = torch.tensor([row["input_ids"][:64]])
+    cache.get([row["index"]], ids, torch.tensor([ids.shape[1]]))  # the same row is served
+    ids[0, -1] += 1  # another dataset's row under the same index
+    with pytest.raises(TargetCacheMismatchError, match="other token ids"):
+        cache.get([row["index"]], ids, torch.tensor([ids.shape[1]]))
+    (tmp_path / "bad").mkdir()
+    (tmp_path / "bad" / MANIFEST).write_text("{not json")
+    with pytest.raises(TargetCacheMismatchError, match="not a target cache manifest"):
+        TargetCache(tmp_path / "bad", KEY)
+
+
+def test_a_killed_build_resumes_to_the_same_content(tmp_path, data_dir):  # noqa: F811
+    _, datamodule = build_module(data_dir, tmp_path)
+    rows = rows_of(datamodule)
+    whole = TargetCache(tmp_path / "whole", KEY)
+    assert whole.build(rows, fake_outputs, batch_tokens=64, shard_rows=3) == len(rows)
+
+    calls = {"n": 0}
+
+    def killed(batch):
+        calls["n"] += 1
+        if calls["n"] > 4:
+            raise KeyboardInterrupt  # a kill in the middle of the build
+        return fake_outputs(batch)
+
+    with pytest.raises(KeyboardInterrupt):
+        TargetCache(tmp_path / "cut", KEY).build(rows, killed, batch_tokens=64, shard_rows=3)
+    assert not [p for p in (tmp_path / "cut").iterdir() if ".tmp-" in p.name]  # no half-written file
+    kept = TargetCache(tmp_path / "cut", KEY)
+    survived = len(kept.rows)
+    assert 0 < survived < len(rows)  # finished shards survive the kill
+    assert kept.build(rows, fake_outputs, batch_tokens=64, shard_rows=3) == len(rows) - survived
+    assert TargetCache(tmp_path / "cut", KEY).build(rows, fake_outputs) == 0  # nothing left to compute
+    again = TargetCache(tmp_path / "cut", KEY)
+    for row in rows:
+        ids = torch.tensor([row["input_ids"][:64]])
+        lengths = torch.tensor([ids.shape[1]])
+        a, b = whole.get([row["index"]], ids, lengths), again.get([row["index"]], ids, lengths)
+        for name in FIELDS:
+            assert torch.equal(a[name], b[name])
+    manifest = json.loads((tmp_path / "cut" / MANIFEST).read_text())
+    shards = {shard for shard, _, _ in manifest["rows"].values()}
+    assert all(set(load_file(str(tmp_path / "cut" / s))) for s in shards)
+
+
+def test_training_from_the_cache_matches_the_target_and_runs_no_target_forward(tmp_path, data_dir):  # noqa: F811
+    cache_dir = tmp_path / "cache"
+    common = ("drafter=eagle3", "drafter.module.top_k=null")
+    module, datamodule = build_module(data_dir, tmp_path, *common)
+    cached, _ = build_module(data_dir, tmp_path, *common, f"drafter.module.target_cache_dir={cache_dir}")
+    cached.prepare_target_cache(datamodule)
+    assert (cache_dir / MANIFEST).is_file()
+    cached.target.base_model.forward = None  # a target forward would now fail: the cache must serve every row
+    batch = next(iter(datamodule.train_dataloader()))
+    expected, got = module._forward(batch), cached._forward(batch)
+    torch.testing.assert_close(got[0], expected[0], rtol=2e-2, atol=2e-2)  # features kept in bf16
+    assert [int(a[2]) for a in got[2]] == [int(a[2]) for a in expected[2]]  # the same labelled rows
+    aux, k = batch_aux_width(cached), cached.top_k
+    expected = aux * 2 + k * (2 + 2) + 1  # bf16 features, int16 ids and fp16 log-probabilities, a bool
+    assert expected <= cached.target_cache.bytes_per_token() < 1.1 * expected  # plus the shards' headers
+
+
+def batch_aux_width(module) -> int:
+    return len(module.drafter.config.aux_layer_ids) * module.drafter.config.target_hidden_size
+
+
+def test_train_with_the_cache_exports_the_best_checkpoint(tmp_path, data_dir):  # noqa: F811
+    cfg = compose_train(
+        tmp_path,
+        data_dir,
+        "drafter=eagle3",
+        "export_drafter=true",
+        f"drafter.module.target_cache_dir={tmp_path / 'cache'}",
+        "trainer.max_epochs=3",
+        "+trainer.limit_train_batches=2",
+        "+trainer.limit_val_batches=2",
+    )
+    metrics = train(cfg)
+    assert metrics["best/val/sim_tau_chain"] >= metrics["val/sim_tau_chain"]
+    best = sorted((tmp_path / "checkpoints").glob("best-*.ckpt"))
+    assert len(best) == 1
+    state = torch.load(best[0], weights_only=False)["state_dict"]
+    from hydra.utils import instantiate
+
+    target, _ = instantiate(cfg.model.loader)
+    exported = load_drafter(tmp_path / "drafter", target).state_dict()
+    for name, tensor in state.items():
+        torch.testing.assert_close(exported[name.removeprefix("drafter.")], tensor)
