@@ -171,3 +171,35 @@ def test_train_with_the_cache_exports_the_best_checkpoint(tmp_path, data_dir):  
     exported = load_drafter(tmp_path / "drafter", target).state_dict()
     for name, tensor in state.items():
         torch.testing.assert_close(exported[name.removeprefix("drafter.")], tensor)
+
+
+def test_token_milestones_make_a_learning_curve(tmp_path, data_dir, monkeypatch):  # noqa: F811
+    """A run with TokenMilestones saves a checkpoint per milestone (and stops after the last); eval.learning_curve
+    measures each on the validation rows and by decoding, and writes the table, curve.json and the plot."""
+    import sys
+
+    from eval import learning_curve
+
+    cfg = compose_train(
+        tmp_path,
+        data_dir,
+        "drafter=eagle3",
+        f"drafter.module.target_cache_dir={tmp_path / 'cache'}",
+        "trainer.max_epochs=50",
+        "+callbacks.token_milestones._target_=medusa_like.training.checkpoints.TokenMilestones",
+        f"+callbacks.token_milestones.dirpath={tmp_path / 'checkpoints'}",
+        "+callbacks.token_milestones.milestones=[20,40,80]",
+    )
+    train(cfg)
+    saved = json.loads((tmp_path / "checkpoints" / "milestones.json").read_text())
+    assert [s["milestone"] for s in saved] == [20, 40, 80]
+    assert all(s["tokens"] >= s["milestone"] for s in saved)
+    assert saved[-1]["step"] < 50 * 3  # stopped at the last milestone, long before 50 epochs
+    monkeypatch.setattr(sys, "argv", ["learning_curve", str(tmp_path), "--prompts", "2", "--max-new-tokens", "8"])
+    learning_curve.main()
+    curve = json.loads((tmp_path / "curve.json").read_text())
+    assert [p["milestone"] for p in curve["points"]] == [20, 40, 80]
+    for point in curve["points"]:
+        assert 1.0 <= point["val/sim_tau_chain"] <= 1 + cfg.drafter.module.ttt_steps
+        assert point["tau_alone"] >= 1.0
+    assert (tmp_path / "curve.png").stat().st_size > 0

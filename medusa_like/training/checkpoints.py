@@ -42,13 +42,15 @@ class TokenMilestones(Callback):
     """Save `tokens-<n>.ckpt` when the supervised tokens trained on (assistant tokens, `loss_mask`, summed over every
     batch, repeats of later epochs included) first reach each of `milestones`; `milestones.json` lists them with the
     step. The points of a learning curve (`eval.learning_curve`) from one run: each checkpoint is the drafter after
-    that many tokens, with the learning-rate schedule of the whole run."""
+    that many tokens, with the learning-rate schedule of the whole run. With `stop_at_last`, training stops once the
+    last milestone is saved."""
 
-    def __init__(self, dirpath: str, milestones: list[int]):
+    def __init__(self, dirpath: str, milestones: list[int], stop_at_last: bool = True):
         if not milestones or any(int(m) < 1 for m in milestones):
             raise ValueError(f"milestones must be positive token counts, got {milestones}")
         self.dirpath = Path(dirpath)
         self.milestones = sorted(int(m) for m in milestones)
+        self.stop_at_last = stop_at_last
         self.tokens = 0
         self.saved: list[dict] = []
 
@@ -63,6 +65,8 @@ class TokenMilestones(Callback):
             {"milestone": m, "tokens": self.tokens, "step": trainer.global_step, "path": path.name} for m in due
         ]
         write_json(self.dirpath / "milestones.json", self.saved)
+        if self.stop_at_last and self.milestones[-1] in due:
+            trainer.should_stop = True
 
     def state_dict(self) -> dict:
         return {"tokens": self.tokens, "saved": self.saved}

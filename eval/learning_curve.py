@@ -1,0 +1,135 @@
+"""Learning curve of an EAGLE-3 drafter: held-out acceptance and the drafter's own tau against supervised tokens seen.
+
+    python -m train.train experiment=smollm2_eagle3_curve hydra.run.dir=runs/curve/train   # checkpoints at milestones
+    python -m eval.learning_curve runs/curve/train --prompts 16 --max-new-tokens 96        # curve.json, curve.png
+
+The training run saves `checkpoints/tokens-<n>.ckpt` when the supervised tokens it trained on reach each milestone
+(`training.checkpoints.TokenMilestones`). For each, this script measures on the run's own validation rows the per-depth
+top-1 acceptance of the training-time test and the chain tau they imply (what `val/sim_tau_chain` reports), then the
+drafter's tau alone when it decodes validation prompts (first turns, the target's chat template, greedy, a dynamic
+tree): generated tokens per target forward, bonus token included. It prints a table, writes `curve.json` and draws
+`curve.png` in the run directory. Decoding is lossless by construction; tau, not speed, is measured here.
+"""
+
+import argparse
+import json
+import logging
+from pathlib import Path
+
+import torch
+from hydra.utils import instantiate
+from omegaconf import OmegaConf
+
+from medusa_like.cli import register_resolvers
+from medusa_like.data.prepare import load_model
+from medusa_like.evaluation.questions import load_questions, select
+from medusa_like.formats import load_drafter
+from medusa_like.io import write_json
+from medusa_like.model import MedusaLikeModel
+from medusa_like.targets import chat_input_ids
+from medusa_like.training.build import build_module
+from medusa_like.training.ttt import simulated_tau
+
+log = logging.getLogger(__name__)
+
+
+@torch.no_grad()
+def held_out(cfg, target, datamodule, checkpoint: Path) -> dict[str, float]:
+    """The run's validation metrics for the drafter of `checkpoint` (per-depth accuracies, chain tau), computed as
+    the training run's validation computes them, from its target cache when it had one."""
+    module = build_module(cfg, target)
+    module.load_state_dict(torch.load(checkpoint, map_location="cpu", weights_only=False)["state_dict"])
+    module.prepare_target_cache(datamodule)
+    module.eval()
+    for index, batch in enumerate(datamodule.val_dataloader()):
+        module.validation_step(batch, index)
+    metrics = {f"val/{name}": float(m.compute()) for name, m in module.val_metrics.items() if m.update_count}
+    depths = range(1, module.ttt_steps + 1)
+    metrics["val/sim_tau_chain"] = simulated_tau([metrics[f"val/acc_top1_depth{d}"] for d in depths])
+    return metrics
+
+
+def decoding_tau(target, tokenizer, drafter, prompts, max_new_tokens: int, tree: str) -> float:
+    """Tokens per target forward of `drafter` alone over `prompts`, pooled."""
+    model = MedusaLikeModel(target, tokenizer, drafter)
+    tokens = forwards = 0
+    for ids in prompts:
+        out = model.generate(ids, max_new_tokens=max_new_tokens, tree=tree, remember=False)
+        tokens += out.stats.new_tokens
+        forwards += out.stats.target_forwards  # the prompt's forward included, as every tau here counts it
+    return tokens / max(forwards, 1)
+
+
+def plot(points: list[dict], path: Path, depths: int) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    tokens = [p["tokens"] for p in points]
+    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
+    for d in range(1, depths + 1):
+        left.plot(tokens, [p[f"val/acc_top1_depth{d}"] for p in points], marker="o", label=f"depth {d}")
+    left.set(xscale="log", xlabel="supervised tokens seen", ylabel="held-out top-1 acceptance", ylim=(0, 1))
+    left.legend()
+    right.plot(tokens, [p["val/sim_tau_chain"] for p in points], marker="o", label="chain tau from acceptance")
+    right.plot(tokens, [p["tau_alone"] for p in points], marker="s", label="tau decoding alone (dynamic tree)")
+    right.set(xscale="log", xlabel="supervised tokens seen", ylabel="tokens per target forward")
+    right.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("run_dir", type=Path, help="a training run made with TokenMilestones (checkpoints/tokens-*)")
+    parser.add_argument("--prompts", type=int, default=16, help="validation prompts decoded per point")
+    parser.add_argument("--max-new-tokens", type=int, default=96)
+    parser.add_argument("--tree", default="dynamic", help="the tree the drafter decodes with alone")
+    args = parser.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    milestones_file = args.run_dir / "checkpoints" / "milestones.json"
+    if not milestones_file.is_file():
+        parser.error(f"{milestones_file} does not exist: train with experiment=smollm2_eagle3_curve first")
+    register_resolvers()
+    cfg = OmegaConf.create(OmegaConf.load(args.run_dir / "config.yaml"))
+    target, tokenizer = load_model(cfg.model)
+    questions = select(
+        load_questions(
+            "validation",
+            source=cfg.data.source,
+            val_fraction=cfg.data.val_fraction,
+            split_seed=cfg.data.split_seed,
+            limit=args.prompts,
+            max_turns=1,
+        ),
+        args.prompts,
+    )
+    prompts = [chat_input_ids(tokenizer, [{"role": "user", "content": q.turns[0]}]) for q in questions]
+    datamodule = instantiate(cfg.data.module)
+    datamodule.setup("fit")
+    points = []
+    for entry in json.loads(milestones_file.read_text()):
+        checkpoint = args.run_dir / "checkpoints" / entry["path"]
+        metrics = held_out(cfg, target, datamodule, checkpoint)
+        drafter = load_drafter(checkpoint, target)
+        tau = decoding_tau(target, tokenizer, drafter, prompts, args.max_new_tokens, args.tree)
+        points.append({**entry, **metrics, "tau_alone": tau})
+        log.info("%d tokens: %s, tau alone %.3f", entry["tokens"], metrics, tau)
+    depths = int(cfg.drafter.module.ttt_steps)
+    header = ["tokens", "step", *[f"val/acc_top1_depth{d}" for d in range(1, depths + 1)], "val/sim_tau_chain"]
+    print("| " + " | ".join([*header, "tau_alone"]) + " |")
+    print("|" + "---|" * (len(header) + 1))
+    for p in points:
+        print(
+            "| "
+            + " | ".join(f"{p[k]:.3f}" if isinstance(p[k], float) else str(p[k]) for k in [*header, "tau_alone"])
+            + " |"
+        )
+    settings = {"prompts": len(prompts), "max_new_tokens": args.max_new_tokens, "tree": args.tree}
+    write_json(args.run_dir / "curve.json", {"settings": settings, "points": points})
+    plot(points, args.run_dir / "curve.png", depths)
+
+
+if __name__ == "__main__":
+    main()
