@@ -7,9 +7,9 @@ its row plans.
 
 Five copies of the target, one with its own `nn.Linear` layers, one with `cpu/few_row_linear.py`'s computing
 2..64 rows weight-first, one with those layers following their row plans (`cpu/row_plans.py`), and two with the
-row kernel picked per size in whole forwards (as the cost model picks it, before the rounds: F.linear, the plans,
-weight-first, padded, MKL's packed sgemm or oneDNN's pack; the second without oneDNN's, as before it was offered),
-are timed alternately (`measure_cost_model`: one forward plus the vocabulary projection over N nodes after a
+row kernel picked per size in whole forwards (as a full cost model measurement picks it, before the rounds: F.linear,
+the plans, weight-first, padded, MKL's packed sgemm or oneDNN's pack; the second without oneDNN's), are timed
+alternately (`measure_cost_model`: one forward plus the vocabulary projection over N nodes after a
 128-token prefix, median of repeats), round after round, so that all five see the same machine load. Prints the table
 and writes JSON.
 """
@@ -20,8 +20,8 @@ import copy
 import torch
 from rich.console import Console
 
-from medusa_like.decoding.cost_model import measure_cost_model
 from medusa_like.cpu.few_row_linear import KERNEL_ROWS, use_few_row_linears
+from medusa_like.decoding.cost_model import measure_cost_model
 from medusa_like.evaluation.timing import alternating_medians, ms_table
 from medusa_like.io import write_json
 from medusa_like.targets import DEFAULT_TARGET, load_target
@@ -51,8 +51,8 @@ def main() -> None:
 
     def pick(target, without=()) -> list[str]:
         """The kernel picked per size ("-" past KERNEL_ROWS), set on `target`."""
-        found = measure_cost_model(target, pickable, without=without).row_kernels if pickable else None
-        return [dict(zip(pickable, found or [], strict=False)).get(n, "-") for n in sizes]
+        found = measure_cost_model(target, pickable, without=without).kernels["rows"] if pickable else None
+        return [(found or {}).get(str(n), "-") for n in sizes]
 
     kernels, kernels_without = pick(picked), pick(picked_without, without=("onednn",))
     targets = {
@@ -63,7 +63,7 @@ def main() -> None:
         "few_row picked": picked,
     }
     median = alternating_medians(
-        lambda target: measure_cost_model(target, sizes, repeats=1, pick_kernels=False).measured_ms,
+        lambda target: measure_cost_model(target, sizes, repeats=1, pick_kernels=False, attempts=1).measured_ms,
         targets,
         args.rounds,
     )

@@ -17,7 +17,6 @@ import time
 import torch
 from rich.console import Console
 
-from medusa_like.decoding.attention import pick_backend, tree_attention
 from medusa_like.cpu.few_row_linear import (
     PREFILL_KERNELS,
     set_prefill_kernel,
@@ -25,6 +24,7 @@ from medusa_like.cpu.few_row_linear import (
     usable_row_kernels,
     use_few_row_linears,
 )
+from medusa_like.decoding.attention import pick_backend, tree_attention
 from medusa_like.decoding.generate import target_forward
 from medusa_like.decoding.kv_cache import TreeKVCache
 from medusa_like.evaluation.timing import alternating_medians, ms_table

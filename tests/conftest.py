@@ -16,6 +16,8 @@ from medusa_like.cli import register_resolvers
 from medusa_like.decoding.draft_tree import DraftTree, grow_dynamic, grow_static
 from medusa_like.decoding.tree import DynamicTreeSpec
 from medusa_like.drafters.medusa import HeadsConfig, MedusaHeads
+from medusa_like.io import user_cache_dir
+from medusa_like.targets import DEFAULT_TARGET
 from medusa_like.tiny import tiny_model
 
 VOCAB = 97
@@ -27,9 +29,13 @@ FAMILIES = ("llama", "qwen2", "mistral", "gemma3")
 # matmul up to 50x slower.
 torch.set_num_threads(1)
 
-# Row plans (cpu/row_plans.py) measured by the tests stay out of the user's cache.
+# Row plans and cost models measured by the tests stay out of the user's cache (one directory, `io.user_cache_dir`);
+# the default target converted there already is linked in, not converted again.
+_USER_CACHE = user_cache_dir()
 os.environ["MEDUSA_LIKE_CACHE_DIR"] = tempfile.mkdtemp(prefix="medusa_like_test_cache_")
 atexit.register(shutil.rmtree, os.environ["MEDUSA_LIKE_CACHE_DIR"], ignore_errors=True)
+if (_USER_CACHE / DEFAULT_TARGET / "config.json").is_file():
+    (Path(os.environ["MEDUSA_LIKE_CACHE_DIR"]) / DEFAULT_TARGET).symlink_to(_USER_CACHE / DEFAULT_TARGET)
 
 
 def tiny_target(family: str, seed: int = 0, **overrides):

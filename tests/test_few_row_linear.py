@@ -3,6 +3,7 @@ row plans measured once per shape and cached, and lossless decoding with them.""
 
 import copy
 import json
+import platform
 import random
 
 import pytest
@@ -11,7 +12,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from medusa_like.cpu import few_row_linear, row_plans
-from medusa_like.decoding.cost_model import CostModel, CostModelMismatchError, measure_cost_model, pick_row_kernels
 from medusa_like.cpu.few_row_linear import (
     ANY_ROWS,
     KERNEL_ROWS,
@@ -36,10 +36,18 @@ from medusa_like.cpu.few_row_linear import (
     with_stock_linears,
     worth_swapping,
 )
-from medusa_like.decoding.projection import VocabProjection
+from medusa_like.cpu.kernel_choice import pick_row_kernels
 from medusa_like.cpu.row_plans import PLANNED_ROWS, measure_row_plan, row_plan, valid_plan
+from medusa_like.decoding.cost_model import (
+    CostModel,
+    CostModelMismatchError,
+    InvalidCostModelError,
+    measure_cost_model,
+)
+from medusa_like.decoding.projection import VocabProjection
 from medusa_like.drafters.registry import kind_named
 from medusa_like.model import MedusaLikeModel
+from medusa_like.targets import target_fingerprint
 from tests.conftest import greedy_reference, random_heads, random_prompts, tiny_target
 
 
@@ -344,7 +352,7 @@ def test_bf16_decoding_on_onednn_packs_equals_the_targets_greedy(family, drafter
 def test_a_cost_model_measured_with_other_linears_is_refused():
     target = tiny_target("llama")
     stock_cost = measure_cost_model(target, sizes=(1, 4), prefix=8, repeats=1)
-    assert CostModel.from_json(stock_cost.to_json(), target).linears == "nn.Linear"
+    assert CostModel.from_json(stock_cost.to_json(), target).kernels["linears"] == "nn.Linear"
     use_few_row_linears(target)
     with pytest.raises(CostModelMismatchError, match="linears"):
         CostModel.from_json(stock_cost.to_json(), target)
@@ -374,49 +382,98 @@ def test_a_row_kernel_changes_only_its_row_count_in_every_planned_layer():
     assert kernel_rows("linear", 7, 8) == 0
 
 
+def few_row_layers(model) -> list[FewRowLinear]:
+    return [m for m in model.modules() if isinstance(m, FewRowLinear)]
+
+
+def with_kernels(cost: CostModel, rows: list[str] | None = None, prefill="keep") -> dict:
+    """`cost`'s JSON with other row kernels for its sizes, or another prefill kernel."""
+    kernels = dict(cost.kernels)
+    if rows is not None:
+        kernels["rows"] = {str(n): kernel for n, kernel in zip(cost.nodes, rows, strict=False)}
+    if prefill != "keep":
+        kernels["prefill"] = prefill
+    return cost.to_json() | {"kernels": kernels}
+
+
 def test_the_cost_model_picks_a_row_kernel_per_size_and_sets_it_where_it_is_loaded(monkeypatch):
     measured = tiny_target("llama")
     use_few_row_linears(measured)
     cost = measure_cost_model(measured, sizes=(1, 3, 5), prefix=MAX_ROWS + 8, repeats=1)
-    assert len(cost.row_kernels) == 3 and set(cost.row_kernels) <= set(ROW_KERNELS)
+    rows = cost.kernels["rows"]
+    assert list(rows) == ["1", "3", "5"] and set(rows.values()) <= set(ROW_KERNELS)
     down = measured.model.layers[0].mlp.down_proj
     own = row_plan(down.weight)
-    for size, kernel in zip(cost.nodes, cost.row_kernels, strict=True):  # the measured target runs what was picked
-        assert down.plan[size - 1] == kernel_rows(kernel, size, own[size - 1])
+    for size in cost.nodes:  # the measured target runs what was picked
+        assert down.plan[size - 1] == kernel_rows(rows[str(size)], size, own[size - 1])
 
     loaded = tiny_target("llama")  # same seed and config: the same target in another process
     use_few_row_linears(loaded)
-    data = cost.to_json() | {"row_kernels": ["weight_first", "padded", "padded"]}
-    CostModel.from_json(data, loaded)
+    CostModel.from_json(with_kernels(cost, ["weight_first", "padded", "padded"]), loaded)
     assert [loaded.model.layers[1].mlp.down_proj.plan[n - 1] for n in (1, 3, 5)] == [1, 4, 8]
-    for bad in (["padded"], ["planned", "planned", "fastest"]):
-        with pytest.raises(CostModelMismatchError, match="row kernels"):
-            CostModel.from_json(cost.to_json() | {"row_kernels": bad}, loaded)
-    with_packs = cost.to_json() | {"row_kernels": ["planned", "packed", "packed"]}
+    for bad in ({"1": "padded", "33": "linear"}, {"1": "planned", "5": "fastest"}, ["padded"]):
+        with pytest.raises(InvalidCostModelError, match="rows"):
+            CostModel.from_json(cost.to_json() | {"kernels": {**cost.kernels, "rows": bad}}, loaded)
+    with_packs = with_kernels(cost, ["planned", "packed", "packed"])
     if mkl_packs_available():
         CostModel.from_json(with_packs, loaded)
         assert [loaded.model.layers[1].mlp.down_proj.plan[n - 1] for n in (3, 5)] == [-4, -8]
-    assert cost.prefill_kernel in PREFILL_KERNELS and down.prefill == (ONEDNN if cost.prefill_kernel == "onednn" else 0)
-    with_onednn = cost.to_json() | {"row_kernels": ["linear", "onednn", "onednn"], "prefill_kernel": "onednn"}
+    prefill = cost.kernels["prefill"]
+    assert prefill in PREFILL_KERNELS and down.prefill == (ONEDNN if prefill == "onednn" else 0)
+    with_onednn = with_kernels(cost, ["linear", "onednn", "onednn"], prefill="onednn")
     if onednn_packs_available():
         CostModel.from_json(with_onednn, loaded)
         loaded_down = loaded.model.layers[1].mlp.down_proj
         assert [loaded_down.plan[n - 1] for n in (1, 3, 5)] == [0, ONEDNN, ONEDNN] and loaded_down.prefill == ONEDNN
         assert set(loaded_down.packs.packs) == {ANY_ROWS}  # made where it is loaded
-        CostModel.from_json(cost.to_json() | {"prefill_kernel": None}, loaded)  # written before prefills were timed
+        CostModel.from_json(with_kernels(cost, prefill="linear"), loaded)
         assert loaded_down.prefill == 0
-    with pytest.raises(CostModelMismatchError, match="prefill kernel"):
-        CostModel.from_json(cost.to_json() | {"prefill_kernel": "packed"}, loaded)
+    with pytest.raises(InvalidCostModelError, match="prefill"):
+        CostModel.from_json(with_kernels(cost, prefill="packed"), loaded)
     # measured where MKL and oneDNN were, loaded where they are not
     monkeypatch.setattr(few_row_linear, "mkl_packs_available", lambda: False)
     monkeypatch.setattr(few_row_linear, "onednn_packs_available", lambda: False)
-    only_prefill = cost.to_json() | {"row_kernels": ["linear"] * 3, "prefill_kernel": "onednn"}
+    only_prefill = with_kernels(cost, ["linear"] * 3, prefill="onednn")
     for unusable in (with_packs, with_onednn, only_prefill):
         with pytest.raises(CostModelMismatchError, match="cannot run here"):
             CostModel.from_json(unusable, loaded)
-    assert measure_cost_model(loaded, sizes=(1, 2), prefix=8, repeats=1, pick_kernels=False).row_kernels is None
+    # not picking: the kernels as they are, named so that another copy of the target runs the same
+    as_they_are = measure_cost_model(loaded, sizes=(1, 2), prefix=8, repeats=1, pick_kernels=False)
+    assert set(as_they_are.kernels["rows"]) == {"1", "2"}
+    again = tiny_target("llama")
+    use_few_row_linears(again)
+    CostModel.from_json(as_they_are.to_json(), again)
+    for ours, theirs in zip(few_row_layers(loaded), few_row_layers(again), strict=True):
+        assert ours.plan[:2] == theirs.plan[:2]
     short = measure_cost_model(loaded, sizes=(1, 2), prefix=8, repeats=1)  # a context no prefill kernel computes
-    assert short.row_kernels is not None and short.prefill_kernel is None
+    assert short.kernels["rows"] is not None and short.kernels["prefill"] == "linear"  # kept as it was
+
+
+def test_an_older_cost_model_with_flat_kernel_fields_loads_and_sets_its_kernels():
+    """Tree files written before kernel records held `linears`, `row_kernels` (one per size) and `prefill_kernel`."""
+    target = tiny_target("llama")
+    use_few_row_linears(target)
+    old = {
+        "nodes": [1, 3, 5],
+        "verify_ms": [10.0, 11.0, 12.0],
+        "target_fingerprint": target_fingerprint(target.config),
+        "dtype": "torch.float32",
+        "device": "cpu",
+        "linears": "few_row",
+        "machine": platform.machine(),  # older files name the architecture alone
+        "measured_ms": [10.0, 11.0, 12.0],
+        "row_kernels": ["weight_first", "padded", "padded"],
+        "prefill_kernel": None,  # written before prefills were timed: F.linear
+    }
+    cost = CostModel.from_json(old, target, source="file:old.json")
+    assert cost.kernels == {"linears": "few_row", "rows": {"1": "weight_first", "3": "padded", "5": "padded"},
+                            "prefill": "linear"}  # fmt: skip
+    assert [target.model.layers[1].mlp.down_proj.plan[n - 1] for n in (1, 3, 5)] == [1, 4, 8]
+    assert cost.source == "file:old.json" and cost.to_json()["kernels"] == cost.kernels
+    with pytest.raises(InvalidCostModelError, match="row_kernels"):
+        CostModel.from_json(old | {"row_kernels": ["linear"]}, target)
+    with pytest.raises(CostModelMismatchError, match="linears"):
+        CostModel.from_json(old | {"linears": "nn.Linear"}, target)
 
 
 def test_a_row_kernel_replaces_transformers_own_product_only_where_it_is_clearly_faster():

@@ -1,30 +1,27 @@
 """Linear layers for the few rows of a decoding step on a CPU.
 
 A tree step multiplies a handful of rows (the verified nodes, or a drafter's top-k) by every weight of the model. x86
-BLAS (MKL, as torch ships it) does this up to twice as fast when the weight is the left operand, `W @ x.T`, than in
-`nn.Linear`'s orientation, `x @ W.T`, and for some row counts faster still over a few zero rows more (16 rows cost
-less than 13 on a 2-core AMD EPYC). Each `FewRowLinear` carries its weight's row plan (`row_plans.py`, measured once
-per shape on this machine): for 1..MAX_ROWS rows, `F.linear` or weight-first over how many rows. Without a plan,
-2..MAX_ROWS rows go weight-first. Longer products (a prompt's prefill) run `F.linear`, or oneDNN's pack (below).
-`eval/bench_linear.py` measures the whole forward.
+BLAS (MKL, as torch ships it) often does this faster when the weight is the left operand, `W @ x.T`, than in
+`nn.Linear`'s orientation, `x @ W.T`, and for some row counts faster still over a few zero rows more. Each
+`FewRowLinear` carries its weight's row plan (`row_plans.py`, measured once per shape on this machine): for
+1..MAX_ROWS rows, `F.linear` or weight-first over how many rows. Until its plan is measured a layer runs `F.linear`
+for one row and weight-first for 2..MAX_ROWS (`UNMEASURED_PLAN`). Longer products (a prompt's prefill) run
+`F.linear`, or oneDNN's pack (below). `eval/bench_linear.py` measures the whole forward.
 
-From 4 rows on, MKL's packed sgemm does better still: the weight is laid out once for a product over m rows
+From a few rows on, MKL's packed sgemm can do better still: the weight is laid out once for a product over m rows
 (`torch.ops.mkl._mkl_reorder_linear_weight`, what inductor uses for frozen CPU linears), and the product over m rows
-runs on that layout (8 rows of SmolLM2's layers: 24 ms instead of 30 on a 2-core Xeon with AVX512). A pack holds for
-one row count only and is a copy of the weight, so a layer keeps packs for a few row counts (PACK_ROWS; fewer rows are
-zero-padded); the cost model picks this kernel per tree size where whole forwards run faster with it, and makes the
-packs its picks run (`sync_packs`), dropping the others.
+runs on that layout. A pack holds for one row count only and is a copy of the weight, so a layer keeps packs for a few
+row counts (PACK_ROWS; fewer rows are zero-padded); the cost model's measurement picks this kernel per tree size where
+whole forwards run faster with it (`kernel_choice.py`), and makes the packs its picks run (`sync_packs`), dropping the
+others.
 
 oneDNN lays a weight out once for every row count (`torch.ops.mkldnn._reorder_linear_weight`, what inductor uses
-for frozen bf16 CPU linears) and runs its own JIT kernels for the CPU's instruction set, whoever made the CPU. MKL
-takes slower paths on AMD CPUs: on a 2-core AMD EPYC with AVX512, a whole SmolLM2 forward over 8 / 16 nodes takes
-24 / 29 ms on oneDNN's fp32 packs against 43 / 55 ms with the best of the other kernels, and 1 node 20-21 ms with
-either (`eval.bench_linear`). So oneDNN's pack is a row kernel too (plan entry ONEDNN), which the cost model picks per
-tree size where whole forwards run faster with it, and a prompt's products over MAX_ROWS rows run on it where the cost
-model measured that faster than F.linear (`FewRowLinear.prefill`; `eval.bench_prefill`). In bf16 on a CPU with AMX
-or AVX512-BF16 every product runs on it, whatever the plan: a whole forward over 1-16 rows takes 29-34 ms instead of
-`F.linear`'s 36-39 on a 2-core Xeon with AMX, 17-24 instead of 24-32 on the EPYC (`F.linear` in bf16 reorders the
-weight at every call). Row plans are fp32's: bf16 layers carry none.
+for frozen bf16 CPU linears) and runs its own JIT kernels for the CPU's instruction set, whoever made the CPU; MKL
+takes slower paths on some vendors' CPUs. So oneDNN's pack is a row kernel too (plan entry ONEDNN), picked per tree
+size the same way, and a prompt's products over MAX_ROWS rows run on it where the measurement found that faster than
+F.linear (`FewRowLinear.prefill`; `eval.bench_prefill`). In bf16 on a CPU with AMX or AVX512-BF16 every product runs
+on it, whatever the plan (`F.linear` in bf16 reorders the weight at every call). Row plans are fp32's: bf16 layers
+carry none.
 
 The swap shares the original parameters (no copy, same state-dict keys) and changes only fp32 rounding, as any other
 row count or kernel would: the target's greedy decoding stays the reference, computed with the same layers.
@@ -38,12 +35,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .row_plans import PLANNED_ROWS, row_plan
+from .row_plans import PLANNED_ROWS, cached_row_plan, row_plan
 
 MAX_ROWS = PLANNED_ROWS  # above this (64) a product is a prefill: F.linear, or oneDNN's pack (`prefill`)
 PACK_ROWS = (4, 8, 16, 32)  # the row counts MKL packs are made for; a plan entry -m runs a pack for m rows
 ONEDNN = -1  # the plan entry that runs oneDNN's pack, one layout for every row count (no MKL pack is made for 1 row)
-KERNEL_ROWS = PACK_ROWS[-1]  # the tree sizes a row kernel is picked for in whole forwards (`cost_model.py`)
+KERNEL_ROWS = PACK_ROWS[-1]  # the tree sizes a row kernel is picked for in whole forwards (`kernel_choice.py`)
 PACK_MEMORY_SHARE = 0.25  # packs for every PACK_ROWS of a model may take at most this share of the machine's memory
 
 
@@ -72,10 +69,9 @@ def onednn_packs_available() -> bool:
 
 @functools.cache
 def onednn_bf16_packs_available() -> bool:
-    """Where bf16 layers run on oneDNN's packed weight: CPUs that compute in bf16, with AMX or AVX512-BF16, where it
-    was measured faster (whole forwards 1.1-1.2x on a Xeon with AMX, 1.3-1.5x on an AMD EPYC with AVX512-BF16:
-    `eval.bench_linear --dtype bfloat16`). Elsewhere (AVX2, AVX512 without BF16: bf16 emulated) bf16 layers keep
-    `nn.Linear`'s own kernel."""
+    """Where bf16 layers run on oneDNN's packed weight: CPUs that compute in bf16, with AMX or AVX512-BF16, where whole
+    forwards ran faster on it (`eval.bench_linear --dtype bfloat16`). Elsewhere (AVX2, AVX512 without BF16: bf16
+    emulated) bf16 layers keep `nn.Linear`'s own kernel."""
     native = (
         getattr(torch.cpu, name, lambda: False)() for name in ("_is_amx_tile_supported", "_is_avx512_bf16_supported")
     )
@@ -83,6 +79,8 @@ def onednn_bf16_packs_available() -> bool:
 
 
 ANY_ROWS = 0  # the key of a oneDNN pack: one layout serves every row count
+# what a layer runs until its weight's plan is measured: F.linear for one row, weight-first over 2..MAX_ROWS rows
+UNMEASURED_PLAN = (0, *range(2, PLANNED_ROWS + 1))
 
 
 def runs_onednn_bf16(weight: torch.Tensor) -> bool:
@@ -145,8 +143,7 @@ def few_row_product(
     if rows > MAX_ROWS:
         return onednn_product(x, packs, weight, bias) if prefill == ONEDNN else F.linear(x, weight, bias)
     # Rows in memory order, as the plan was timed: a weight-first product leaves its output transposed ([rows, out]
-    # with strides (1, rows)), and MKL multiplies the next weight by such rows more slowly (README, few-row layers:
-    # a 2-node forward of SmolLM2 took 48 ms without this copy and 37 ms with it).
+    # with strides (1, rows)), and MKL multiplies the next weight by such rows markedly more slowly.
     x = x.contiguous()
     entry = plan[rows - 1] if 0 < rows <= len(plan) else (rows if rows >= 2 else 0)
     if entry == ONEDNN:
@@ -166,9 +163,10 @@ def few_row_product(
 
 class FewRowLinear(nn.Linear):
     """`nn.Linear` (same parameters) that computes few rows by its weight's row plan (`few_row_product`), and a
-    prefill's many by F.linear or oneDNN (`prefill`: 0 or ONEDNN, picked by the cost model)."""
+    prefill's many by F.linear or oneDNN (`prefill`: 0 or ONEDNN, picked by the cost model's measurement)."""
 
     plan: tuple[int, ...] = ()
+    plan_measured: bool = False  # whether `plan` derives from its weight's measured plan (else UNMEASURED_PLAN's)
     prefill: int = 0
 
     def __init__(self, *args, **kwargs):
@@ -185,7 +183,7 @@ class FewRowLinear(nn.Linear):
         return few_row_product(x, self.weight, self.bias, self.plan, self.packs, self.prefill)
 
 
-# What computes n rows in every layer at once, chosen per row count by timing whole forwards (`cost_model.py`):
+# What computes n rows in every layer at once, chosen per row count by timing whole forwards (`kernel_choice.py`):
 # `F.linear` (transformers' own product), each layer's own plan (timed one layer at a time), weight-first over the n
 # rows, or over n rows zero-padded to the next power of two, MKL's packed sgemm over the rows padded to the next of
 # PACK_ROWS, or oneDNN's pack. A plan is the best guess of one layer timed alone; a whole forward shares caches and
@@ -242,7 +240,7 @@ def wanted_packs(module: FewRowLinear) -> set[int]:
 
 def sync_packs(model: nn.Module) -> None:
     """Give every layer the packs it runs (`wanted_packs`), and only those: unused ones are dropped, missing ones made
-    now (else the first step that needs one would pay for it, ~0.5 s for SmolLM2)."""
+    now (else the first step that needs one would pay for laying out every weight)."""
     for module in model.modules():
         if isinstance(module, FewRowLinear):
             wanted = wanted_packs(module)
@@ -283,11 +281,13 @@ def worth_swapping(module: nn.Module) -> bool:
     return weight.dtype == torch.float32 or (runs_onednn_bf16(weight) and packs_fit(module, 1))
 
 
-def use_few_row_linears(model, plans: bool = True) -> int:
+def use_few_row_linears(model, plans: bool | str = True) -> int:
     """Replace every `nn.Linear` inside `model` (a module, or a drafter: anything with `.modules()`), in place, by a
-    `FewRowLinear` sharing its parameters, with its weight's row plan unless `plans=False` (fp32 weights: measured once
-    per shape on this machine, then cached; bf16 weights get their oneDNN pack now instead, where it runs); returns
-    how many were replaced. Idempotent."""
+    `FewRowLinear` sharing its parameters; returns how many were replaced. fp32 layers get their weight's row plan:
+    `plans=True` measures the missing ones (`row_plans.row_plan`), "cached" takes those this machine's cache holds and
+    gives the others UNMEASURED_PLAN until `measure_row_plans` (nothing is measured: what a model's construction
+    uses), False none. bf16 layers get their oneDNN pack now instead, where it runs. Idempotent: a layer keeps a
+    measured plan, and the kernels set in it, when called again."""
     swapped = 0
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
@@ -295,11 +295,28 @@ def use_few_row_linears(model, plans: bool = True) -> int:
                 parent.register_module(name, FewRowLinear.sharing(child))
                 swapped += 1
     if plans:
-        for module in model.modules():
-            if isinstance(module, FewRowLinear) and not runs_onednn_bf16(module.weight):
-                module.plan = row_plan(module.weight)
+        layers = [m for m in model.modules() if isinstance(m, FewRowLinear) and not runs_onednn_bf16(m.weight)]
+        _give_plans(layers, measure=plans is True)
     sync_packs(model)  # bf16 packs made now, not in the first timed step
     return swapped
+
+
+def _give_plans(layers: list[FewRowLinear], measure: bool) -> None:
+    """Each layer without a measured plan gets its weight's (measured now if `measure`, else only if cached), else
+    UNMEASURED_PLAN if it has none."""
+    for module in layers:
+        if not module.plan_measured:
+            plan = row_plan(module.weight) if measure else cached_row_plan(module.weight)
+            if plan is not None:
+                module.plan, module.plan_measured = plan, True
+            elif not module.plan:
+                module.plan = UNMEASURED_PLAN
+
+
+def measure_row_plans(model: nn.Module) -> None:
+    """Give every planned layer of `model` whose plan was not measured yet its weight's measured plan (measured now
+    where the cache has none): what the row kernel "planned" names."""
+    _give_plans([m for m in model.modules() if isinstance(m, FewRowLinear) and m.plan], measure=True)
 
 
 def linear_kernel(model: nn.Module) -> str:

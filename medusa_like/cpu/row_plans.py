@@ -1,16 +1,16 @@
 """Which kernel computes a few rows of a linear layer fastest on this machine: measured once per weight shape, cached.
 
 BLAS picks its blocking from the product's shape, and on a CPU the time of a product over n rows is far from monotonic
-in n. On a 2-core AMD EPYC (MKL as torch ships it, AVX2), `W @ x.T` over SmolLM2's 576 -> 1536 projection takes
-0.27 ms for 16 rows and 0.51 ms for 13, and over its 49152-row vocabulary projection 5.7 ms for 2 rows and 10 ms for
-one. A plan says, for each row count n in 1..PLANNED_ROWS, what computes n rows fastest: `F.linear` (0), or
-`W @ x.T` over the rows zero-padded to m >= n rows (m). `eval/bench_linear.py` shows the effect on a whole forward.
+in n: fewer rows can cost more than a few more, and one row by `W @ x.T` can cost more than two. A plan says, for each
+row count n in 1..PLANNED_ROWS, what computes n rows fastest: `F.linear` (0), or `W @ x.T` over the rows zero-padded
+to m >= n rows (m). `eval/bench_linear.py` shows the effect on a whole forward.
 
 A decoding step streams every weight of the model from memory, so a plan is timed the same way: each call reads another
 copy of the weight, COLD_BYTES of copies in all (more than any CPU's last-level cache). Timed with one weight hot in
-the cache, plans chose kernels that made a whole forward over 6-8 rows ~25% dearer than no plans.
+the cache, plans chose kernels that made whole forwards dearer than no plans.
 
-    plan = row_plan(weight)          # read from the cache, or measured (8 s for all of SmolLM2's shapes) and cached
+    plan = row_plan(weight)          # read from the cache, or measured (seconds per shape) and cached
+    plan = cached_row_plan(weight)   # read from the cache, or None: never measures
     y = few_row_product(x, weight, bias, plan)      # few_row_linear.py, whose layers carry their weight's plan
 
 The cache is `row_plans.json` in `io.user_cache_dir()`, keyed by plan version, CPU model, torch version, thread
@@ -20,16 +20,16 @@ count, dtype and shape; an unreadable or foreign entry is measured again (a cach
 import itertools
 import json
 import logging
-import platform
 import time
 from collections.abc import Iterator
-from functools import cache
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
 from medusa_like.io import exclusive_lock, user_cache_dir, write_json
+
+from .machine import cpu_name
 
 log = logging.getLogger(__name__)
 
@@ -82,20 +82,10 @@ def valid_plan(plan) -> bool:
     )
 
 
-@cache
-def _machine() -> str:
-    cpuinfo = Path("/proc/cpuinfo")
-    if cpuinfo.exists():
-        for line in cpuinfo.read_text(errors="replace").splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    return platform.processor() or platform.machine()
-
-
 def plan_key(weight: torch.Tensor) -> str:
     out_features, in_features = weight.shape
     return (
-        f"v{PLAN_VERSION}|{_machine()}|torch {torch.__version__}|{torch.get_num_threads()} threads|"
+        f"v{PLAN_VERSION}|{cpu_name()}|torch {torch.__version__}|{torch.get_num_threads()} threads|"
         f"{weight.device.type}|{weight.dtype}|{out_features}x{in_features}"
     )
 
@@ -119,6 +109,7 @@ def read_plans(path: Path) -> dict:
 
 
 _PLANS: dict[str, tuple[int, ...]] = {}  # this process's plans
+_READ: set[Path] = set()  # the cache files `cached_row_plan` read already
 
 
 def row_plan(weight: torch.Tensor) -> tuple[int, ...]:
@@ -137,3 +128,13 @@ def row_plan(weight: torch.Tensor) -> tuple[int, ...]:
                 write_json(path, {k: list(v) for k, v in stored.items()})
         _PLANS.update(stored)
     return _PLANS[key]
+
+
+def cached_row_plan(weight: torch.Tensor) -> tuple[int, ...] | None:
+    """The plan for `weight` if this process or the cache file holds one; None otherwise (nothing is measured: what
+    a model's construction and its first generation use, so that neither waits for plans)."""
+    key, path = plan_key(weight), cache_file()
+    if key not in _PLANS and path not in _READ:
+        _READ.add(path)
+        _PLANS.update(read_plans(path))
+    return _PLANS.get(key)

@@ -1,76 +1,144 @@
 """What a decoding step costs on this machine: the target's verification forward against the number of tree nodes.
 
-    cost = measure_cost_model(target)               # ~40 s: forwards of 1..32 nodes after a 128-token prefix
-    cost.verify(12)                                 # ms, fitted (interpolated past 16)
+    cost = measure_cost_model(target)               # forwards over 1..32 nodes after a 128-token context
+    cost = quick_cost_model(target)                 # a first estimate: a few sizes, few rounds, the kernels as they are
+    cost.verify(12)                                 # ms, interpolated between measured sizes
     save_tree(spec, "tree.json", cost_model=cost.to_json())
-    cost = CostModel.from_json(data, target)        # refused for another target or dtype
+    cost = CostModel.from_json(data, target, source="file:tree.json")   # checked, and refused for another setup
 
-A budgeted tree (`drafters/merge.py`) picks each step's node budget to maximise expected tokens per second from
-it: on a 2-core CPU in fp32 a forward over 16 nodes costs ~1.6x one over a single token with `nn.Linear`, less with
-`few_row_linear.py`'s layers; ~1x in bf16 where the CPU computes in it; on a GPU ~1x up to 64.
+A budgeted tree (`drafters/merge.py`) picks each step's node budget to maximise expected tokens per second from it:
+where a forward over many nodes costs little more than one over a single token, deep trees pay; where it costs
+much more, shallow ones. Where the cost models of a machine come from (a tree file, the on-disk cache, a measurement
+on first use) is `cost_cache.py`'s business.
 
-A shared CPU's speed drifts by 20-40% over seconds, longer than one size takes to time, so the sizes are timed in
-interleaved rounds (a slow spell lands on every size alike) and the per-size medians are fitted by a non-decreasing
-curve, so that no leftover blip makes more nodes look cheaper. Timed one size after another, one slow spell made 5
-nodes cost 1.4x 4 nodes here, and the budget then stopped every step at 3 drafted tokens. The fit also smooths the
-few real dips (4 nodes measured ~10% cheaper than 3 in every run here; `measured_ms` keeps the medians).
+A shared CPU's speed drifts over seconds, longer than one size takes to time, so the sizes are timed in interleaved
+rounds (a slow spell lands on every size alike) and the per-size medians are fitted by a non-decreasing curve, so that
+no leftover blip makes more nodes look cheaper (`measured_ms` keeps the medians). A measurement that is still
+implausible (`implausible`: rounds that disagree, more nodes far cheaper than fewer, n nodes dearer than n single-node
+forwards, or a re-check far from the fit) is repeated, at most `attempts` times, then falls back to each size's
+fastest median over the attempts (a slow spell only ever adds time); the log and `note` say which. One such spell,
+taken at face value, made every tree dearer than a single token and switched drafting off.
 
-With row-planned few-row layers, every size is timed with each row kernel of `few_row_linear.ROW_KERNELS` this machine
-can run (`F.linear` as transformers runs it, the layers' own plans, weight-first, padded to a power of two, MKL's
-packed sgemm, oneDNN's pack) and keeps the fastest, `F.linear` unless another is over 3% faster: a plan is timed one
-layer at a time, and in a whole forward another kernel was up to ~15% faster at some sizes on a Xeon (packed sgemm up
-to ~20% from 4 nodes on), and oneDNN's pack up to 2x on an AMD EPYC. The context's prefill is timed the same way with
-each of `PREFILL_KERNELS` (a prompt's forward: F.linear or oneDNN), which every method, greedy included, then runs.
-The cost model saves the kernels and sets them on the target it is loaded for, so that the times it holds are the
-times of the kernels that run; one that names a kernel this machine cannot run is refused.
+Which kernels computed the times is not this module's business: `kernels` is an opaque record of
+`medusa_like.cpu.kernel_choice`, which checks it against the target, sets it where the cost model is loaded (so that
+the times hold), and chooses among the kernels this machine runs during a full measurement.
 """
 
-import platform
+import logging
+import math
+import statistics
 import time
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from datetime import datetime, timezone
 
 import torch
+from tqdm.auto import tqdm
 
+from medusa_like.cpu.kernel_choice import (
+    LEGACY_FIELDS,
+    KernelChoice,
+    KernelMismatchError,
+    KernelRecordError,
+    apply_kernels,
+    check_kernels,
+    upgrade_legacy,
+    validate_record,
+)
+from medusa_like.cpu.machine import architecture, machine_identity
 from medusa_like.targets import target_fingerprint
 
 from .attention import pick_backend, tree_attention
-from medusa_like.cpu.few_row_linear import (
-    KERNEL_ROWS,
-    MAX_ROWS,
-    PREFILL_KERNELS,
-    ROW_KERNELS,
-    has_row_plans,
-    linear_kernel,
-    set_prefill_kernel,
-    set_row_kernel,
-    sync_packs,
-    usable_row_kernels,
-)
 from .generate import target_forward
 from .kv_cache import TreeKVCache
 from .projection import VocabProjection
 
-# every size a step picks from: the cost of a forward is not monotonic in the nodes (few_row_linear.py)
+log = logging.getLogger(__name__)
+
+# every size a step picks from: the cost of a forward is not monotonic in the nodes
 SIZES = (*range(1, 17), 20, 24, 32)
-KERNEL_MARGIN = 1.03  # another row kernel replaces F.linear for a size only if over 3% faster
+PREFIX = 128  # the context the sizes are timed after
+REPEATS = 5  # timed rounds over all sizes, after a warm-up round
+ATTEMPTS = 3  # measurements before falling back (`implausible`)
+# a first estimate on first use: bounded to a few forwards per size, as many as a short answer's greedy steps
+QUICK_SIZES = (1, 2, 4, 8, 16)
+QUICK_PREFIX = 64
+QUICK_REPEATS = 2
+QUICK_ATTEMPTS = 2
+
+MAX_SPREAD = 0.5  # the rounds of a size may spread by this share of their median (`spread`; the median over sizes)
+MAX_DIP = 1.5  # more nodes may measure cheaper than fewer by at most this factor (the fit smooths smaller dips)
+BATCH_SLACK = 1.5  # n nodes may cost at most this times n single-node forwards (one forward never costs more than n)
+RECHECK_RATIO = 1.5  # a re-check of the smallest and largest size must land within this factor of the fit
+JITTER_MS = 0.5  # differences under this are the clock's and the scheduler's, never implausible
+
+REQUIRED = ("nodes", "verify_ms", "target_fingerprint", "dtype", "device", "machine")
 
 
-class CostModelMismatchError(ValueError):
-    """A cost model measured for another target, dtype or device."""
+class CostModelError(ValueError):
+    """A cost model that cannot be used: the message names the field and value, and what to do."""
+
+
+class InvalidCostModelError(CostModelError):
+    """A cost model that is not one: a missing, malformed or impossible field."""
+
+
+class CostModelMismatchError(CostModelError):
+    """A cost model measured for another target, dtype, device, machine or other layers."""
+
+
+Timer = Callable[[object, Callable[[], object]], float]
+
+
+def wall_ms(what, run: Callable[[], object]) -> float:
+    """Milliseconds of `run()` on the wall clock (`run` waits for the device); `what` (a node count, or "prefill")
+    says what is timed, for timers that care."""
+    start = time.perf_counter()
+    run()
+    return 1000 * (time.perf_counter() - start)
+
+
+def now() -> str:
+    return datetime.now(timezone.utc).isoformat(timespec="seconds")
 
 
 @dataclass
 class CostModel:
-    nodes: list[int]  # tree sizes measured, root included, ascending
+    nodes: list[int]  # tree sizes measured, root included: unique, ascending, >= 1
     verify_ms: list[float]  # milliseconds of one target forward over that many nodes: the fitted, non-decreasing curve
     target_fingerprint: str
     dtype: str
-    device: str
-    linears: str = "nn.Linear"  # what computed the linear layers (`few_row_linear.linear_kernel`)
-    machine: str = platform.machine()
+    device: str  # the device type: "cpu", "cuda"
+    kernels: dict | str | None = None  # what computed the layers (`cpu.kernel_choice`'s record; None: not recorded)
+    machine: str = field(default_factory=machine_identity)  # `cpu.machine.machine_identity()` where it was measured
     measured_ms: list[float] | None = None  # the per-size medians before the fit
-    row_kernels: list[str] | None = None  # per size, the few-row kernel it was timed with (`few_row_linear.py`)
-    prefill_kernel: str | None = None  # what computed prefills, `few_row_linear.PREFILL_KERNELS` (None: F.linear)
+    threads: int | None = None  # torch's intra-op threads during the measurement
+    quick: bool = False  # a first estimate (few sizes and rounds), replaced by a full measurement when one is made
+    note: str | None = None  # what the plausibility checks said, where a measurement was repeated or fell back
+    measured_at: str | None = None  # when it was measured (UTC, ISO 8601)
+    source: str = "measured"  # where this copy came from: "measured", "cache:<path>" or "file:<path>"
+
+    def __post_init__(self):
+        check_sizes("nodes", self.nodes)
+        check_times("verify_ms", self.verify_ms, len(self.nodes))
+        if self.measured_ms is not None:
+            check_times("measured_ms", self.measured_ms, len(self.nodes))
+        for name in ("target_fingerprint", "dtype", "device", "machine", "source"):
+            if not isinstance(getattr(self, name), str) or not getattr(self, name):
+                raise InvalidCostModelError(
+                    f"cost model: {name} must be a non-empty string, got {getattr(self, name)!r}"
+                )
+        for name in ("note", "measured_at"):
+            if getattr(self, name) is not None and not isinstance(getattr(self, name), str):
+                raise InvalidCostModelError(f"cost model: {name} must be a string or null, got {getattr(self, name)!r}")
+        if self.threads is not None and (type(self.threads) is not int or self.threads < 1):
+            raise InvalidCostModelError(f"cost model: threads must be an integer >= 1 or null, got {self.threads!r}")
+        if not isinstance(self.quick, bool):
+            raise InvalidCostModelError(f"cost model: quick must be true or false, got {self.quick!r}")
+        try:
+            self.kernels = validate_record(self.kernels)
+        except KernelRecordError as err:
+            raise InvalidCostModelError(f"cost model: {err}") from err
 
     def verify(self, num_nodes: int) -> float:
         """Milliseconds to verify `num_nodes` nodes: linear between measured sizes, extrapolated beyond them."""
@@ -84,63 +152,99 @@ class CostModel:
         slope = (ms[-1] - ms[-2]) / (nodes[-1] - nodes[-2]) if len(nodes) > 1 else 0.0
         return ms[-1] + slope * (num_nodes - nodes[-1])
 
+    def describe(self) -> str:
+        """One line for logs and reports: what it is and where it came from."""
+        what = "quick first estimate" if self.quick else "full measurement"
+        when = f", measured {self.measured_at}" if self.measured_at else ""
+        return f"cost model ({what}, {len(self.nodes)} sizes) from {self.source}{when}"
+
     def to_json(self) -> dict:
-        return {
-            "nodes": list(self.nodes),
-            "verify_ms": [round(x, 4) for x in self.verify_ms],
-            "target_fingerprint": self.target_fingerprint,
-            "dtype": self.dtype,
-            "device": self.device,
-            "linears": self.linears,
-            "machine": self.machine,
-            "measured_ms": None if self.measured_ms is None else [round(x, 4) for x in self.measured_ms],
-            "row_kernels": self.row_kernels,
-            "prefill_kernel": self.prefill_kernel,
-        }
+        data = asdict(self)
+        data["verify_ms"] = [round(x, 4) for x in self.verify_ms]
+        if self.measured_ms is not None:
+            data["measured_ms"] = [round(x, 4) for x in self.measured_ms]
+        return data
 
     @classmethod
-    def from_json(cls, data: dict, target) -> "CostModel":
-        """The cost model `to_json` wrote, refused unless it was measured for this target, dtype and device type; the
-        target's few-row layers are set to the row kernels it was timed with, so that its times hold."""
-        try:
-            model = cls(**data)
-        except TypeError as err:
-            raise CostModelMismatchError(f"not a cost model: {err}") from err
-        if len(model.nodes) != len(model.verify_ms) or not model.nodes:
-            raise CostModelMismatchError("a cost model needs one time per measured tree size")
-        kernels = model.row_kernels
-        if kernels is not None and (
-            len(kernels) != len(model.nodes)
-            or not set(kernels) <= set(ROW_KERNELS)
-            or max(model.nodes) > KERNEL_ROWS
-            or min(model.nodes) < 1
-        ):
-            raise CostModelMismatchError(f"a cost model's row kernels must be one of {ROW_KERNELS} per tree size")
-        if model.prefill_kernel is not None and model.prefill_kernel not in PREFILL_KERNELS:
-            raise CostModelMismatchError(f"a cost model's prefill kernel must be one of {PREFILL_KERNELS}")
+    def from_json(cls, data, target, source: str = "file") -> "CostModel":
+        """The cost model `to_json` wrote (or an older file's flat kernel fields), checked field by field and refused
+        unless it was measured for this target, dtype, device type, machine and layers; the target's layers are set
+        to the kernels it was measured with, so that its times hold. `source` says where it was read from."""
+        if not isinstance(data, dict):
+            raise InvalidCostModelError(f"a cost model must be a JSON object, got {type(data).__name__}: {data!r}")
+        fields = dict(data)
+        missing = [name for name in REQUIRED if name not in fields]
+        if missing:
+            raise InvalidCostModelError(f"cost model: missing fields {missing}")
+        legacy = {name: fields.pop(name) for name in LEGACY_FIELDS if name in fields}
+        if legacy:
+            if "kernels" in fields:
+                raise InvalidCostModelError(f"cost model: both kernels and the older fields {sorted(legacy)}")
+            check_sizes("nodes", fields["nodes"])
+            try:
+                fields["kernels"] = upgrade_legacy(legacy, fields["nodes"])
+            except KernelRecordError as err:
+                raise InvalidCostModelError(f"cost model: {err}") from err
+        unknown = set(fields) - set(cls.__dataclass_fields__)
+        if unknown:
+            raise InvalidCostModelError(f"cost model: unknown fields {sorted(unknown)}")
+        model = cls(**{**fields, "source": source})
         model.check_fits(target)
         model.verify_ms = non_decreasing_fit(model.verify_ms)  # files written before the fit hold raw medians
-        if kernels is not None and has_row_plans(target):
-            unusable = {*kernels, model.prefill_kernel or "linear"} - set(usable_row_kernels(target))
-            if unusable:
-                raise CostModelMismatchError(
-                    f"the cost model's row kernels {sorted(unusable)} cannot run here (no MKL or oneDNN, or too little "
-                    "memory for its packs): measure it again (eval.tree_search) on this machine"
-                )
-            for size, kernel in zip(model.nodes, kernels, strict=True):
-                set_row_kernel(target, size, kernel)
-            set_prefill_kernel(target, model.prefill_kernel or "linear")
-            sync_packs(target)
+        apply_kernels(model.kernels, target)
         return model
 
+    def mismatches(self, target) -> list[str]:
+        """How this cost model's setup differs from `target` on this machine (empty: it fits)."""
+        wanted = {
+            "target_fingerprint": target_fingerprint(target.config),
+            "dtype": str(target.dtype),
+            "device": target.device.type,
+        }
+        found = [f"{name} {getattr(self, name)!r} (here {value!r})" for name, value in wanted.items()
+                 if getattr(self, name) != value]  # fmt: skip
+        here = machine_identity()
+        names_no_cpu = " " not in self.machine  # as older files: compared on the architecture alone
+        if self.machine != here and not (names_no_cpu and self.machine == architecture(here)):
+            found.append(f"machine {self.machine!r} (here {here!r})")
+        try:
+            check_kernels(self.kernels, target)
+        except KernelMismatchError as err:
+            found.append(str(err))
+        return found
+
+    def fits(self, target) -> bool:
+        return not self.mismatches(target)
+
     def check_fits(self, target) -> None:
-        wanted = (target_fingerprint(target.config), str(target.dtype), target.device.type, linear_kernel(target))
-        have = (self.target_fingerprint, self.dtype, self.device, self.linears)
-        if wanted != have:
+        """Refuse a cost model of another target, dtype, device type, machine or layers (one that names only the
+        architecture, as older files do, is compared on that)."""
+        found = self.mismatches(target)
+        if found:
             raise CostModelMismatchError(
-                f"cost model measured for (fingerprint, dtype, device, linears) {have}, but this target is {wanted}: "
-                "measure it again (eval.tree_search) for this target"
+                f"{self.describe()} was measured for another setup: {'; '.join(found)}. Measure it again on this "
+                "machine for this target: model.measure_cost_model(), or eval.tree_search"
             )
+
+
+def check_sizes(name: str, sizes) -> None:
+    if not isinstance(sizes, list) or not sizes:
+        raise InvalidCostModelError(f"cost model: {name} must be a non-empty list of tree sizes, got {sizes!r}")
+    for i, size in enumerate(sizes):
+        if type(size) is not int or size < 1:
+            raise InvalidCostModelError(f"cost model: {name}[{i}] must be an integer >= 1, got {size!r}")
+        if i and size <= sizes[i - 1]:
+            raise InvalidCostModelError(
+                f"cost model: {name} must be unique and ascending, got {sizes[i - 1]!r} then {size!r}"
+            )
+
+
+def check_times(name: str, times, count: int) -> None:
+    if not isinstance(times, list) or len(times) != count:
+        raise InvalidCostModelError(f"cost model: {name} must be a list of {count} times (one per size), got {times!r}")
+    for i, ms in enumerate(times):
+        if type(ms) not in (int, float) or not math.isfinite(ms) or ms <= 0:
+            raise InvalidCostModelError(f"cost model: {name}[{i}] must be a finite positive number of ms, got {ms!r}")
 
 
 def non_decreasing_fit(values: list[float]) -> list[float]:
@@ -155,95 +259,183 @@ def non_decreasing_fit(values: list[float]) -> list[float]:
     return [mean for mean, count in blocks for _ in range(int(count))]
 
 
-def fastest_kernel(medians: dict, kernels) -> str:
-    """The kernel of `kernels` with the least median ms (`medians[kernel]`), `F.linear` (transformers' own product)
-    unless another is more than KERNEL_MARGIN faster."""
-    kernel = min(kernels, key=lambda k: medians[k])
-    return kernel if medians[kernel] * KERNEL_MARGIN <= medians["linear"] else "linear"
+# ---- measuring ----
 
 
-def pick_row_kernels(target, sizes, medians: dict, kernels: tuple[str, ...]) -> list[str]:
-    """Per size, the fastest row kernel of `kernels` by `fastest_kernel` (`medians[(size, kernel)]`); sets the target's
-    layers to them and drops unused packs."""
-    picked = []
-    for size in sizes:
-        kernel = fastest_kernel({k: medians[(size, k)] for k in kernels}, kernels)
-        set_row_kernel(target, size, kernel)
-        picked.append(kernel)
-    sync_packs(target)
-    return picked
+def implausible(nodes: list[int], medians: list[float], spreads: list[float]) -> str | None:
+    """Why per-size medians (with their rounds' spreads, (max - min) / median) cannot be this machine's steady cost,
+    or None: rounds that disagree, more nodes far cheaper than fewer, or n nodes dearer than n single-node forwards."""
+    if spreads and statistics.median(spreads) > MAX_SPREAD:
+        return f"noisy: the rounds of a size differ by {statistics.median(spreads):.0%} of their median"
+    for i in range(len(nodes)):
+        for j in range(i + 1, len(nodes)):
+            if medians[j] * MAX_DIP + JITTER_MS < medians[i]:
+                return f"non-monotone: {nodes[j]} nodes measured {medians[j]:.3g} ms, {nodes[i]} nodes {medians[i]:.3g}"
+        if medians[i] > nodes[i] / nodes[0] * medians[0] * BATCH_SLACK + JITTER_MS:
+            return (
+                f"{nodes[i]} nodes measured {medians[i]:.3g} ms, more than {nodes[i] // nodes[0]} forwards over "
+                f"{nodes[0]} ({medians[0]:.3g} ms each) would take"
+            )
+    return None
+
+
+def far_off(ms: float, expected: float) -> bool:
+    return abs(ms - expected) > JITTER_MS and max(ms / expected, expected / ms) > RECHECK_RATIO
+
+
+class Forwards:
+    """The timed work: a `prefix`-token context's prefill into a KV cache, then the target's forward and vocabulary
+    projection over a chain-shaped tree of n nodes after it (the cache rewound after each)."""
+
+    def __init__(self, target, prefix: int, max_size: int):
+        self.target, self.prefix, self.device = target, prefix, target.device
+        self.vocab = target.config.get_text_config().vocab_size
+        self.generator = torch.Generator().manual_seed(0)
+        self.context = torch.randint(0, self.vocab, (1, prefix), generator=self.generator).to(self.device)
+        self.cache = TreeKVCache.for_model(target, prefix + max_size)
+        self.lm_head = VocabProjection(target)
+
+    def _wait(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
+
+    def prefill(self) -> None:
+        self.cache.rewind(0)
+        positions = torch.arange(self.prefix, device=self.device)[None]
+        target_forward(self.target, self.context, positions, self.cache, None)
+        self.cache.commit_all(self.prefix)
+        self._wait()
+
+    def forward(self, size: int) -> None:
+        tokens = torch.randint(0, self.vocab, (1, size), generator=self.generator).to(self.device)
+        positions = torch.arange(self.prefix, self.prefix + size, device=self.device)[None]
+        mask = torch.ones(size, size, dtype=torch.bool, device=self.device).tril()[None, None]
+        hidden, _ = target_forward(self.target, tokens, positions, self.cache, mask)
+        self.lm_head(hidden).argmax(-1)
+        self._wait()
+        self.cache.rewind(self.prefix)
+
+
+def time_rounds(forwards: Forwards, choice: KernelChoice, sizes, repeats: int, timer: Timer, bar) -> tuple:
+    """({(size, option): ms per round}, {prefill option: ms per round}); the first round is a warm-up."""
+    samples: dict[tuple, list[float]] = {(size, option): [] for size in sizes for option in choice.options}
+    prefill_samples: dict = {option: [] for option in choice.prefill_options}
+    if not choice.prefill_options:
+        forwards.prefill()
+    for _ in range(repeats + 1):
+        for option in choice.prefill_options:
+            choice.use_prefill(option)
+            prefill_samples[option].append(timer("prefill", forwards.prefill))
+            bar.update()
+        for (size, option), times in samples.items():
+            choice.use(size, option)
+            times.append(timer(size, lambda size=size: forwards.forward(size)))
+            bar.update()
+    return samples, prefill_samples
+
+
+def spread(times: list[float]) -> float:
+    """How far a size's rounds disagree beyond the clock's jitter, relative to their median: the interquartile range
+    from four rounds on (one stray round moves a median little), else max - min."""
+    low, high = (
+        (min(times), max(times)) if len(times) < 4 else statistics.quantiles(times, n=4, method="inclusive")[::2]
+    )
+    return max(high - low - JITTER_MS, 0.0) / statistics.median(times)
+
+
+def recheck(forwards: Forwards, sizes: list[int], fitted: list[float], timer: Timer, bar) -> str | None:
+    """Time the smallest and the largest size once more (with the kernels kept): why they disagree with the fit, or
+    None. A slow spell that covered all the rounds shows here."""
+    for i in (0, -1):
+        ms = timer(sizes[i], lambda size=sizes[i]: forwards.forward(size))
+        bar.update()
+        if far_off(ms, fitted[i]):
+            return f"a re-check of {sizes[i]} nodes took {ms:.3g} ms against {fitted[i]:.3g} measured"
+    return None
 
 
 @torch.inference_mode()
 def measure_cost_model(
-    target, sizes=SIZES, prefix: int = 128, repeats: int = 5, pick_kernels: bool = True, without: tuple[str, ...] = ()
+    target,
+    sizes=SIZES,
+    prefix: int = PREFIX,
+    repeats: int = REPEATS,
+    pick_kernels: bool = True,
+    without: tuple[str, ...] = (),
+    *,
+    quick: bool = False,
+    attempts: int = ATTEMPTS,
+    timer: Timer = wall_ms,
 ) -> CostModel:
     """What verifying a tree of each of `sizes` nodes costs: the target's forward and vocabulary projection over a
     chain-shaped tree after a `prefix`-token context, timed in `repeats` interleaved rounds over all sizes (after a
-    warm-up round); the per-size medians, fitted non-decreasing. With `pick_kernels` and row-planned layers, every
-    size is timed with each of `few_row_linear.ROW_KERNELS` this machine runs but those named in `without`, and the
-    fastest is kept (set on the target, and saved); so is the fastest of `PREFILL_KERNELS` for the context's
-    prefill, timed in the same rounds (a context over MAX_ROWS tokens; else None: F.linear)."""
-    sizes = sorted(sizes)
-    device = target.device
-    vocab = target.config.get_text_config().vocab_size
-    picking = pick_kernels and has_row_plans(target) and max(sizes) <= KERNEL_ROWS
-    # None: the layers as they are
-    kernels = tuple(k for k in usable_row_kernels(target) if k not in without) if picking else (None,)
-    # a context over MAX_ROWS tokens runs the prefill kernel; a shorter one would time the row plans instead
-    prefill_kernels = tuple(k for k in PREFILL_KERNELS if k in kernels) if picking and prefix > MAX_ROWS else ()
-    generator = torch.Generator().manual_seed(0)
-    context = torch.randint(0, vocab, (1, prefix), generator=generator).to(device)
-    cache = TreeKVCache.for_model(target, prefix + max(sizes))
-    lm_head = VocabProjection(target)
-    samples: dict[tuple, list[float]] = {(size, kernel): [] for size in sizes for kernel in kernels}
-    prefill_samples: dict[str, list[float]] = {kernel: [] for kernel in prefill_kernels}
-
-    def prefill() -> float:
-        """ms of the context's forward, from an empty cache."""
-        cache.rewind(0)
-        start = time.perf_counter()
-        target_forward(target, context, torch.arange(prefix, device=device)[None], cache, None)
-        cache.commit_all(prefix)
-        return 1000 * (time.perf_counter() - start)
-
-    with tree_attention(target, pick_backend("auto", device)):
-        if not prefill_kernels:
-            prefill()
-        for _ in range(repeats + 1):  # the first round is a warm-up
-            for kernel in prefill_kernels:
-                set_prefill_kernel(target, kernel)
-                prefill_samples[kernel].append(prefill())
-            for size, kernel in samples:
-                if kernel is not None:
-                    set_row_kernel(target, size, kernel)
-                tokens = torch.randint(0, vocab, (1, size), generator=generator).to(device)
-                positions = torch.arange(prefix, prefix + size, device=device)[None]
-                mask = torch.ones(size, size, dtype=torch.bool, device=device).tril()[None, None]
-                start = time.perf_counter()
-                hidden, _ = target_forward(target, tokens, positions, cache, mask)
-                lm_head(hidden).argmax(-1)
-                if device.type == "cuda":
-                    torch.cuda.synchronize()
-                samples[(size, kernel)].append(1000 * (time.perf_counter() - start))
-                cache.rewind(prefix)
-    medians = {key: sorted(times[1:])[repeats // 2] for key, times in samples.items()}
-    prefill_kernel = None
-    if prefill_kernels:
-        prefill_kernel = fastest_kernel(
-            {k: sorted(t[1:])[repeats // 2] for k, t in prefill_samples.items()}, prefill_kernels
-        )
-        set_prefill_kernel(target, prefill_kernel)
-    row_kernels = pick_row_kernels(target, sizes, medians, kernels) if picking else None
-    chosen = [medians[(size, row_kernels[i] if picking else None)] for i, size in enumerate(sizes)]
+    warm-up round); the per-size medians, fitted non-decreasing, checked (`implausible`, then a re-check of the
+    smallest and largest size) and measured again or fallen back on as the module says. With `pick_kernels`, every
+    size is timed with each kernel this machine runs for the target but those named in `without`, and the fastest is
+    kept and set (`cpu.kernel_choice`); else the layers run as they are. `timer(what, run)` times one forward."""
+    sizes = sorted(set(sizes))
+    check_sizes("sizes", sizes)
+    if type(repeats) is not int or repeats < 1 or type(attempts) is not int or attempts < 1:
+        raise ValueError(f"repeats and attempts must be integers >= 1, got {repeats!r} and {attempts!r}")
+    choice = KernelChoice(target, sizes, prefix, pick=pick_kernels, without=without)
+    forwards = Forwards(target, prefix, max(sizes))
+    per_attempt = (repeats + 1) * (len(sizes) * len(choice.options) + len(choice.prefill_options)) + 2
+    tried, problems = [], []
+    with (
+        tree_attention(target, pick_backend("auto", target.device)),
+        tqdm(total=per_attempt, desc="cost model", unit="forward", leave=False, disable=None) as bar,
+    ):
+        for attempt in range(1, attempts + 1):
+            bar.reset(total=per_attempt)
+            samples, prefill_samples = time_rounds(forwards, choice, sizes, repeats, timer, bar)
+            medians = {key: statistics.median(times[1:]) for key, times in samples.items()}
+            prefill_medians = {key: statistics.median(times[1:]) for key, times in prefill_samples.items()}
+            tried.append((medians, prefill_medians))
+            picked = choice.choose(medians, prefill_medians)
+            curve = [medians[(size, picked[size])] for size in sizes]
+            problem = implausible(sizes, curve, [spread(samples[(s, picked[s])][1:]) for s in sizes])
+            problem = problem or recheck(forwards, sizes, non_decreasing_fit(curve), timer, bar)
+            if problem is None:
+                break
+            problems.append(problem)
+            if attempt < attempts:
+                log.warning(
+                    "cost model measurement %d of %d implausible (%s): measuring again", attempt, attempts, problem
+                )
+        else:
+            medians = {key: min(m[key] for m, _ in tried) for key in tried[0][0]}
+            prefill_medians = {key: min(p[key] for _, p in tried) for key in tried[0][1]}
+            picked = choice.choose(medians, prefill_medians)
+            curve = [medians[(size, picked[size])] for size in sizes]
+            log.warning(
+                "cost model still implausible after %d measurements (%s): using each size's fastest median over them",
+                attempts,
+                problem,
+            )
+    note = None
+    if problems:
+        fallback = len(problems) == attempts
+        kept = "each size's fastest median over the attempts" if fallback else f"measurement {len(problems) + 1}"
+        note = f"implausible: {'; '.join(problems)}; kept {kept}"
     return CostModel(
         sizes,
-        non_decreasing_fit(chosen),
+        non_decreasing_fit(curve),
         target_fingerprint(target.config),
         str(target.dtype),
-        device.type,
-        linear_kernel(target),
-        measured_ms=chosen,
-        row_kernels=row_kernels,
-        prefill_kernel=prefill_kernel,
+        target.device.type,
+        choice.record(),
+        measured_ms=curve,
+        threads=torch.get_num_threads(),
+        quick=quick,
+        note=note,
+        measured_at=now(),
     )
+
+
+def quick_cost_model(target, timer: Timer = wall_ms) -> CostModel:
+    """A first estimate, bounded to a few forwards per size: QUICK_SIZES after a QUICK_PREFIX-token context, QUICK_REPEATS
+    rounds, the kernels as they are (nothing chosen, no row plan measured)."""
+    return measure_cost_model(
+        target, QUICK_SIZES, QUICK_PREFIX, QUICK_REPEATS, pick_kernels=False, quick=True, attempts=QUICK_ATTEMPTS,
+        timer=timer,
+    )  # fmt: skip

@@ -2,9 +2,8 @@
 
 import torch
 
-from medusa_like.targets import logit_softcap, softcap
-
 from medusa_like.cpu.few_row_linear import FewRowLinear, few_row_product
+from medusa_like.targets import logit_softcap, softcap
 
 
 class VocabProjection:

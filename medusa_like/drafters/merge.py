@@ -33,7 +33,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from medusa_like.decoding.cost_model import CostModel, CostModelMismatchError, measure_cost_model
+from medusa_like.decoding.cost_cache import machine_cost_model
+from medusa_like.decoding.cost_model import CostModel
 from medusa_like.decoding.draft_tree import DraftTree
 from medusa_like.decoding.tree import TreeSpec, budgeted
 
@@ -268,12 +269,22 @@ def _ema(old: float | None, new: float, weight: float = 0.2) -> float:
 
 
 def cost_model_for(state: SessionState, target) -> CostModel:
-    """The session's cost model if it was measured for this target, dtype and device, else one measured now (kept)."""
-    if state.cost_model is not None:
-        try:
-            state.cost_model.check_fits(target)
-            return state.cost_model
-        except CostModelMismatchError:
-            pass
-    state.cost_model = measure_cost_model(target)
+    """The session's cost model when it fits this target, else the machine's (`cost_cache.machine_cost_model`: the
+    one the target's kernels are set for, the cached one, or a quick first estimate), kept for the session."""
+    if state.cost_model is None or not state.cost_model.fits(target):
+        state.cost_model = machine_cost_model(target)
     return state.cost_model
+
+
+def use_cost_model(drafter, cost: CostModel) -> None:
+    """Let a drafter that sizes its trees by a cost model (a lookup or combined drafter: its session `state`) use
+    `cost` from its next generation on; other drafters consult none."""
+    state = getattr(drafter, "state", None)
+    if isinstance(state, SessionState):
+        state.cost_model = cost
+
+
+def session_cost_model(drafter) -> CostModel | None:
+    """The cost model a lookup or combined drafter's session sizes its trees by (None: none yet, or another kind)."""
+    state = getattr(drafter, "state", None)
+    return state.cost_model if isinstance(state, SessionState) else None
