@@ -46,7 +46,7 @@ def report(tmp_path_factory):
         "eval",
         tmp / "hydra",
         "model=tiny_llama",
-        "drafter.kind=learned",  # the zero-initialised heads alone: static trees, head accuracy
+        "drafter.mode=learned",  # the zero-initialised heads alone: static trees, head accuracy
         f"data.path={questions}",
         "eval.max_new_tokens=8",
         "eval.sweep.budgets=[0,2,4]",
@@ -325,7 +325,7 @@ def test_eagle3_drafter_is_evaluated_with_a_searched_tree(tmp_path, small_eval):
 
 
 def test_combined_evaluation_times_each_source_and_never_leaks_an_answer_into_the_store(tmp_path, eval_cfg):
-    """drafter.kind=combined (the default): the learned drafter alone, lookup alone and combined on the same prompts,
+    """drafter.mode=combined (the default): the learned drafter alone, lookup alone and combined on the same prompts,
     each lossless, with per-source shares; and while any method runs a prompt, the output store holds only the
     answers of the prompts before it (a store fed inside `generate` would show the count rise mid-prompt)."""
     from medusa_like.evaluation import benchmark

@@ -43,7 +43,7 @@ def test_the_evaluation_reports_a_lossy_method_and_fails(tmp_path, eval_cfg, mon
     questions.write_text("\n".join(json.dumps(q) for q in QUESTIONS) + "\n")
     cfg = eval_cfg(
         f"data.path={questions}",
-        "drafter.kind=learned",
+        "drafter.mode=learned",
         "tree=chain",
         "eval.max_new_tokens=8",
         "eval.sweep.prompts=0",

@@ -118,7 +118,7 @@ def test_tree_search_app_saves_a_tree_eval_uses(tmp_path, eval_cfg):
         "\n".join(json.dumps({"question_id": i, "category": "c", "turns": [f"Say {i} words."]}) for i in range(2))
     )
     tree_path = tmp_path / "tree.json"
-    common = ["eval.max_new_tokens=6", "drafter.kind=learned"]  # zero-init heads: static trees
+    common = ["eval.max_new_tokens=6", "drafter.mode=learned"]  # zero-init heads: static trees
     cfg = eval_cfg(
         *common,
         "tree_search.calibration.source=jsonl",
@@ -149,7 +149,7 @@ def test_tree_search_app_saves_a_tree_eval_uses(tmp_path, eval_cfg):
 
 
 def test_tree_search_of_a_combined_drafter_saves_its_cost_model_and_prompt_lookup(tmp_path, eval_cfg):
-    """drafter.kind=combined: budgeted trees are timed, the winner is saved with this machine's cost model and the
+    """drafter.mode=combined: budgeted trees are timed, the winner is saved with this machine's cost model and the
     fastest prompt_lookup_num_tokens, and evaluation reads both back from the tree file."""
     from eval.evaluate import evaluate
     from eval.tree_search import tree_search

@@ -7,7 +7,7 @@
 Calibration prompts: the first turns of `tree_search.calibration` (the validation split by default, never trained on).
 Medusa heads: each head's top-1..top-10 accuracy is measured teacher-forced over the target's greedy answers, the best
 tree of each budget is built best-first, and every budget is timed. EAGLE-3: every (depth, top_k, num_nodes) of
-`tree_search.dynamic` is timed. Combined and lookup drafters (`drafter.kind`): every budgeted tree of
+`tree_search.dynamic` is timed. Combined and lookup drafters (`drafter.mode`): every budgeted tree of
 `tree_search.budgeted` is timed, and the machine's cost model is saved with the winner. transformers' prompt lookup is
 timed at each `tree_search.prompt_lookup` value, for the evaluation's baseline. The fastest is saved as a tree JSON that `tree=` accepts. `tree_search(cfg)` is
 importable; `main` is the Hydra app behind `medusa-tree-search` and `python -m eval.tree_search`.

@@ -11,14 +11,10 @@ import torch
 from medusa_like.decoding.cost_model import CostModel
 from medusa_like.decoding.tree import TreeSpec, budgeted
 
-from .eagle3 import EAGLE3
 from .kinds import TrainingFreeKind
 from .lookup import LOOKUP
-from .medusa import MEDUSA
 from .merge import CombinedProposer, SessionState
 from .protocol import Drafter
-
-LEARNED_KINDS = {kind.name: kind for kind in (EAGLE3, MEDUSA)}  # what a combined drafter merges with lookup
 
 
 class CombinedDrafter:
@@ -63,16 +59,19 @@ class CombinedDrafter:
 def fresh_combined(
     target, learned: str | Drafter = "eagle3", store=None, cost_model: CostModel | None = None, **options
 ) -> CombinedDrafter:
-    """A learned drafter (an object, or "eagle3"/"medusa" for a fresh one built with `options`; `formats.resolve_drafter`
-    loads one named by a directory or checkpoint first) with context lookup and an output store (empty, or loaded
-    from `store`)."""
+    """A learned drafter (an object, or the name of a trainable kind such as "eagle3" or "medusa" for a fresh one built
+    with `options`; `formats.resolve_drafter` loads one named by a directory or checkpoint first) with context lookup
+    and an output store (empty, or loaded from `store`)."""
     if isinstance(learned, str):
-        if learned not in LEARNED_KINDS:
+        from .registry import KINDS  # the registry lists this kind too, so it is read when a drafter is built
+
+        trainable = sorted(name for name, kind in KINDS.items() if kind.trainable)
+        if learned not in trainable:
             raise ValueError(
-                f"learned={learned!r}: a learned drafter, one of {sorted(LEARNED_KINDS)} for a fresh one, or a drafter "
+                f"learned={learned!r}: a learned drafter, one of {trainable} for a fresh one, or a drafter "
                 "directory or checkpoint through MedusaLikeModel.from_pretrained / formats.resolve_drafter"
             )
-        learned = LEARNED_KINDS[learned].fresh(target, **options)
+        learned = KINDS[learned].fresh(target, **options)
     return CombinedDrafter(learned, LOOKUP.fresh(target, store=store), cost_model)
 
 

@@ -289,6 +289,10 @@ def fresh_eagle3(target, draft_vocab_size: int | None = None, aux_layer_ids=None
     return Eagle3Drafter(config, DraftVocab(torch.arange(config.draft_vocab_size), vocab_size))
 
 
-EAGLE3 = WeightsKind(
-    "eagle3", "medusa_like.formats.eagle3:CODEC", fresh_eagle3, "medusa_like.training.build:eagle3_training_module"
-)
+def eagle3_codec():
+    from medusa_like.formats.eagle3 import CODEC  # the codec imports this drafter: imported on first use
+
+    return CODEC
+
+
+EAGLE3 = WeightsKind("eagle3", fresh_eagle3, eagle3_codec)

@@ -1,37 +1,30 @@
 """The two shapes of a drafter kind (`protocol.DrafterKind`), so each kind is a few lines in its drafter's module:
 
-    WeightsKind        trained weights on disk: files through its codec in `formats/`, a Lightning module to train it
-                       (built in `training/build.py`)
+    WeightsKind        trained weights on disk: read and written by its codec (`formats.common.Codec`); trained by the
+                       Lightning module its training config names (conf/drafter/<kind>.yaml, `training/build.py`)
     TrainingFreeKind   nothing to train or save (lookup, combined): its file operations explain what to do instead
 
-A kind's codec and its training module's builder are named as "module:attribute" and imported when first used,
-because the format modules import the drafters they read, and the training modules the drafters they train.
+A weights kind holds its codec as a function that imports it (`codec=`): the format modules import the drafters they
+read, so a drafter module cannot import its codec before it is first used.
 """
 
-import importlib
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-
-def named_attribute(name: str):
-    """The object a "module:attribute" name names, its module imported now."""
-    module, attribute = name.split(":")
-    return getattr(importlib.import_module(module), attribute)
+if TYPE_CHECKING:  # formats import the drafters: a drafter module imports no format module when it is imported
+    from medusa_like.formats.common import Codec
 
 
 @dataclass(frozen=True)
 class WeightsKind:
     name: str
-    codec: str  # "module:attribute" of its `formats.common.Codec`
     fresh: Callable  # (target, **options) -> a new drafter for the target
-    trainer: str  # "module:attribute" of (cfg, target, **shared) -> the Lightning module that trains it
+    codec: "Callable[[], Codec]"  # () -> its codec, imported on first use
     trainable: bool = True
 
-    def _codec(self):
-        return named_attribute(self.codec)
-
-    def training_module(self, cfg, target, **shared):
-        return named_attribute(self.trainer)(cfg, target, **shared)
+    def _codec(self) -> "Codec":
+        return self.codec()
 
     @property
     def formats(self) -> tuple[str, ...]:
@@ -72,6 +65,3 @@ class TrainingFreeKind:
 
     def export(self, drafter, out_dir, format, target, target_name, dtype=None, overwrite=False):
         self._refuse("no weights to export")
-
-    def training_module(self, cfg, target, **shared):
-        self._refuse("nothing to train")

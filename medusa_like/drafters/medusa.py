@@ -166,6 +166,10 @@ def fresh_heads(target, num_heads: int = 4, num_layers: int = 1, shared_lm_head:
     )
 
 
-MEDUSA = WeightsKind(
-    "medusa", "medusa_like.formats.heads_io:CODEC", fresh_heads, "medusa_like.training.build:heads_training_module"
-)
+def heads_codec():
+    from medusa_like.formats.heads_io import CODEC  # the codec imports these heads: imported on first use
+
+    return CODEC
+
+
+MEDUSA = WeightsKind("medusa", fresh_heads, heads_codec)

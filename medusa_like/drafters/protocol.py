@@ -12,14 +12,15 @@ The loop owns the target, its KV cache, verification, acceptance and sampling; a
 `feature_layers` is None (Medusa heads; lookup drafters ignore them). Whatever a proposer proposes, the target decides
 what is kept, so any proposer is lossless; a good one is only faster.
 
-A drafter kind (`medusa`, `eagle3`, `lookup`, `combined`) is one object in the drafter's own module, listed once in
-`registry.py`: everything the framework asks about a kind (build one, read and write its files, train it) goes through
-it, so adding a kind is one module and one registry line.
+A drafter kind (`medusa`, `eagle3`, `lookup`, `combined`) is one object in the drafter's own module, made known by
+`registry.register`: everything the framework asks about a kind (build one, read and write its files) goes through it.
+A kind with weights also has a codec in `formats/` (held by the kind) and a Lightning module in `training/` (named by
+its training config, conf/drafter/<kind>.yaml). docs/drafters.md ("Write your own drafter") shows the steps.
 """
 
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Protocol
 
 import torch
 
@@ -80,7 +81,7 @@ class Drafter(Protocol):
 class DrafterKind(Protocol):
     name: str
     formats: tuple[str, ...]  # what `export` writes; "native" (read back by `read`) first; () if nothing to save
-    trainable: bool
+    trainable: bool  # trained weights: a codec and a Lightning module (conf/drafter/<name>.yaml names it)
 
     def fresh(self, target, **options) -> Drafter:
         """A new drafter for `target` (untrained weights, or an empty lookup source), from config options."""
@@ -99,7 +100,3 @@ class DrafterKind(Protocol):
         ...
 
     def export(self, drafter, out_dir: Path, format: str, target, target_name: str, dtype, overwrite: bool) -> Path: ...
-
-    def training_module(self, cfg: Any, target, **shared):
-        """The Lightning module that trains this kind (trainable kinds only)."""
-        ...

@@ -22,7 +22,7 @@ from medusa_like.targets import target_fingerprint
 
 def load_eval_model(cfg: DictConfig) -> MedusaLikeModel:
     """The target of `cfg.model` (in `model.dtype`) with the drafter of `cfg.drafter`: the drafter at `drafter.path`
-    (zero-initialised heads when it is null), decoding as `drafter.kind` says: alone (`learned`), merged with lookup
+    (zero-initialised heads when it is null), decoding as `drafter.mode` says: alone (`learned`), merged with lookup
     (`combined`), or lookup only (`lookup`).
 
     A drafter or store made for another target raises `medusa_like.drafters.base.DrafterMismatchError`.
@@ -31,11 +31,14 @@ def load_eval_model(cfg: DictConfig) -> MedusaLikeModel:
         raise FileNotFoundError(
             f"drafter.path={cfg.drafter.path!r} does not exist (a drafter directory or a .ckpt file)"
         )
-    if cfg.drafter.kind not in ("combined", "learned", "lookup"):
-        raise ValueError(f"drafter.kind must be combined, learned or lookup, got {cfg.drafter.kind!r}")
+    mode = cfg.drafter.mode
+    if cfg.drafter.get("kind") is not None:
+        raise ValueError(f"drafter.kind={cfg.drafter.kind} is now drafter.mode={cfg.drafter.kind} in the evaluation")
+    if mode not in ("combined", "learned", "lookup"):
+        raise ValueError(f"drafter.mode must be combined, learned or lookup, got {mode!r}")
     target, tokenizer = load_target_model(cfg.model)
-    store = output_store(cfg.drafter, cfg.validation, target, tokenizer) if cfg.drafter.kind != "learned" else None
-    if cfg.drafter.kind == "lookup":
+    store = output_store(cfg.drafter, cfg.validation, target, tokenizer) if mode != "learned" else None
+    if mode == "lookup":
         drafter = LOOKUP.fresh(target, store=store)
     else:
         # without drafter.path: fresh zero-initialised Medusa heads (`drafter.num_heads`), as smoke runs and tests use
@@ -48,7 +51,7 @@ def load_eval_model(cfg: DictConfig) -> MedusaLikeModel:
             learned.draft_vocab = draft_vocab_from_training_split(
                 cfg.drafter.vocab_data, int(size), vocab_size, split.val_fraction, split.split_seed
             )
-        drafter = learned if cfg.drafter.kind == "learned" else COMBINED.fresh(target, learned, store)
+        drafter = learned if mode == "learned" else COMBINED.fresh(target, learned, store)
     return MedusaLikeModel(
         target,
         tokenizer,

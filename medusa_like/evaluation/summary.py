@@ -197,7 +197,7 @@ def setup_section(cfg, model, tree, tree_name: str, questions: list, methods: li
         "drafter_parameters": drafter_parameters(model),
         "tree": {"name": tree_name, "nodes": tree.max_nodes, "depth": tree.max_depth},
         "lookup_store": None
-        if model.drafter_kind == "learned"
+        if cfg.drafter.mode == "learned"
         else {
             "loaded_from": cfg.drafter.store,
             "seed_budget_tokens": cfg.drafter.seed_store,

@@ -3,9 +3,10 @@
     drafter = load_drafter("runs/x/drafter", target)          # detected from config.json, or a .ckpt
     export_drafter(drafter, "exports/vllm", "vllm", target, "HuggingFaceTB/SmolLM2-135M-Instruct")
 
-Each drafter kind (`drafters/registry.py`) reads and writes its own formats: Medusa heads as native, medusa, vllm and
-tgi (`heads_io.py`, layouts in `medusa_layouts.py`); the EAGLE-3 drafter as native, eagle3 (vLLM), eagle3_sglang
-(`eagle3.py`) and gguf (llama.cpp, `gguf.py`). Loading is strict everywhere and checks the drafter against the target (`drafters.base.check_fits`).
+Each registered drafter kind (`drafters/registry.py`) reads and writes its own formats through its codec: Medusa heads
+as native, medusa, vllm and tgi (`heads_io.py`, layouts in `medusa_layouts.py`); the EAGLE-3 drafter as native, eagle3
+(vLLM), eagle3_sglang (`eagle3.py`) and gguf (llama.cpp, `gguf.py`). Loading is strict everywhere and checks the
+drafter against the target (`drafters.base.check_fits`).
 """
 
 from pathlib import Path
@@ -49,6 +50,11 @@ def resolve_drafter(drafter: str | Path | Drafter, target, **options) -> Drafter
         if isinstance(learned, (str, Path)) and learned not in KINDS:
             options["learned"] = load_drafter(learned, target)
         return kind_named(drafter).fresh(target, **options)
+    if isinstance(drafter, str) and not Path(drafter).exists():
+        raise FileNotFoundError(
+            f"drafter={drafter!r} is not a registered drafter kind ({sorted(KINDS)}), and no drafter directory or "
+            ".ckpt file of that name exists"
+        )
     if isinstance(drafter, (str, Path)):
         return load_drafter(drafter, target)
     return drafter

@@ -30,7 +30,7 @@ WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth")
 
 @dataclass(frozen=True)
 class Codec:
-    """A drafter kind's files, both directions (the kind reaches its codec through `drafters/kinds.py`)."""
+    """A drafter kind's files, both directions (a `drafters.kinds.WeightsKind` holds a function that imports it)."""
 
     formats: tuple[str, ...]  # what `export` writes; "native" first
     recognises: Callable[[dict], bool]  # config.json -> written by one of these formats?

@@ -1,8 +1,9 @@
 """What every drafter's Lightning module shares: a frozen target, checkpoints that hold the drafter alone, the target's
 hidden states (from an optional cache), the optimizer and schedule, and the validation metrics.
 
-A drafter's module (`medusa_module.py`, `eagle3_module.py`) builds its drafter, names it `checkpoint_prefix` and says
-what the checkpoint records about it (`drafter_meta`); it writes its own loss. The target is never trained and never
+A drafter's module (`medusa_module.py`, `eagle3_module.py`) names the drafter kind it trains (`kind`), builds itself
+from a training config (`from_config`, called by `build.build_module`), builds its drafter, names it
+`checkpoint_prefix` and says what the checkpoint records about it (`drafter_meta`); it writes its own loss. The target is never trained and never
 saved: `state_dict` is the drafter's alone (keys `<prefix>.*`), and `checkpoint[CHECKPOINT_KEY]` records the drafter's
 kind and config with the target's name and fingerprint, for `medusa_like.formats` (export and strict loading).
 """
@@ -20,6 +21,7 @@ from medusa_like.training.schedule import budget_spent, total_optimizer_steps
 
 
 class DrafterModule(L.LightningModule):
+    kind: str  # the registered drafter kind it trains (`drafters/registry.py`), recorded in its checkpoints
     checkpoint_prefix: str  # the drafter's attribute name, and its keys' prefix in checkpoints
     progress_metric: str  # the validation metric shown in the progress bar
 
@@ -46,8 +48,14 @@ class DrafterModule(L.LightningModule):
         """The trained drafter (a registered submodule named `checkpoint_prefix`)."""
         return self._modules[self.checkpoint_prefix]
 
+    @classmethod
+    def from_config(cls, cfg, target, **shared) -> "DrafterModule":
+        """The module for `target` from a composed training config: `cfg.drafter` (conf/drafter/<kind>.yaml, whose
+        `module` names this class) with `shared`, the settings of `cfg.module` every kind takes (`build.build_module`)."""
+        raise NotImplementedError
+
     def drafter_meta(self) -> dict:
-        """The drafter's kind and config, as its checkpoint records them."""
+        """The drafter's config, as its checkpoint records it (beside its `kind`)."""
         raise NotImplementedError
 
     # ---- the frozen target stays frozen; checkpoints hold the drafter only --------------------------------------
@@ -72,6 +80,7 @@ class DrafterModule(L.LightningModule):
         own = f"{self.checkpoint_prefix}."
         checkpoint["state_dict"] = {k: v for k, v in checkpoint["state_dict"].items() if k.startswith(own)}
         checkpoint[CHECKPOINT_KEY] = {
+            "kind": self.kind,
             **self.drafter_meta(),
             "target": self.target_name,
             "target_fingerprint": target_fingerprint(self.target.config),

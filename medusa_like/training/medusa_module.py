@@ -9,10 +9,11 @@ from collections.abc import Callable
 
 import torch
 import torch.nn as nn
+from hydra.utils import instantiate
 from torchmetrics import MeanMetric
 
 from medusa_like.drafters.base import check_fits
-from medusa_like.drafters.medusa import HeadsConfig, MedusaHeads
+from medusa_like.drafters.medusa import MEDUSA, HeadsConfig, MedusaHeads
 from medusa_like.targets import output_logits
 from medusa_like.training.drafter_module import DrafterModule
 from medusa_like.training.losses import IGNORE, decay_weights, head_labels, head_losses, shift_left, topk_correct
@@ -21,6 +22,7 @@ TOPK = (1, 5)
 
 
 class MedusaHeadsModule(DrafterModule):
+    kind = MEDUSA.name
     checkpoint_prefix = "heads"
     progress_metric = "acc_top1_head1"
 
@@ -49,8 +51,15 @@ class MedusaHeadsModule(DrafterModule):
         names = [f"{m}_head{k}" for k in range(1, heads_config.num_heads + 1) for m in ("loss", "acc_top1", "acc_top5")]
         self.val_metrics = nn.ModuleDict({name: MeanMetric() for name in [*names, "loss"]})
 
+    @classmethod
+    def from_config(cls, cfg, target, **shared) -> "MedusaHeadsModule":
+        """The heads of `cfg.drafter` (conf/drafter/medusa.yaml) sized for `target`'s width and vocabulary."""
+        lm_head = target.get_output_embeddings().weight
+        heads = instantiate(cfg.drafter.heads, vocab_size=lm_head.shape[0], hidden_size=lm_head.shape[1])
+        return instantiate(cfg.drafter.module, heads_config=heads, target=target, **shared, _convert_="object")
+
     def drafter_meta(self) -> dict:
-        return {"kind": "medusa", "heads_config": self.heads.config.to_dict()}
+        return {"heads_config": self.heads.config.to_dict()}
 
     # ---- steps --------------------------------------------------------------------------------------------------
     def training_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
