@@ -145,3 +145,13 @@ def read_jsonl(path: str | Path, opener=open) -> Iterator[tuple[int, object]]:
                 raise JsonLinesError(
                     f"{path}:{lineno}: malformed JSON line ({err.msg}): {line.strip()[:80]!r}"
                 ) from err
+
+
+def existing_file(path: str | Path, what: str) -> Path:
+    """`path` if it is a file; else FileNotFoundError or IsADirectoryError naming `what` and the path."""
+    path = Path(path)
+    if path.is_dir():
+        raise IsADirectoryError(f"{what} {str(path)!r} is a directory, expected a file")
+    if not path.is_file():
+        raise FileNotFoundError(f"{what} {str(path)!r} does not exist")
+    return path

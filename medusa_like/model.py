@@ -10,12 +10,23 @@ drafter and lookup combined in one tree. Without one, training-free lookup draft
 used. Every drafter is lossless; a good one is only faster.
 """
 
+import threading
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
 
-from medusa_like.decoding.attention import pick_backend
 from medusa_like.cpu.few_row_linear import use_few_row_linears, worth_swapping
+from medusa_like.decoding.attention import pick_backend
+from medusa_like.decoding.checks import (
+    check_lengths,
+    check_prompt,
+    check_room,
+    check_sampling,
+    prompt_tensor,
+    sampling_generator,
+    token_ids,
+)
 from medusa_like.decoding.generate import GenerateOutput, StopChecker, speculative_generate
 from medusa_like.decoding.tree import TreeSpec, resolve_tree
 from medusa_like.drafters.protocol import Drafter, Proposer
@@ -47,6 +58,7 @@ class MedusaLikeModel:
             use_few_row_linears(self.drafter)
         self.backend = pick_backend(backend, self.device)
         self.target_name = target_name or getattr(target.config, "name_or_path", None)
+        self._lock, self._generating = threading.Lock(), None  # `generate` serves one thread at a time
 
     @classmethod
     def from_pretrained(
@@ -116,7 +128,7 @@ class MedusaLikeModel:
         top_p: float = 1.0,
         seed: int | None = None,
         eos_token_id: int | list[int] | None = None,
-        stop_strings: list[str] | None = None,
+        stop_strings: str | list[str] | None = None,
         streamer=None,
         max_cache_len: int | None = None,
         remember: bool = True,
@@ -124,42 +136,70 @@ class MedusaLikeModel:
         """Speculative decoding, lossless: at temperature 0 the output equals the target's own greedy decoding token
         for token; above it, tokens are drawn from exactly the target's (temperature, top_k, top_p) distribution.
 
-        `tree`: a preset ('dynamic' for EAGLE-2's dynamic tree, 'chain', 'small', 'medusa', 'none' for plain
-        decoding), a `DynamicTreeSpec` or a dict of its fields, a list of rank paths, a tree file (JSON from the tree
-        search) or a spec. `streamer`: a callable taking each step's new token ids, or a transformers streamer.
+        `input_ids`: the prompt, [1, T] or [T], a tensor or a list of ints. `tree`: a preset ('dynamic' for EAGLE-2's
+        dynamic tree, 'chain', 'small', 'medusa', 'none' for plain decoding), a `DynamicTreeSpec` or a dict of its
+        fields, a list of rank paths, a tree file (JSON from the tree search) or a spec. `eos_token_id`: an id or a
+        list of ids (None: the target's). `stop_strings`: a string or a list of strings; generation stops once one
+        appears in the output. `streamer`: a callable taking each step's new token ids, or a transformers streamer.
+
+        `seed` (temperature > 0): the same prompt, settings and seed give the same tokens on the same device and
+        dtype, whatever the drafter, the tree, the output store's contents or the machine's timings, and the same as
+        plain decoding (`tree="none"`) with that seed: each position's token is drawn with that position's own noise
+        (`decoding/sampling.py`), so drafts decide how many tokens a step commits, never which. The match is as
+        exact as greedy decoding's. Without a seed, torch's default generator draws.
+
         `remember`: hand the finished output to the drafter (a lookup store learns from it; an evaluation that runs
         several methods on one prompt passes False and adds the answer once every method is done, so none sees it).
+        Seeded calls are remembered too: a store only changes how fast a later call runs.
+
+        Calls from several threads are served one at a time (the target, its attention and the drafter's state serve
+        one generation); a call from inside a generation on the same model (its streamer) is refused. Arguments are
+        checked before any work: a bad one raises a TypeError or ValueError naming it.
         """
-        generator = None
-        if temperature > 0 and seed is not None:
-            generator = torch.Generator(self.device).manual_seed(seed)
-        if isinstance(input_ids, (list, tuple)):
-            input_ids = torch.tensor(input_ids, dtype=torch.long)
-        if isinstance(input_ids, torch.Tensor) and input_ids.dim() == 1:
-            input_ids = input_ids[None]
-        eos = (
-            self.eos_token_ids()
-            if eos_token_id is None
-            else [eos_token_id]
-            if isinstance(eos_token_id, int)
-            else eos_token_id
-        )
-        stop = StopChecker(eos, stop_strings or (), self.tokenizer)
-        out = speculative_generate(
-            self.target,
-            self.proposer(),
-            input_ids.to(self.device),
-            self.resolve_tree(tree),
-            max_new_tokens,
-            backend=self.backend,
-            stop=stop,
-            streamer=streamer,
-            max_cache_len=max_cache_len,
-            temperature=temperature,
-            top_k=top_k,
-            top_p=top_p,
-            generator=generator,
-        )
-        if remember:
-            self.drafter.remember(out.new_tokens.tolist())
+        check_lengths(max_new_tokens, max_cache_len)
+        check_sampling(temperature, top_k, top_p)
+        generator = sampling_generator(seed, self.device)
+        if not isinstance(remember, bool):
+            raise TypeError(f"remember must be True or False, got {remember!r}")
+        vocab = self.target.config.get_text_config().vocab_size
+        eos = self.eos_token_ids() if eos_token_id is None else token_ids("eos_token_id", eos_token_id, vocab)
+        stop = StopChecker(eos, () if stop_strings is None else stop_strings, self.tokenizer)
+        input_ids = prompt_tensor(input_ids)
+        check_prompt(self.target, input_ids)
+        with self._one_generation():
+            spec = self.resolve_tree(tree)
+            check_room(self.target, input_ids.shape[1], spec, max_new_tokens, max_cache_len)
+            out = speculative_generate(
+                self.target,
+                self.proposer(),
+                input_ids.to(self.device),
+                spec,
+                max_new_tokens,
+                backend=self.backend,
+                stop=stop,
+                streamer=streamer,
+                max_cache_len=max_cache_len,
+                temperature=temperature,
+                top_k=top_k,
+                top_p=top_p,
+                generator=generator,
+            )
+            if remember:
+                self.drafter.remember(out.new_tokens.tolist())
         return out
+
+    @contextmanager
+    def _one_generation(self):
+        """Hold the model for one generation: other threads wait; the same thread (a streamer) is refused, since it
+        would wait for itself."""
+        if self._generating == threading.get_ident():
+            raise RuntimeError(
+                "generate was called from inside a generation on the same model (from its streamer?); it would wait "
+                "for itself: call it after this generation returns"
+            )
+        with self._lock:
+            self._generating = threading.get_ident()
+            try:
+                yield
+            finally:
+                self._generating = None

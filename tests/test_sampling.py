@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from medusa_like.decoding.draft_tree import DraftTree, grow_dynamic
-from medusa_like.decoding.generate import speculative_generate
-from medusa_like.decoding.sampling import accept_sampling, warp_logits
+from medusa_like.decoding.generate import accept_greedy, speculative_generate
+from medusa_like.decoding.sampling import PositionNoise, race, warp_logits
 from medusa_like.decoding.tree import DynamicTreeSpec, TokenTree, resolve_tree
 from medusa_like.drafters.eagle3 import Eagle3Config, Eagle3Drafter
 from medusa_like.model import MedusaLikeModel
@@ -16,34 +16,42 @@ from .conftest import VOCAB, ScriptedProposer, greedy_reference, random_heads, r
 
 
 def test_acceptance_rule_emits_the_target_distribution():
-    """First emitted token ~ p(root); after an accepted child c, the next one ~ p(c), whatever the candidates."""
+    """Verification by the race with per-position noise: the first emitted token ~ p(root) and, after a first token t,
+    the next one ~ p(t), whatever the candidates; the drafts change only how many tokens are accepted."""
     tree = TokenTree.from_paths([[0], [1], [2], [0, 0]])  # nodes: 0 root, 1 [0], 2 [1], 3 [2], 4 [0,0]
+    after_1 = [0.1, 0.1, 0.6, 0.1, 0.1]
     probs = torch.tensor(
         [
             [0.5, 0.2, 0.2, 0.1, 0.0],  # root
-            [0.1, 0.1, 0.6, 0.1, 0.1],  # after node 1
+            after_1,  # after node 1 (token 1)
             [0.2, 0.2, 0.2, 0.2, 0.2],
-            [0.2, 0.2, 0.2, 0.2, 0.2],
+            after_1,  # node 3 repeats node 1's token, so the target's distribution after it is the same
             [0.3, 0.3, 0.1, 0.1, 0.2],
         ]
     )
-    tokens = torch.tensor([9, 1, 0, 1, 2])  # node 3 duplicates node 1's token: it must never be accepted
+    tokens = torch.tensor([9, 1, 0, 1, 2])
     draft = DraftTree.from_static(tree, tokens)  # the step's tree, as verification receives it
     g = torch.Generator().manual_seed(0)
     n = 20000
     first = torch.zeros(5)
-    second_after_node1 = torch.zeros(5)
+    second_after_1 = torch.zeros(5)
+    accepted = 0
     for _ in range(n):
-        nodes, bonus = accept_sampling(tokens, probs, draft, g)
-        emitted = [int(tokens[i]) for i in nodes[1:]] + [int(bonus)]
+        noise = PositionNoise(5, "cpu", g).take(0, draft.max_depth + 1)  # [D + 1, V]: one row per position
+        predictions = race(probs, noise[draft.depth])  # [T]
+        nodes = accept_greedy(tokens, predictions, draft)
+        emitted = [int(tokens[i]) for i in nodes[1:]] + [int(predictions[nodes[-1]])]
+        accepted += len(nodes) - 1
         first[emitted[0]] += 1
-        assert 3 not in nodes.tolist()
-        if len(nodes) > 1 and nodes[1] == 1:
-            second_after_node1[emitted[1]] += 1
+        if emitted[0] == 1:
+            second_after_1[emitted[1]] += 1
     tolerance = 4 * (0.25 / n) ** 0.5
     torch.testing.assert_close(first / n, probs[0], atol=tolerance, rtol=0)
-    m = second_after_node1.sum()
-    torch.testing.assert_close(second_after_node1 / m, probs[1], atol=4 * (0.25 / m) ** 0.5, rtol=0)
+    m = second_after_1.sum()
+    torch.testing.assert_close(second_after_1 / m, probs[1], atol=4 * (0.25 / m) ** 0.5, rtol=0)
+    # a node's children are accepted with the sum of p over their tokens (as under SpecInfer's multi-candidate rule):
+    # tokens 0 or 1 first (.5 + .2), then after token 1, node 4's token 2 (.6)
+    assert abs(accepted / n - (0.7 + 0.2 * after_1[2])) < 0.03
 
 
 def test_warp_logits():

@@ -4,9 +4,9 @@ One step, for whatever drafter stands behind the `Proposer` protocol (`drafters/
 
     propose     the drafter's candidate tree for this step, rooted at the target's own next token   DraftTree [T]
     verify      one target forward over all T nodes, tree mask, depth positions               -> logits [T, V]
-    accept      the longest root-to-leaf path whose every token equals the target's argmax at its
-                parent (or, when sampling, SpecInfer's multi-candidate rule); the target's token
-                after its last node is the bonus token
+    accept      the longest root-to-leaf path whose every token equals the target's token at its
+                parent: its argmax, or when sampling the token its distribution picks with the
+                position's noise (`sampling.py`); the target's token after its last node is the bonus
     commit      accepted nodes' KV move to contiguous cache slots; the drafter takes in the accepted
                 tokens and the target's features at them (no extra forward)
 
@@ -16,7 +16,6 @@ the prefill included, so plain decoding has tau = 1 exactly and the bonus token 
 Spec-Bench).
 """
 
-import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -26,11 +25,11 @@ import torch
 from medusa_like.targets import cache_keyword
 
 from .attention import tree_attention
+from .checks import check_inputs, check_sampling
 from .draft_tree import DraftTree
-from .kv_cache import CacheOverflowError, TreeKVCache
+from .kv_cache import TreeKVCache
 from .projection import VocabProjection
-from .sampling import accept_sampling, check_top_p, warp_logits
-from .tree import check_drafter
+from .sampling import PositionNoise, race, warp_logits
 
 
 @dataclass
@@ -133,10 +132,16 @@ def count_sources(counts: dict[str, int], draft: DraftTree, accepted: torch.Tens
 
 
 class StopChecker:
-    """EOS ids and stop strings; `cut(tokens)` returns where to cut the generated tokens, or None to go on."""
+    """EOS ids and stop strings; `cut(tokens)` returns where to cut the generated tokens, or None to go on.
+
+    `stop_strings`: one string or a list of them (as transformers takes them)."""
 
     def __init__(self, eos_token_ids=(), stop_strings=(), tokenizer=None):
         self.eos = set(int(t) for t in eos_token_ids)
+        if isinstance(stop_strings, str):
+            stop_strings = [stop_strings]
+        if not isinstance(stop_strings, (list, tuple)) or not all(isinstance(s, str) for s in stop_strings):
+            raise TypeError(f"stop_strings must be a string or a list of strings, got {stop_strings!r}")
         self.stop_strings = [s for s in stop_strings if s]
         if self.stop_strings and tokenizer is None:
             raise ValueError("stop_strings need a tokenizer to decode the generated text")
@@ -161,56 +166,6 @@ def _emit(streamer, tokens: list[int]) -> None:
         streamer.put(torch.tensor(tokens))
     else:
         streamer(tokens)
-
-
-def check_context(target, prompt_len: int, max_new_tokens: int, spec) -> None:
-    """Refuse a prompt whose answer cannot fit the target's positions: prompt + new tokens + the tree's depth (the
-    last step may draft past the final token) must stay within `max_position_embeddings`."""
-    max_positions = getattr(target.config.get_text_config(), "max_position_embeddings", None)
-    if max_positions is not None and prompt_len + max_new_tokens + spec.max_depth > max_positions:
-        raise ValueError(
-            f"prompt ({prompt_len}) + max_new_tokens ({max_new_tokens}) + tree depth ({spec.max_depth}) exceeds the "
-            f"target's max_position_embeddings ({max_positions})"
-        )
-
-
-def check_inputs(target, proposer, input_ids, spec, max_new_tokens: int, max_cache_len: int | None) -> int:
-    """Refuse, before anything runs, what cannot work; return the KV cache capacity."""
-    if not isinstance(input_ids, torch.Tensor):
-        raise TypeError(f"input_ids must be a torch.Tensor of token ids [1, T], got {type(input_ids).__name__}")
-    if input_ids.dtype not in (torch.int64, torch.int32):
-        raise TypeError(f"input_ids must hold integer token ids (torch.long), got dtype {input_ids.dtype}")
-    if input_ids.dim() != 2 or input_ids.shape[0] != 1:
-        raise ValueError(f"speculative decoding takes one sequence, input_ids [1, T]; got {tuple(input_ids.shape)}")
-    if input_ids.shape[1] == 0:
-        raise ValueError("the prompt is empty: give at least one token")
-    vocab = target.config.get_text_config().vocab_size
-    if int(input_ids.min()) < 0 or int(input_ids.max()) >= vocab:
-        raise ValueError(
-            f"prompt token ids must lie in [0, {vocab}) (the target's vocabulary), got {int(input_ids.min())}.."
-            f"{int(input_ids.max())}"
-        )
-    if max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-    check_drafter(spec, proposer.max_depth, proposer.max_rank)
-    prompt_len = input_ids.shape[1]
-    needed = prompt_len + max_new_tokens + spec.max_nodes
-    capacity = max_cache_len if max_cache_len is not None else needed
-    if needed > capacity:
-        raise CacheOverflowError(
-            f"KV cache of {capacity} tokens is too small for a {prompt_len}-token prompt, {max_new_tokens} new tokens "
-            f"and a {spec.max_nodes}-node tree (needs {needed})"
-        )
-    check_context(target, prompt_len, max_new_tokens, spec)
-    return capacity
-
-
-def check_sampling(temperature: float, top_k: int, top_p: float) -> None:
-    if not math.isfinite(temperature) or temperature < 0:
-        raise ValueError(f"temperature must be a finite number >= 0, got {temperature}")
-    if top_k < 0:
-        raise ValueError(f"top_k must be >= 0 (0 disables it), got {top_k}")
-    check_top_p(top_p)
 
 
 @torch.inference_mode()
@@ -247,17 +202,22 @@ def speculative_generate(
     cache = TreeKVCache.for_model(target, capacity)
     stats = DecodeStats()
 
-    def next_token(logits):  # [V] -> []
-        if temperature == 0:
+    noise = None if temperature == 0 else PositionNoise(lm_head.weight.shape[0], device, generator)
+
+    def target_tokens(logits, first: int, depth: torch.Tensor, max_depth: int):  # [T, V] -> [T]
+        """The target's token after each node: its argmax, or its pick with the noise of its position (the node's
+        depth past `first`, counted from the first generated token)."""
+        if noise is None:
             return logits.argmax(-1)
-        return torch.multinomial(warp_logits(logits, temperature, top_k, top_p), 1, generator=generator)[0]
+        probs = warp_logits(logits, temperature, top_k, top_p)
+        return race(probs, noise.take(first, max_depth + 1)[depth])
 
     with tree_attention(target, backend):
         start = time.perf_counter()
         positions = torch.arange(prompt_len, device=device)[None]
         hidden, features = target_forward(target, input_ids, positions, cache, None, layers)  # [P, H], [P, F]
         cache.commit_all(prompt_len)
-        root = next_token(lm_head(hidden[-1]))
+        root = target_tokens(lm_head(hidden[-1:]), 0, torch.zeros(1, dtype=torch.long, device=device), 0)[0]
         proposer.begin(input_ids[0], features, root, capacity)
         stats.target_forwards = 1
         generated = [int(root)]
@@ -277,13 +237,10 @@ def speculative_generate(
             mask = draft.attention_mask[None, None]  # [1, 1, T, T]
             hidden, features = target_forward(target, tokens[None], (prefix + draft.depth)[None], cache, mask, layers)
             logits = lm_head(hidden)  # [T, V]
-            if temperature == 0:
-                predictions = logits.argmax(-1)  # [T]
-                nodes = accept_greedy(tokens, predictions, draft)  # [n + 1]
-                root = predictions[nodes[-1]]
-            else:
-                probs = warp_logits(logits, temperature, top_k, top_p)  # [T, V]
-                nodes, root = accept_sampling(tokens, probs, draft, generator)
+            first = prefix - prompt_len + 1  # the token after the root, counted from the first generated token
+            predictions = target_tokens(logits, first, draft.depth, draft.max_depth)  # [T]
+            nodes = accept_greedy(tokens, predictions, draft)  # [n + 1]
+            root = predictions[nodes[-1]]
             cache.commit(prefix + nodes)
             proposer.accept(tokens[nodes], features[nodes], root)
             stats.target_forwards += 1

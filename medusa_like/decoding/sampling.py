@@ -1,16 +1,19 @@
-"""Lossless sampling verification of a token tree (temperature > 0).
+"""Lossless sampling verification of a token tree (temperature > 0), by the exponential race.
 
-The heads' candidates are deterministic, so each is a draft whose proposal distribution is a point mass. Speculative
-sampling with a point-mass draft x accepts x with probability p(x) and, on rejection, continues with p restricted to
-the other tokens and renormalised. Trying a node's children one after the other in rank order, each against what is
-left of p, and sampling from the remainder when all are rejected, emits every token with exactly the target's
-probability (SpecInfer's multi-candidate rule). Accepted children are descended into with their own distribution;
-the token sampled where the walk stops is the bonus token.
+Each generated position gets its own noise, E [V] ~ Exp(1) per token, and its token is argmax_v p(v) / E_v: the race
+that token v wins with probability exactly p(v) (the way gpt-fast samples). The noise belongs to the position, not to
+a tree node: in a step, every node at depth d picks the token after it with the noise of position committed + d + 1.
+Verification is then the greedy rule (`generate.accept_greedy`): a node is accepted iff its token is the one its
+parent's distribution picks with that noise, and the token picked after the last accepted node is the bonus token.
+
+Whatever the tree, the token committed at a position is the race's winner under the target's distribution given the
+committed prefix, with noise independent of that prefix: each token follows the target's distribution exactly. The
+drafts decide only how many tokens a forward commits, never which, so a seeded generation gives the same tokens with
+any drafter, tree or output store, and as plain decoding. A node's children are accepted with total probability the
+sum of p over their tokens, as under SpecInfer's multi-candidate rule, so trees accept as many tokens as under it.
 """
 
 import torch
-
-from .draft_tree import DraftTree
 
 
 def check_top_p(top_p: float) -> None:
@@ -37,28 +40,27 @@ def warp_logits(logits: torch.Tensor, temperature: float, top_k: int = 0, top_p:
     return logits.softmax(-1)
 
 
-def accept_sampling(
-    tokens: torch.Tensor, probs: torch.Tensor, tree: DraftTree, generator: torch.Generator | None = None
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Walk the tree from the root; return (accepted nodes root first [n + 1], bonus token []).
+class PositionNoise:
+    """The race's noise [V] of each generated position, drawn when first needed, one position per draw and in position
+    order from `generator` (None: torch's default generator): a position's noise depends only on the generator's seed
+    and how many positions came before it, never on the trees that were verified."""
 
-    tokens [T]: node tokens; probs [T, V]: the target's (warped) distribution after each node.
-    """
-    uniform = torch.rand(tree.num_nodes, generator=generator, device=probs.device)  # at most one draw per node
-    node, path = 0, [0]
-    residual = probs[0].clone()
-    while True:
-        chosen = None
-        for child in tree.children[node]:
-            token = tokens[child]
-            if uniform[child] < residual[token]:
-                chosen = child
-                break
-            residual[token] = 0.0
-            residual /= residual.sum().clamp_min(1e-30)
-        if chosen is None:
-            bonus = torch.multinomial(residual, 1, generator=generator)[0]
-            return torch.tensor(path, device=probs.device), bonus
-        path.append(chosen)
-        node = chosen
-        residual = probs[chosen].clone()
+    def __init__(self, vocab: int, device, generator: torch.Generator | None = None):
+        self.vocab, self.device, self.generator = vocab, device, generator
+        self.first = 0  # the position of rows[0], counted from the first generated token
+        self.rows: list[torch.Tensor] = []  # [V] each
+
+    def take(self, first: int, count: int) -> torch.Tensor:
+        """The noise of positions first .. first + count - 1 [count, V]; positions before `first` are committed and
+        forgotten."""
+        while self.first + len(self.rows) < first + count:
+            row = torch.empty(self.vocab, device=self.device).exponential_(generator=self.generator)
+            self.rows.append(row.clamp_min_(torch.finfo(row.dtype).tiny))  # never 0: p / 0 would win or be NaN
+        del self.rows[: first - self.first]
+        self.first = first
+        return torch.stack(self.rows[:count])
+
+
+def race(probs: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
+    """probs, noise [T, V] -> the token each row picks [T]: v with probability probs[v] over the noise."""
+    return (probs / noise).argmax(-1)

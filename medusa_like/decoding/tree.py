@@ -30,10 +30,16 @@ from typing import Protocol
 
 import torch
 
-from medusa_like.io import write_json
+from medusa_like.io import existing_file, write_json
 
 from .draft_tree import DraftTree, Expand, grow_dynamic, grow_static
 from .tree_presets import DEFAULT_DEPTH, PRESETS, Path_
+
+# Sizes no step could use, refused when a spec is made: a step verifies its nodes in one target forward with a
+# [T, T] mask and reserves T KV cache slots (cost models pick budgets of tens of nodes), and a dynamic tree keeps a few
+# buffers of its drafted nodes.
+MAX_TREE_NODES = 4096  # nodes a step verifies, the root excluded
+MAX_DRAFTED_NODES = 1 << 20  # nodes a dynamic tree drafts before keeping its best, the root included
 
 
 class InvalidTreeError(ValueError):
@@ -44,6 +50,8 @@ def validate_paths(paths) -> list[Path_]:
     """Check a list of rank paths and return it as tuples; raise InvalidTreeError naming the first bad path."""
     if not isinstance(paths, (list, tuple)):
         raise InvalidTreeError(f"a tree is a list of paths of top-k ranks, got {type(paths).__name__}")
+    if len(paths) > MAX_TREE_NODES:
+        raise InvalidTreeError(f"a tree of {len(paths)} nodes is more than a step verifies: at most {MAX_TREE_NODES}")
     seen: set[Path_] = set()
     out = []
     for raw in paths:
@@ -102,6 +110,19 @@ def check_drafter(spec: TreeSpec, max_depth: int | None, max_rank: int | None, w
         )
 
 
+def reach(spec: TreeSpec) -> int:
+    """How many positions past the committed text a step's nodes can reach: the tree's depth, and never more than its
+    non-root nodes (a path of n nodes is n deep), whatever depth lookup may search."""
+    return min(spec.max_depth, spec.max_nodes - 1)
+
+
+def check_budget(owner: str, num_nodes: int) -> None:
+    if num_nodes > MAX_TREE_NODES:
+        raise InvalidTreeError(
+            f"{owner}.num_nodes={num_nodes} is more than a step verifies: at most {MAX_TREE_NODES} (MAX_TREE_NODES)"
+        )
+
+
 @dataclass(frozen=True)
 class DynamicTreeSpec:
     """EAGLE-2's dynamic tree: `depth` drafter passes, `top_k` nodes expanded per depth, `num_nodes` verified."""
@@ -115,6 +136,12 @@ class DynamicTreeSpec:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"DynamicTreeSpec.{name} must be a positive integer, got {value!r}")
+        check_budget("DynamicTreeSpec", self.num_nodes)
+        if self.drafted_nodes > MAX_DRAFTED_NODES:
+            raise InvalidTreeError(
+                f"DynamicTreeSpec(depth={self.depth}, top_k={self.top_k}) drafts {self.drafted_nodes} nodes per step "
+                f"(1 + top_k + (depth - 1) * top_k**2): at most {MAX_DRAFTED_NODES} (MAX_DRAFTED_NODES)"
+            )
 
     @property
     def max_depth(self) -> int:
@@ -259,6 +286,7 @@ class BudgetedTreeSpec:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise InvalidTreeError(f"BudgetedTreeSpec.{name} must be a positive integer, got {value!r}")
+        check_budget("BudgetedTreeSpec", self.num_nodes)
 
     @property
     def learned_part(self) -> "TokenTree | DynamicTreeSpec":
@@ -322,11 +350,14 @@ def spec_from_json(data, source: str = "tree") -> TreeSpec:
     """The spec `to_json` wrote: `{"paths": [...]}`, `{"dynamic": {...}}`, `{"budgeted": {...}}`, or a bare list of
     paths."""
     if isinstance(data, dict) and "budgeted" in data:
+        if not isinstance(data["budgeted"], dict):
+            raise InvalidTreeError(f"{source}: a budgeted tree is a dict of its fields, got {data['budgeted']!r}")
         fields = dict(data["budgeted"])
         learned = fields.pop("learned", None)
+        learned = None if learned is None else spec_from_json(learned, source)
         try:
-            return BudgetedTreeSpec(None if learned is None else spec_from_json(learned, source), **fields)
-        except TypeError as err:
+            return BudgetedTreeSpec(learned, **fields)
+        except (TypeError, ValueError) as err:
             raise InvalidTreeError(f"{source}: bad budgeted tree {data['budgeted']!r}: {err}") from err
     if isinstance(data, dict) and "dynamic" in data:
         try:
@@ -342,9 +373,7 @@ def spec_from_json(data, source: str = "tree") -> TreeSpec:
 
 def load_tree(path) -> TreeSpec:
     """Read a tree written by `save_tree` (or a bare JSON list of paths)."""
-    path = Path(path)
-    if not path.is_file():
-        raise FileNotFoundError(f"tree file {str(path)!r} does not exist")
+    path = existing_file(path, "tree file")
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
     except UnicodeDecodeError as err:
@@ -380,4 +409,9 @@ def resolve_tree(tree, max_depth: int | None = None) -> TreeSpec:
                 "file or a list of paths"
             )
         return TokenTree.from_paths(PRESETS[tree](depth))
-    return TokenTree.from_paths([list(p) for p in tree])
+    if not isinstance(tree, (list, tuple)):
+        raise InvalidTreeError(
+            f"tree must be a preset name, a tree JSON file, a list of rank paths, a dict or a tree spec; got {tree!r} "
+            f"({type(tree).__name__})"
+        )
+    return TokenTree.from_paths(tree)

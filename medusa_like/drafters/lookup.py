@@ -20,7 +20,8 @@ from pathlib import Path
 
 import torch
 
-from medusa_like.io import write_json
+from medusa_like.decoding.checks import check_integer
+from medusa_like.io import existing_file, write_json
 from medusa_like.targets import target_fingerprint
 
 from ..decoding.tree import TreeSpec, budgeted
@@ -31,6 +32,7 @@ from .merge import CombinedProposer, SessionState
 SEPARATOR = -1  # between documents of a store: no n-gram or continuation crosses it
 STORE_FORMAT = "medusa_like.output_store"
 STORE_VERSION = 1
+DEFAULT_STORE_TOKENS = 200_000  # an output store's bound when none is given: a few hundred answers
 
 
 @dataclass
@@ -150,10 +152,13 @@ class OutputStore:
     name = "store"
 
     def __init__(
-        self, max_tokens: int = 200_000, max_n: int = 4, max_matches: int = 16, fingerprint: str | None = None
+        self,
+        max_tokens: int = DEFAULT_STORE_TOKENS,
+        max_n: int = 4,
+        max_matches: int = 16,
+        fingerprint: str | None = None,
     ):
-        if max_tokens < 1:
-            raise ValueError(f"an output store holds at least one token, got max_tokens={max_tokens}")
+        check_integer("an output store's max_tokens", max_tokens, 1)
         self.max_tokens, self.max_n, self.max_matches = max_tokens, max_n, max_matches
         self.fingerprint = fingerprint  # the target's whose outputs these are (None: not yet known)
         self.documents: deque[list[int]] = deque()
@@ -228,9 +233,7 @@ class OutputStore:
     @classmethod
     def load(cls, path, target=None) -> "OutputStore":
         """A store written by `save`; with `target`, one made for another target is refused."""
-        path = Path(path)
-        if not path.is_file():
-            raise FileNotFoundError(f"output store {str(path)!r} does not exist")
+        path = existing_file(path, "output store")
         try:
             data = json.loads(path.read_text(encoding="utf-8"))
         except (UnicodeDecodeError, json.JSONDecodeError) as err:
@@ -246,20 +249,22 @@ class OutputStore:
             isinstance(doc, list) and all(isinstance(t, int) and t >= 0 for t in doc) for doc in documents
         ):
             raise ValueError(f"output store {str(path)!r}: 'documents' must be lists of token ids")
-        store = cls(int(data.get("max_tokens") or 200_000), fingerprint=data.get("target_fingerprint"))
-        if target is not None:
-            store.check_fits(target, str(path))
+        max_tokens = data.get("max_tokens", DEFAULT_STORE_TOKENS)
+        try:
+            store = cls(max_tokens, fingerprint=data.get("target_fingerprint"))
+        except (TypeError, ValueError) as err:
+            raise ValueError(f"output store {str(path)!r}: {err}") from err
         for doc in documents:
             store.add(doc)
+        if target is not None:
+            store.check_fits(target, f"output store {str(path)!r}")
         return store
 
     @classmethod
     def seed(cls, path, tokenizer=None, **options) -> "OutputStore":
         """A store of the texts (JSON Lines of {"text": ...}, or plain text, one document per line; needs the
         target's `tokenizer`) or token-id lists (JSON Lines of lists) in `path`."""
-        path = Path(path)
-        if not path.is_file():
-            raise FileNotFoundError(f"store seed file {str(path)!r} does not exist")
+        path = existing_file(path, "store seed file")
         store = cls(**options)
         for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
             if not line.strip():
@@ -280,18 +285,21 @@ class OutputStore:
         return store
 
     def check_fits(self, target, source: str = "output store") -> None:
-        if self.fingerprint is None:
-            self.fingerprint = target_fingerprint(target.config)
-            return
+        """Refuse a store of another target's outputs (by fingerprint, when it has one) or with token ids beyond the
+        target's vocabulary; a store without a fingerprint takes the target's."""
         actual = target_fingerprint(target.config)
-        if self.fingerprint != actual:
+        if self.fingerprint is not None and self.fingerprint != actual:
             raise DrafterMismatchError(
                 f"{source} holds outputs of a target with fingerprint {self.fingerprint}, but target "
                 f"{target_name(target)!r} has fingerprint {actual}"
             )
         vocab = target.config.get_text_config().vocab_size
-        if self.documents and max(max(doc) for doc in self.documents) >= vocab:
-            raise DrafterMismatchError(f"{source} holds token ids beyond target {target_name(target)!r}'s vocabulary")
+        largest = max((max(doc) for doc in self.documents), default=-1)
+        if largest >= vocab:
+            raise DrafterMismatchError(
+                f"{source} holds token id {largest}, beyond target {target_name(target)!r}'s vocabulary of {vocab}"
+            )
+        self.fingerprint = actual
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -350,7 +358,7 @@ class LookupDrafter:
 def fresh_lookup(
     target,
     store: str | Path | OutputStore | None = None,
-    max_store_tokens: int = 200_000,
+    max_store_tokens: int = DEFAULT_STORE_TOKENS,
     lookup_depth=8,
     use: tuple[str, ...] = ("context", "store"),
 ) -> LookupDrafter:

@@ -9,7 +9,7 @@ import json
 import logging
 from pathlib import Path
 
-from medusa_like.decoding.generate import check_context
+from medusa_like.decoding.checks import check_context
 from medusa_like.evaluation.methods import REFERENCE
 from medusa_like.evaluation.questions import Question
 from medusa_like.evaluation.timing import Runner, run_interleaved
@@ -20,7 +20,7 @@ log = logging.getLogger(__name__)
 
 def context_overflow(target, prompt_len: int, max_new_tokens: int, tree) -> str | None:
     """Why a prompt does not fit the target's context, or None when it does: the decoding loop's own rule
-    (`decoding.generate.check_context`), so that evaluation skips exactly the prompts that the loop would refuse."""
+    (`decoding.checks.check_context`), so that evaluation skips exactly the prompts that the loop would refuse."""
     try:
         check_context(target, prompt_len, max_new_tokens, tree)
     except ValueError as err:

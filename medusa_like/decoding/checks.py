@@ -1,0 +1,128 @@
+"""`generate`'s arguments, checked before any work: numbers of the right type and range, token ids of the target,
+a prompt of one sequence, and room for the answer and the tree in the KV cache and the target's positions. Each
+refusal is one line naming the bad value and what was expected."""
+
+import math
+from numbers import Integral, Real
+
+import torch
+
+from .kv_cache import CacheOverflowError
+from .sampling import check_top_p
+from .tree import check_drafter, reach
+
+
+def check_integer(name: str, value, minimum: int, maximum: int | None = None, optional: bool = False) -> None:
+    """`value` must be an integer in [minimum, maximum] (None too when `optional`); a bool is not an integer here."""
+    if value is None and optional:
+        return
+    if not isinstance(value, Integral) or isinstance(value, bool):
+        expected = "an integer or None" if optional else "an integer"
+        raise TypeError(f"{name} must be {expected}, got {value!r} ({type(value).__name__})")
+    if value < minimum or (maximum is not None and value > maximum):
+        within = f">= {minimum}" if maximum is None else f"in [{minimum}, {maximum}]"
+        raise ValueError(f"{name} must be {within}, got {value!r}")
+
+
+def check_number(name: str, value) -> None:
+    if not isinstance(value, Real) or isinstance(value, bool):
+        raise TypeError(f"{name} must be a number, got {value!r} ({type(value).__name__})")
+
+
+def check_sampling(temperature: float, top_k: int, top_p: float) -> None:
+    check_number("temperature", temperature)
+    if not math.isfinite(temperature) or temperature < 0:
+        raise ValueError(f"temperature must be a finite number >= 0, got {temperature!r}")
+    check_integer("top_k", top_k, 0)  # 0 disables it
+    check_number("top_p", top_p)
+    check_top_p(top_p)
+
+
+def check_lengths(max_new_tokens: int, max_cache_len: int | None) -> None:
+    check_integer("max_new_tokens", max_new_tokens, 1)
+    check_integer("max_cache_len", max_cache_len, 1, optional=True)
+
+
+def sampling_generator(seed: int | None, device) -> torch.Generator | None:
+    """A generator on `device` seeded with `seed` (None: None, so torch's default generator draws)."""
+    check_integer("seed", seed, 0, 2**64 - 1, optional=True)
+    return None if seed is None else torch.Generator(device).manual_seed(seed)
+
+
+def token_ids(name: str, ids, vocab: int) -> list[int]:
+    """`ids` (one id or a list of them) as a list of the target's token ids, or a TypeError/ValueError naming `name`."""
+    listed = [ids] if isinstance(ids, Integral) and not isinstance(ids, bool) else ids
+    if not isinstance(listed, (list, tuple)) or not all(
+        isinstance(t, Integral) and not isinstance(t, bool) for t in listed
+    ):
+        raise TypeError(f"{name} must be a token id or a list of token ids, got {ids!r}")
+    if any(not 0 <= t < vocab for t in listed):
+        raise ValueError(f"{name} must hold token ids in [0, {vocab}) (the target's vocabulary), got {ids!r}")
+    return [int(t) for t in listed]
+
+
+def prompt_tensor(input_ids) -> torch.Tensor:
+    """A prompt as token ids [1, T]: a tensor [1, T] or [T], or a (nested) list of ints."""
+    if isinstance(input_ids, (list, tuple)):
+        if len(input_ids) == 0:
+            raise ValueError("the prompt is empty: give at least one token")
+        try:
+            input_ids = torch.tensor(input_ids)
+        except (TypeError, ValueError) as err:
+            raise TypeError(
+                f"input_ids must be a tensor or a list of token ids, got {str(input_ids)[:60]}: {err}"
+            ) from err
+    if isinstance(input_ids, torch.Tensor) and input_ids.dim() == 1:
+        input_ids = input_ids[None]
+    return input_ids
+
+
+def check_prompt(target, input_ids) -> None:
+    if not isinstance(input_ids, torch.Tensor):
+        raise TypeError(f"input_ids must be a torch.Tensor of token ids [1, T], got {type(input_ids).__name__}")
+    if input_ids.dtype not in (torch.int64, torch.int32):
+        raise TypeError(f"input_ids must hold integer token ids (torch.long), got dtype {input_ids.dtype}")
+    if input_ids.dim() != 2 or input_ids.shape[0] != 1:
+        raise ValueError(f"speculative decoding takes one sequence, input_ids [1, T]; got {tuple(input_ids.shape)}")
+    if input_ids.shape[1] == 0:
+        raise ValueError("the prompt is empty: give at least one token")
+    vocab = target.config.get_text_config().vocab_size
+    if int(input_ids.min()) < 0 or int(input_ids.max()) >= vocab:
+        raise ValueError(
+            f"prompt token ids must lie in [0, {vocab}) (the target's vocabulary), got {int(input_ids.min())}.."
+            f"{int(input_ids.max())}"
+        )
+
+
+def check_context(target, prompt_len: int, max_new_tokens: int, spec) -> None:
+    """Refuse a prompt whose answer cannot fit the target's positions: prompt + new tokens + the positions a step
+    reaches past the text (`tree.reach`: the last step may draft past the final token) must stay within
+    `max_position_embeddings`."""
+    max_positions = getattr(target.config.get_text_config(), "max_position_embeddings", None)
+    ahead = reach(spec)
+    if max_positions is not None and prompt_len + max_new_tokens + ahead > max_positions:
+        raise ValueError(
+            f"prompt ({prompt_len}) + max_new_tokens ({max_new_tokens}) + the positions a tree step reaches ({ahead}) "
+            f"exceeds the target's max_position_embeddings ({max_positions})"
+        )
+
+
+def check_room(target, prompt_len: int, spec, max_new_tokens: int, max_cache_len: int | None) -> int:
+    """Refuse an answer that cannot fit the KV cache or the target's positions; return the KV cache capacity."""
+    needed = prompt_len + max_new_tokens + spec.max_nodes
+    capacity = max_cache_len if max_cache_len is not None else needed
+    if needed > capacity:
+        raise CacheOverflowError(
+            f"KV cache of {capacity} tokens is too small for a {prompt_len}-token prompt, {max_new_tokens} new tokens "
+            f"and a {spec.max_nodes}-node tree (needs {needed})"
+        )
+    check_context(target, prompt_len, max_new_tokens, spec)
+    return capacity
+
+
+def check_inputs(target, proposer, input_ids, spec, max_new_tokens: int, max_cache_len: int | None) -> int:
+    """Refuse, before anything runs, what cannot work; return the KV cache capacity."""
+    check_lengths(max_new_tokens, max_cache_len)
+    check_prompt(target, input_ids)
+    check_drafter(spec, proposer.max_depth, proposer.max_rank)
+    return check_room(target, input_ids.shape[1], spec, max_new_tokens, max_cache_len)

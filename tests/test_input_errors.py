@@ -1,0 +1,207 @@
+"""Inputs a user can get wrong, refused with one clear line before any work: `generate`'s numeric arguments, eos ids
+and prompts, tree sizes nothing could hold, and output store files; and the context rule, which counts only the
+positions a step can really reach."""
+
+import json
+
+import pytest
+import torch
+
+from medusa_like import InvalidTreeError, MedusaLikeModel, OutputStore
+from medusa_like.decoding.checks import check_context
+from medusa_like.decoding.tree import (
+    MAX_DRAFTED_NODES,
+    MAX_TREE_NODES,
+    BudgetedTreeSpec,
+    DynamicTreeSpec,
+    TokenTree,
+    resolve_tree,
+)
+from medusa_like.drafters.base import DrafterMismatchError
+from medusa_like.drafters.lookup import DEFAULT_STORE_TOKENS, LookupDrafter
+from medusa_like.evaluation.benchmark import context_overflow
+from medusa_like.targets import target_fingerprint
+
+from .conftest import greedy_reference, random_prompts, tiny_target
+from .test_lookup import flat_cost
+
+
+@pytest.fixture(scope="module")
+def model():
+    """A lookup model with no cost model yet: a call that got past its checks would measure one (target forwards)."""
+    return MedusaLikeModel(tiny_target("llama"), None, LookupDrafter(), backend="sdpa")
+
+
+def refused_before_any_work(model, error, match, **kwargs) -> str:
+    """Call `generate` with `kwargs` (a 3-token prompt unless given), expect `error` matching `match` in one line,
+    with no target forward run (not even a cost model's measurement); return the message."""
+    kwargs.setdefault("input_ids", torch.tensor([[1, 2, 3]]))
+    calls = []
+    handle = model.target.register_forward_hook(lambda *args: calls.append(1))
+    try:
+        with pytest.raises(error, match=match) as caught:
+            model.generate(**kwargs)
+    finally:
+        handle.remove()
+    assert calls == [] and model.drafter.state.cost_model is None
+    message = str(caught.value)
+    assert "\n" not in message
+    return message
+
+
+@pytest.mark.parametrize(
+    "name, value, error",
+    [
+        ("max_new_tokens", 1.5, TypeError),
+        ("max_new_tokens", None, TypeError),
+        ("max_new_tokens", "8", TypeError),
+        ("max_new_tokens", True, TypeError),
+        ("max_new_tokens", 0, ValueError),
+        ("temperature", "0.5", TypeError),
+        ("temperature", None, TypeError),
+        ("temperature", True, TypeError),
+        ("temperature", -0.5, ValueError),
+        ("top_k", 1.5, TypeError),
+        ("top_k", "5", TypeError),
+        ("top_k", -1, ValueError),
+        ("top_p", "0.9", TypeError),
+        ("top_p", 0, ValueError),
+        ("top_p", 1.5, ValueError),
+        ("seed", 1.5, TypeError),
+        ("seed", "0", TypeError),
+        ("seed", False, TypeError),
+        ("seed", -1, ValueError),
+        ("seed", 2**64, ValueError),
+        ("max_cache_len", 1.5, TypeError),
+        ("max_cache_len", 0, ValueError),
+        ("max_cache_len", True, TypeError),
+        ("remember", "yes", TypeError),
+    ],
+)
+def test_numeric_arguments_of_the_wrong_type_or_range_are_refused_by_name(model, name, value, error):
+    kwargs = {"max_new_tokens": 4, "temperature": 0.5, name: value}
+    message = refused_before_any_work(model, error, name, **kwargs)
+    assert repr(value) in message
+
+
+@pytest.mark.parametrize("eos", ["2", 1.5, -1, 97, [1, "2"], [True], {3}])
+def test_eos_ids_that_are_not_token_ids_of_the_target_are_refused(model, eos):
+    refused_before_any_work(model, (TypeError, ValueError), "eos_token_id", max_new_tokens=4, eos_token_id=eos)
+
+
+@pytest.mark.parametrize(
+    "input_ids, error, match",
+    [
+        ("hello", TypeError, "input_ids"),
+        ([["a", "b"]], TypeError, "input_ids"),
+        ([[1, 2], [3]], TypeError, "input_ids"),
+        ([[1, 2], [3, 4]], ValueError, r"one sequence.*\(2, 2\)"),
+        (torch.zeros(1, 2, 3, dtype=torch.long), ValueError, "one sequence"),
+        (torch.tensor([[1.0, 2.0]]), TypeError, "float32"),
+        ([[1, 500]], ValueError, r"\[0, 97\)"),
+        ([], ValueError, "empty"),
+    ],
+)
+def test_prompts_of_the_wrong_kind_shape_or_ids_are_refused(model, input_ids, error, match):
+    refused_before_any_work(model, error, match, input_ids=input_ids, max_new_tokens=4)
+
+
+@pytest.mark.parametrize("tree", ["dinamic", 5, {"depth": 2, "top_k": 2, "nodes": 4}])
+def test_unknown_trees_are_refused_in_one_line(model, tree):
+    refused_before_any_work(model, (InvalidTreeError, TypeError), "tree", max_new_tokens=4, tree=tree)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Tree sizes and the context rule
+
+
+@pytest.mark.parametrize(
+    "tree, match, limit",
+    [
+        ({"budgeted": {"num_nodes": 1_000_000_000, "lookup_depth": 8, "learned": None}}, "num_nodes", MAX_TREE_NODES),
+        ({"dynamic": {"depth": 4, "top_k": 4, "num_nodes": MAX_TREE_NODES + 1}}, "num_nodes", MAX_TREE_NODES),
+        ({"dynamic": {"depth": 1000, "top_k": 1000, "num_nodes": 16}}, "drafts", MAX_DRAFTED_NODES),
+        ([[i] for i in range(MAX_TREE_NODES + 1)], "nodes", MAX_TREE_NODES),
+    ],
+)
+def test_a_tree_too_large_for_any_step_is_refused_when_resolved(model, tree, match, limit):
+    """A budget or tree nothing could allocate is refused where the spec is made, naming the documented maximum."""
+    with pytest.raises(InvalidTreeError, match=match) as caught:
+        resolve_tree(tree)
+    assert str(limit) in str(caught.value) and "\n" not in str(caught.value)
+    refused_before_any_work(model, InvalidTreeError, match, max_new_tokens=4, tree=tree)
+
+
+def test_the_largest_allowed_trees_are_accepted():
+    assert BudgetedTreeSpec(None, MAX_TREE_NODES, 8).max_nodes == MAX_TREE_NODES + 1
+    assert DynamicTreeSpec(depth=4, top_k=4, num_nodes=MAX_TREE_NODES).max_nodes == MAX_TREE_NODES + 1
+    assert TokenTree.from_paths([[i] for i in range(MAX_TREE_NODES)]).max_nodes == MAX_TREE_NODES + 1
+
+
+def test_the_context_rule_counts_the_positions_a_step_reaches_not_the_lookup_depth(model):
+    """`lookup_depth: 1000` with 16 nodes reaches at most 16 positions past the text: a prompt that fits with 16 is
+    run (and lossless), by the loop and by the evaluation's rule alike; one that does not is refused naming 16."""
+    target = model.target
+    limit = target.config.max_position_embeddings  # 512
+    tree = {"budgeted": {"num_nodes": 16, "lookup_depth": 1000, "learned": None}}
+    spec = model.resolve_tree(tree)
+    prompt = random_prompts(1, seed=3, min_len=limit - 60, max_len=limit - 60)[0]
+    assert context_overflow(target, prompt.shape[1], 40, spec) is None
+    fresh = MedusaLikeModel(target, None, LookupDrafter(), backend="sdpa")
+    fresh.drafter.state.cost_model = flat_cost(target)
+    out = fresh.generate(prompt, max_new_tokens=40, tree=tree, eos_token_id=[])
+    assert out.new_tokens.tolist() == greedy_reference(target, prompt, 40).tolist()
+    with pytest.raises(ValueError, match=r"16") as caught:
+        check_context(target, limit - 40, 30, spec)
+    assert "1000" not in str(caught.value)
+    deep = resolve_tree({"depth": 12, "top_k": 2, "num_nodes": 30})  # deeper than it is wide: 12 positions
+    assert context_overflow(target, limit - 40, 28, deep) is None
+    assert context_overflow(target, limit - 40, 29, deep) is not None
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Output store files
+
+
+def saved_store(tmp_path, target, documents, **fields):
+    store = OutputStore(50, fingerprint=target_fingerprint(target.config))
+    for doc in documents:
+        store.add(doc)
+    path = store.save(tmp_path / "store.json")
+    if fields:
+        data = json.loads(path.read_text())
+        path.write_text(json.dumps({**data, **fields}))
+    return path
+
+
+def test_a_store_path_that_is_a_directory_says_so(tmp_path):
+    with pytest.raises(IsADirectoryError, match="is a directory"):
+        OutputStore.load(tmp_path)
+
+
+@pytest.mark.parametrize("fingerprinted", [True, False])
+def test_a_store_with_token_ids_beyond_the_vocabulary_names_its_file(tmp_path, fingerprinted):
+    target = tiny_target("llama")
+    path = saved_store(
+        tmp_path, target, [[1, 2, 3], [4, 500]], **({} if fingerprinted else {"target_fingerprint": None})
+    )
+    with pytest.raises(DrafterMismatchError, match=r"store\.json.*500.*97"):
+        OutputStore.load(path, target)
+
+
+@pytest.mark.parametrize("max_tokens", [0, -5, 1.5, "abc", True])
+def test_a_store_whose_max_tokens_is_not_a_positive_integer_is_refused(tmp_path, max_tokens):
+    """`max_tokens: 0` no longer becomes the default: a store bound is a positive integer."""
+    path = saved_store(tmp_path, tiny_target("llama"), [[1, 2]], max_tokens=max_tokens)
+    with pytest.raises(ValueError, match=rf"store\.json.*max_tokens.*{max_tokens!r}"):
+        OutputStore.load(path)
+    with pytest.raises((TypeError, ValueError), match="max_tokens"):
+        OutputStore(max_tokens)
+
+
+def test_a_store_file_without_max_tokens_gets_the_default(tmp_path):
+    path = saved_store(tmp_path, tiny_target("llama"), [[1, 2]])
+    data = json.loads(path.read_text())
+    del data["max_tokens"]
+    path.write_text(json.dumps(data))
+    assert OutputStore.load(path).max_tokens == DEFAULT_STORE_TOKENS == OutputStore().max_tokens
