@@ -10,9 +10,11 @@ from dataclasses import dataclass
 import torch
 
 from medusa_like.cpu.few_row_linear import linear_kernel, with_stock_linears
+from medusa_like.drafters.merge import cost_model_for
 from medusa_like.evaluation.timing import Runner
 
-REFERENCE = "hf_greedy"  # the output every method must reproduce token for token
+REFERENCE = "hf_greedy"  # the output every method must reproduce token for token: greedy with the same layers
+STOCK = "hf_greedy_stock"  # transformers' greedy as it ships: every output is compared with it too
 BASELINES = ("hf_greedy", "hf_prompt_lookup")  # speedups are reported against each of these
 SPECULATIVE = "speculative"  # the method under evaluation: its acceptance and losslessness are reported
 
@@ -32,9 +34,16 @@ class MethodContext:
         return self.model.drafter_kind == "combined"
 
     def alone(self, part: str):
-        """The combined drafter's learned drafter or lookup decoding alone, on the same target."""
+        """The combined drafter's learned drafter or lookup decoding alone, on the same target. Lookup alone budgets
+        its trees by the combined drafter's cost model (`settle_cost_model`): it never measures one of its own, which
+        would set other kernels on the shared target for every method after it. The learned drafter alone fills a
+        fixed part of the tree and consults no cost model."""
         model = self.model
-        drafter = model.drafter.learned if part == "learned" else model.drafter.lookup
+        if part == "learned":
+            drafter = model.drafter.learned
+        else:
+            drafter = model.drafter.lookup
+            drafter.state.cost_model = model.drafter.state.cost_model
         # few_row_linear=False: the target's and drafters' layers stay as the evaluated model chose them
         return type(model)(
             model.target,
@@ -90,10 +99,11 @@ METHODS: dict[str, Method] = {
         "(b) transformers prompt-lookup decoding",
         lambda c: hf_runner(c.model.target, c.eos, c.pad, c.prompt_lookup_num_tokens),
     ),
-    "hf_greedy_stock": Method(
+    STOCK: Method(
         "(g) transformers greedy, stock nn.Linear",
         "(g) transformers generate, greedy, with the target's own nn.Linear layers (not the few-row layers every other "
-        "method shares): what transformers does as it ships; a speed baseline, not the reference",
+        "method shares): what transformers does as it ships; a speed baseline, and every output is compared with it "
+        "as well as with (a)",
         lambda c: hf_runner(with_stock_linears(c.model.target), c.eos, c.pad),
         lambda c: linear_kernel(c.model.target) == "few_row",
     ),
@@ -127,9 +137,20 @@ def label(name: str) -> str:
     return METHODS[name].label if name in METHODS else name
 
 
+def settle_cost_model(model) -> None:
+    """Give a combined or lookup drafter its cost model before any method runs: the tree file's (loaded by
+    `setup.apply_tree_settings`), else one measured now. Measuring sets the target's row and prefill kernels, so it
+    happens once, here; every method then runs the kernels the cost model chose, and none measures again."""
+    if model.drafter_kind in ("combined", "lookup"):
+        cost_model_for(model.drafter.state, model.target)
+
+
 def make_runners(model, tree, prompt_lookup_num_tokens: int, names=None) -> dict[str, Runner]:
     """One runner per registered method that applies to `model`'s drafter (or per method of `names`), with the
-    evaluated `tree`. The reference and the speculative method always run."""
+    evaluated `tree`. The reference, stock greedy (where it differs from the reference's layers), the baselines and
+    the speculative method always run. A combined or lookup drafter's cost model is settled first
+    (`settle_cost_model`)."""
+    settle_cost_model(model)
     eos = model.eos_token_ids()
     pad = model.tokenizer.pad_token_id
     context = MethodContext(
@@ -138,7 +159,7 @@ def make_runners(model, tree, prompt_lookup_num_tokens: int, names=None) -> dict
     unknown = set(names or ()) - set(METHODS)
     if unknown:
         raise ValueError(f"eval.methods: unknown methods {sorted(unknown)}; known: {list(METHODS)}")
-    wanted = set(names or METHODS) | {REFERENCE, SPECULATIVE, *BASELINES}
+    wanted = set(names or METHODS) | {REFERENCE, STOCK, SPECULATIVE, *BASELINES}
     return {
         name: method.make(context) for name, method in METHODS.items() if name in wanted and method.applies(context)
     }

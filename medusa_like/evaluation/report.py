@@ -14,7 +14,7 @@ from rich.console import Console  # noqa: E402
 from rich.panel import Panel  # noqa: E402
 from rich.table import Table  # noqa: E402
 
-from medusa_like.evaluation.methods import label  # noqa: E402
+from medusa_like.evaluation.methods import REFERENCE, SPECULATIVE, STOCK, label  # noqa: E402
 from medusa_like.io import write_json, write_text  # noqa: E402
 
 PLOTS = {
@@ -25,16 +25,56 @@ PLOTS = {
 
 
 def mismatch_warning(report: dict) -> str | None:
+    """A warning when some method of this project differs from (a), transformers' greedy with the same layers."""
     lossless = report["losslessness"]
-    if lossless["fraction"] == 1.0:
+    if report["summary"]["lossless"] and lossless["fraction"] == 1.0:
         return None
+    failed = sorted({*lossless.get("not_lossless", ()), *([SPECULATIVE] if lossless["fraction"] < 1.0 else [])})
+    shares = ", ".join(
+        f"{label(m)} {lossless['fraction'] if m == SPECULATIVE else lossless['per_method'][m]:.3f}" for m in failed
+    )
+    others = [d for d in lossless.get("differences", {}).get(REFERENCE, []) if d["method"] in failed]
+    entries = lossless["mismatched"] + [d for d in others if d["method"] != SPECULATIVE]
     where = ", ".join(
-        f"{m['question_id']}/turn {m['turn']} at token {m['first_divergence']}" for m in lossless["mismatched"][:5]
+        f"{label(d.get('method', SPECULATIVE))} {d['question_id']}/turn {d['turn']} at token {d['first_divergence']}"
+        for d in entries[:5]
     )
     return (
-        f"LOSSLESSNESS FAILED: {lossless['mismatches']} of {lossless['prompts']} outputs differ from transformers' greedy "
-        f"decoding (fraction {lossless['fraction']:.3f}; expected 1.0 at temperature 0 in fp32). First: {where}"
+        f"LOSSLESSNESS FAILED: outputs differ from transformers' greedy decoding with the same layers (share of equal "
+        f"outputs over {lossless['prompts']} prompts: {shares}; expected 1.0 at temperature 0 in fp32). First: {where}"
     )
+
+
+def equality_markdown(report: dict) -> list[str]:
+    """Every method's share of outputs equal to (a) and to (g), and each difference with its logit margin."""
+    lossless = report["losslessness"]
+    equality = lossless.get("equality")
+    if not equality:
+        return []
+    parts = ["## Equality with greedy decoding", lossless["stock"]["note"]]
+    rows = [[label(m), *(share_text(shares.get(ref)) for ref in (REFERENCE, STOCK))] for m, shares in equality.items()]
+    parts.append(_table(["method", "equal to (a), same layers", "equal to (g), stock nn.Linear"], rows))
+    rows = [
+        [label(d["method"]), label(ref), d["question_id"], d["turn"], d["first_divergence"], margin_text(d)]
+        for ref, differences in lossless["differences"].items()
+        for d in differences
+    ]
+    if rows:
+        parts.append(
+            "Differences: the reference's logit margin between its token and the method's at the first difference "
+            "(under the reference's layers; near zero: a near-tie that rounding flipped)"
+        )
+        parts.append(_table(["method", "against", "question", "turn", "first difference", "margin"], rows))
+    return parts
+
+
+def share_text(share: float | None) -> str:
+    return "-" if share is None else f"{share:.3f}"
+
+
+def margin_text(difference: dict) -> str:
+    margin = difference.get("margin")
+    return difference.get("note", "-") if margin is None else f"{margin:.4g}"
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -148,15 +188,6 @@ def methods_markdown(report: dict) -> list[str]:
             ],
         )
     )
-    lossless = report["losslessness"]
-    if lossless["mismatched"]:
-        parts.append("Mismatches (the target's logit margin between the two tokens at the first difference):")
-        parts.append(
-            _table(
-                ["question", "turn", "first difference", "margin"],
-                [[m["question_id"], m["turn"], m["first_divergence"], m.get("margin")] for m in lossless["mismatched"]],
-            )
-        )
     return parts
 
 
@@ -185,6 +216,7 @@ def markdown(report: dict) -> str:
                 "draft ms/step",
                 "verify ms/step",
                 "losslessness",
+                "equal to (g)",
             ],
             [
                 [
@@ -195,6 +227,7 @@ def markdown(report: dict) -> str:
                     f"{s['draft_ms_per_step']:.1f}",
                     f"{s['verify_ms_per_step']:.1f}",
                     f"{s['losslessness']:.3f}",
+                    share_text(s.get("stock_equality")),
                 ]
             ],
         )
@@ -224,6 +257,7 @@ def markdown(report: dict) -> str:
         )
     parts.append(_table(["method", "tokens/s", "vs (a) (paired)", "vs (b) (paired)"], rows))
     parts.extend(methods_markdown(report))
+    parts.extend(equality_markdown(report))
     acc = report["acceptance"]
     parts.append("## Acceptance per category")
     parts.append(
@@ -298,5 +332,6 @@ def print_report(report: dict, out_dir: Path, console: Console | None = None) ->
         f"tau {s['tau']:.3f} (mean accepted draft {s['mean_accepted_draft']:.3f}), "
         f"speedup {s['speedup_vs_hf_greedy']:.2f}x vs (a), {s['speedup_vs_hf_prompt_lookup']:.2f}x vs (b), "
         f"[{style}]losslessness {s['losslessness']:.3f}[/{style}]"
+        + ("" if s.get("stock_equality") is None else f", equal to stock greedy {s['stock_equality']:.3f}")
     )
     console.print(f"reports in {out_dir}")

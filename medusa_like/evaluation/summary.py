@@ -10,8 +10,9 @@ import platform
 import torch
 import transformers
 
+from medusa_like.cpu.few_row_linear import linear_kernel, with_stock_linears
 from medusa_like.evaluation import metrics
-from medusa_like.evaluation.methods import BASELINES, METHODS, REFERENCE, SPECULATIVE
+from medusa_like.evaluation.methods import BASELINES, METHODS, REFERENCE, SPECULATIVE, STOCK
 from medusa_like.evaluation.report import print_report, write_plots, write_report
 from medusa_like.evaluation.tree_search import (
     budgeted_candidates,
@@ -31,7 +32,15 @@ DEFINITIONS = {
     "prefill_share": "share of a method's decoding time spent on the prompt's forward, which greedy pays too",
     "tokens_per_second": "new tokens / wall seconds of the whole call (prefill included); median over prompts",
     "speedup": "median tokens/s of the method / median tokens/s of the baseline (paired: median of per-prompt ratios)",
-    "losslessness": "share of prompts whose speculative tokens equal transformers' greedy tokens, same length",
+    "losslessness": "share of prompts whose speculative tokens equal (a)'s, transformers' greedy with the same layers: "
+    "same length, equal token for token; lossless: every method of this project does so on every prompt",
+    "stock_equality": "share of prompts whose tokens equal (g)'s, transformers' greedy with its own nn.Linear layers "
+    "(other kernels round differently, so a near-tie can flip); a difference's margin is the reference's token's logit "
+    "minus the method's at the first differing token, under the reference's layers",
+    "validation_prompts": "data.source=validation: held-out conversations whose first user turn is not a continuation "
+    "(a later part of a split conversation, or a short continuation phrase), repeats no earlier one and is asked nowhere "
+    "in the training split, and none of whose messages is a training answer (the store's seed); texts compared "
+    "casefolded, whitespace collapsed, punctuation stripped at the ends",
     "head_accuracy": "teacher-forced on the reference answers: head k at position t predicts token t+1+k",
 }
 
@@ -47,44 +56,109 @@ def acceptance_section(records: list[dict]) -> dict:
     return section
 
 
+def our_methods(records: list[dict], methods: list[str]) -> list[str]:
+    """This project's decoding methods among `methods` (those with decoding stats); transformers' are baselines."""
+    return [m for m in methods if records[0][m]["stats"] is not None]
+
+
 def losslessness_section(model, records: list[dict], methods: list[str]) -> dict:
-    """The speculative method's share of outputs equal to the reference, each mismatch with the target's logit margin
-    at the first differing token (near zero: a near-tie that bf16 rounding can flip; large: a bug), and the share of
-    every other method of this project."""
-    pairs = [(r[SPECULATIVE]["tokens"], r[REFERENCE]["tokens"]) for r in records]
-    section = metrics.losslessness(pairs)
-    section["mismatched"] = [
-        {
-            "question_id": records[i]["question_id"],
-            "turn": records[i]["turn"],
-            "first_divergence": d,
-            **divergence_margin(model, records[i], d),
-        }
-        for i, d in zip(section.pop("mismatch_index"), section.pop("first_divergence"), strict=True)
-    ]
-    section["per_method"] = {  # this project's methods (those with decoding stats); transformers' are baselines
-        m: metrics.losslessness([(r[m]["tokens"], r[REFERENCE]["tokens"]) for r in records])["fraction"]
-        for m in methods
-        if records[0][m]["stats"] is not None
+    """Every method's outputs against transformers' greedy with the same layers, (a), and against transformers'
+    greedy as it ships, (g): equality shares and, for each difference, the logit margin at the first differing token.
+
+    The headline fields (`fraction`, `mismatches`, `mismatched`) are the speculative method's against (a); `lossless`
+    says whether every method of this project equals (a) on every prompt: what the exit status follows."""
+    section = metrics.losslessness([(r[SPECULATIVE]["tokens"], r[REFERENCE]["tokens"]) for r in records])
+    del section["mismatch_index"], section["first_divergence"]
+    against = {REFERENCE: compare(model.target, records, methods, REFERENCE)}
+    stock = stock_note(model, methods)
+    if stock["compared"]:
+        against[STOCK] = compare(with_stock_linears(model.target), records, methods, STOCK)
+    differences = {ref: result["differences"] for ref, result in against.items()}
+    section["mismatched"] = [d for d in differences[REFERENCE] if d["method"] == SPECULATIVE]
+    ours = our_methods(records, methods)
+    section["per_method"] = {m: against[REFERENCE]["shares"][m] for m in ours}
+    section["not_lossless"] = [m for m in ours if section["per_method"][m] < 1.0]
+    section["lossless"] = not section["not_lossless"]
+    section["equality"] = {
+        m: {ref: result["shares"].get(m) for ref, result in against.items() if ref != m} for m in methods
     }
-    section["definition"] = "speculative tokens == transformers greedy tokens: same length, equal token for token"
+    section["differences"] = differences
+    section["stock"] = stock
+    section["definition"] = DEFINITIONS["losslessness"]
     return section
 
 
-@torch.inference_mode()
-def divergence_margin(model, record: dict, index: int) -> dict:
-    """The target's logits after prompt + reference[:index]: the reference's and the speculative method's tokens
-    there, and the margin between them (the target's own forward in the evaluated dtype)."""
-    reference, ours = record[REFERENCE]["tokens"], record[SPECULATIVE]["tokens"]
-    if index >= len(reference) or index >= len(ours):
-        return {"margin": None, "note": "one output ends where the other goes on (an EOS decided differently)"}
-    ids = torch.tensor([record["prompt_ids"] + reference[:index]], device=model.device)
-    logits = model.target(ids).logits[0, -1].float()  # [V]
-    return {
-        "reference_token": reference[index],
-        "speculative_token": ours[index],
-        "margin": float(logits[reference[index]] - logits[ours[index]]),
+def stock_note(model, methods: list[str]) -> dict:
+    """Whether (g), transformers' greedy with its own nn.Linear layers, was run and compared, and why not."""
+    if STOCK in methods:
+        return {"compared": True, "note": "every method compared with (g) as well as with (a)"}
+    if linear_kernel(model.target) == "nn.Linear":
+        note = (
+            "(g) not run: the target keeps its own nn.Linear layers (no few-row layers on this device and dtype), so "
+            "(a) is transformers' greedy as it ships"
+        )
+    else:
+        note = "(g) not run in this run's records: outputs are compared with (a), greedy with the same layers, alone"
+    return {"compared": False, "note": note}
+
+
+def compare(target, records: list[dict], methods: list[str], reference: str) -> dict:
+    """Every method but `reference` against `reference`'s tokens: {"shares": {method: share of equal outputs},
+    "differences": one entry per differing output, with `target`'s logit margin at its first differing token}.
+    The margins are computed after the timed runs, with one forward of `target` per prompt that has a difference."""
+    others = [m for m in methods if m != reference]
+    shares = {
+        m: metrics.losslessness([(r[m]["tokens"], r[reference]["tokens"]) for r in records])["fraction"] for m in others
     }
+    differences = []
+    for record in records:
+        diverging = {m: metrics.first_divergence(record[m]["tokens"], record[reference]["tokens"]) for m in others}
+        diverging = {m: d for m, d in diverging.items() if d is not None}
+        if not diverging:
+            continue
+        margins = divergence_margins(target, record, reference, diverging)
+        for m, index in diverging.items():
+            differences.append(
+                {
+                    "method": m,
+                    "question_id": record["question_id"],
+                    "turn": record["turn"],
+                    "first_divergence": index,
+                    **margins[m],
+                }
+            )
+    return {"shares": shares, "differences": differences}
+
+
+@torch.inference_mode()
+def divergence_margins(target, record: dict, reference: str, diverging: dict[str, int]) -> dict[str, dict]:
+    """Per method of `diverging` ({method: first differing index}): `target`'s logits after the prompt and the
+    reference's tokens up to that index, the two tokens there, and the margin: the reference's token's logit minus
+    the method's (near zero: a near-tie that rounding can flip; large: a bug). One forward over the prompt and the
+    reference's answer, keeping the logits of the positions asked for."""
+    ref_tokens = record[reference]["tokens"]
+    out: dict[str, dict] = {}
+    scored = {}
+    for m, index in diverging.items():
+        if index >= len(ref_tokens) or index >= len(record[m]["tokens"]):
+            out[m] = {"margin": None, "note": "one output ends where the other goes on (an EOS decided differently)"}
+        else:
+            scored[m] = index
+    if scored:
+        prompt = record["prompt_ids"]
+        ids = torch.tensor([prompt + ref_tokens[: max(scored.values())]], device=target.device)
+        positions = sorted(set(scored.values()))
+        keep = torch.tensor([len(prompt) + i - 1 for i in positions], device=target.device)
+        logits = target(ids, logits_to_keep=keep).logits[0].float()  # [len(positions), V]
+        for m, index in scored.items():
+            row = logits[positions.index(index)]
+            ours = record[m]["tokens"][index]
+            out[m] = {
+                "reference_token": ref_tokens[index],
+                "method_token": ours,
+                "margin": float(row[ref_tokens[index]] - row[ours]),
+            }
+    return out
 
 
 def methods_section(records: list[dict], methods: list[str], speed: dict) -> dict:
@@ -142,6 +216,7 @@ def prompt_rows(records: list[dict], methods: list[str]) -> list[dict]:
                 "tau": spec["stats"]["tau"],
                 "accepted_draft": spec["stats"]["accepted_draft"],
                 "match": metrics.outputs_match(spec["tokens"], r[REFERENCE]["tokens"]),
+                "match_stock": metrics.outputs_match(spec["tokens"], r[STOCK]["tokens"]) if STOCK in r else None,
             }
         )
     return rows
@@ -231,7 +306,8 @@ def summary_section(acceptance: dict, speed: dict, lossless: dict, tree: dict) -
         "draft_ms_per_step": acceptance["draft_ms_per_step"],
         "verify_ms_per_step": acceptance["verify_ms_per_step"],
         "losslessness": lossless["fraction"],
-        "lossless": lossless["fraction"] == 1.0,
+        "lossless": lossless["lossless"],
+        "stock_equality": lossless["equality"][SPECULATIVE].get(STOCK),
         "tree_nodes": tree["nodes"],
     }
 
