@@ -21,7 +21,7 @@ import contextlib
 import logging
 import os
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -44,9 +44,11 @@ class ConfigError(ValueError):
 @dataclass(frozen=True)
 class Check:
     """A config value's check; with `when=(key, value)`, applied only in configs whose `key` has that value (a drafter
-    kind's own keys). Elsewhere a checked key the config lacks is an error."""
+    kind's own keys), with `unless=(key, value)` only in the others. Elsewhere a checked key the config lacks is an
+    error."""
 
     when: tuple[str, str] | None = field(default=None, kw_only=True)
+    unless: tuple[str, str] | None = field(default=None, kw_only=True)
 
     def check(self, key: str, value) -> None:
         raise NotImplementedError
@@ -96,6 +98,20 @@ class Number(Check):
             expected += f" >= {self.min}" if self.min is not None else ""
             expected += " or null" if self.optional else ""
             raise ConfigError(f"config key {key}: expected {expected}, got {value!r}")
+
+
+@dataclass(frozen=True)
+class Accepted(Check):
+    """A value that `accept` (the function that uses it) takes: its ValueError, naming what it expects, becomes the
+    key's error, so the rule has one home and is still checked before any work."""
+
+    accept: Callable[[object], object]
+
+    def check(self, key: str, value) -> None:
+        try:
+            self.accept(value)
+        except ValueError as err:
+            raise ConfigError(f"config key {key}: {err}") from None
 
 
 @dataclass(frozen=True)
@@ -150,9 +166,15 @@ EVAL_CHECKS = {
     "eval.prompt_lookup_num_tokens": NumberOrWord(min=1, words=("auto",)),
     "model.dtype": FloatDtype(optional=True),
     "eval.k_max": Number(min=1),
+    "eval.warmup": Flag(),
+    "eval.head_accuracy": Flag(),
+    "eval.fail_on_mismatch": Flag(),
+    "eval.resume": Flag(),
     "eval.threads": Number(min=1, optional=True),
     "drafter.num_heads": Number(min=1),
     "drafter.draft_vocab_size": Number(min=1, optional=True),
+    "drafter.store_tokens": Number(min=1),
+    "drafter.seed_store": Number(min=0),
     "data.skip": Number(min=0),
     "data.limit": Number(min=1, optional=True),
     "data.per_category": Number(min=1, optional=True),
@@ -165,18 +187,29 @@ EVAL_CHECKS = {
 _ABSENT = object()
 
 
-def check_config(cfg: DictConfig, checks: dict[str, Check]) -> None:
-    """Raise `ConfigError` for the first key of `checks` whose value does not pass its check, or that `cfg` lacks (a
-    typo in the checks, or a key the config no longer has, is refused rather than skipped)."""
-    for key, check in checks.items():
-        when = getattr(check, "when", None)  # checks defined outside this module may lack it
-        if when is not None and OmegaConf.select(cfg, when[0]) != when[1]:
-            continue
-        value = OmegaConf.select(cfg, key, default=_ABSENT)
-        if value is _ABSENT:
-            scope = f" (checked where {when[0]}={when[1]})" if when else ""
-            raise ConfigError(f"config key {key}{scope}: checked, but the config has no such key")
-        check.check(key, value)
+def applies(check: Check, cfg: DictConfig) -> bool:
+    """Whether `check` applies to `cfg`: its `when` holds and its `unless` does not (a check defined outside this
+    module may lack either)."""
+    when, unless = getattr(check, "when", None), getattr(check, "unless", None)
+    if when is not None and OmegaConf.select(cfg, when[0]) != when[1]:
+        return False
+    return unless is None or OmegaConf.select(cfg, unless[0]) != unless[1]
+
+
+def check_config(cfg: DictConfig, checks: dict[str, Check | tuple[Check, ...]]) -> None:
+    """Raise `ConfigError` for the first key of `checks` whose value does not pass its check (or its checks: a tuple,
+    each with its own `when` or `unless`), or that `cfg` lacks (a typo in the checks, or a key the config no longer
+    has, is refused rather than skipped)."""
+    for key, key_checks in checks.items():
+        for check in key_checks if isinstance(key_checks, tuple) else (key_checks,):
+            if not applies(check, cfg):
+                continue
+            value = OmegaConf.select(cfg, key, default=_ABSENT)
+            if value is _ABSENT:
+                when = getattr(check, "when", None)
+                scope = f" (checked where {when[0]}={when[1]})" if when else ""
+                raise ConfigError(f"config key {key}{scope}: checked, but the config has no such key")
+            check.check(key, value)
 
 
 @contextlib.contextmanager

@@ -129,12 +129,13 @@ class JsonLinesError(ValueError):
 
 
 def read_jsonl(path: str | Path, opener=open) -> Iterator[tuple[int, object]]:
-    """(line number, decoded JSON) for each non-blank line of a UTF-8 JSON Lines file."""
+    """(line number, decoded JSON) for each non-blank line of a UTF-8 JSON Lines file (a byte-order mark, which some
+    editors write first, is skipped)."""
     path = Path(path)
     with opener(path, "rb") as f:
         for lineno, raw in enumerate(f, 1):
             try:
-                line = raw.decode("utf-8")
+                line = raw.decode("utf-8-sig" if lineno == 1 else "utf-8")
             except UnicodeDecodeError as err:
                 raise JsonLinesError(f"{path}:{lineno}: not UTF-8 text ({err.reason} at byte {err.start})") from err
             if not line.strip():

@@ -21,6 +21,7 @@ from medusa_like.apps import evaluate as app
 from medusa_like.cpu.few_row_linear import FewRowLinear, with_stock_linears
 from medusa_like.decoding.cost_model import measure_cost_model
 from medusa_like.decoding.tree import save_tree
+from medusa_like.drafters.merge import session_cost_model
 from medusa_like.evaluation.methods import REFERENCE, SPECULATIVE, STOCK
 from medusa_like.evaluation.report import markdown
 from medusa_like.evaluation.setup import load_eval_model
@@ -179,13 +180,13 @@ def test_every_method_runs_the_kernels_the_cost_model_chose(tmp_path, eval_cfg, 
 
     def watched_runners(model, *args, **kwargs):
         runners = real_make_runners(model, *args, **kwargs)
-        seen.update(model=model, kernels=kernels(model.target), cost=model.drafter.state.cost_model, calls=[])
+        seen.update(model=model, kernels=kernels(model.target), cost=session_cost_model(model.drafter), calls=[])
 
         def watch(name, run):
             def wrapped(ids, max_new_tokens):
                 before = kernels(model.target)
                 out = run(ids, max_new_tokens)
-                costs = (model.drafter.state.cost_model, model.drafter.lookup.state.cost_model)
+                costs = (session_cost_model(model.drafter), session_cost_model(model.drafter.lookup))
                 seen["calls"].append((name, before == seen["kernels"] == kernels(model.target), costs))
                 return out
 

@@ -21,9 +21,10 @@ from medusa_like.apps import CONFIG_DIR
 from medusa_like.cli import EVAL_CHECKS, check_config, one_line_errors
 from medusa_like.evaluation.benchmark import run_questions
 from medusa_like.evaluation.methods import METHODS, make_runners
+from medusa_like.evaluation.resume import check_resume, config_settings, loaded_settings, write_settings
 from medusa_like.evaluation.setup import (
     apply_tree_settings,
-    load_eval_model,
+    load_eval_setup,
     question_set,
     run_dir,
     run_search,
@@ -39,11 +40,12 @@ DEFAULT_PROMPT_LOOKUP = 10  # transformers' own default, when no tree search mea
 __all__ = ["METHODS", "choose_tree", "evaluate", "exit_code", "main"]
 
 
-def choose_tree(cfg: DictConfig, model, out_dir) -> tuple[object, str, dict | None]:
-    """The tree of `cfg.tree`; `auto` runs the tree search (calibrate, time, keep the fastest) first."""
+def choose_tree(cfg: DictConfig, model, out_dir, searched: dict | None = None) -> tuple[object, str, dict | None]:
+    """The tree of `cfg.tree`; `auto` runs the tree search (calibrate, time, keep the fastest) first, unless the run
+    being resumed searched already (`searched`: its result), whose tree it keeps."""
     if cfg.tree == "auto":
-        result = run_search(cfg, model, out_dir / "tree.json")
-        return model.resolve_tree(result["path"]), f"auto ({result['path']})", jsonable(result, model)
+        result = searched or jsonable(run_search(cfg, model, out_dir / "tree.json"), model)
+        return model.resolve_tree(result["path"]), f"auto ({result['path']})", result
     tree = OmegaConf.to_container(cfg.tree) if OmegaConf.is_config(cfg.tree) else cfg.tree
     return model.resolve_tree(tree), str(tree), None
 
@@ -62,9 +64,16 @@ def evaluate(cfg: DictConfig) -> dict:
     log_path = out_dir / "prompts.jsonl"
     if log_path.exists() and not cfg.eval.resume:
         raise FileExistsError(f"{log_path} exists: continue that run with eval.resume=true, or use another out_dir")
-    model = load_eval_model(cfg)
+    run_settings = config_settings(cfg)
+    resumed = check_resume(out_dir, run_settings)  # before anything is loaded: a run of other settings is refused
     questions = question_set(cfg.data, cfg.validation)
-    tree, tree_name, search_result = choose_tree(cfg, model, out_dir)
+    model, store_filling = load_eval_setup(cfg)
+    tree, tree_name, search_result = choose_tree(cfg, model, out_dir, resumed and resumed["tree_search"])
+    run_settings |= loaded_settings(model, search_result and search_result["path"])
+    if resumed:
+        check_resume(out_dir, run_settings, complete=True)
+    else:
+        write_settings(out_dir, run_settings, search_result)
     settings = apply_tree_settings(model, search_result["path"] if search_result else cfg.tree)
     prompt_lookup = cfg.eval.prompt_lookup_num_tokens
     if prompt_lookup == "auto":
@@ -79,7 +88,9 @@ def evaluate(cfg: DictConfig) -> dict:
         records = run_questions(
             model, questions, runners, cfg.eval.max_new_tokens, cfg.data.max_turns, tree, log_path, bar
         )
-    return build_report(cfg, model, records, tree, tree_name, search_result, questions, out_dir, prompt_lookup)
+    return build_report(
+        cfg, model, records, tree, tree_name, search_result, questions, out_dir, prompt_lookup, store_filling
+    )
 
 
 def exit_code(report: dict, fail_on_mismatch: bool) -> int:

@@ -14,17 +14,18 @@ import torch
 from omegaconf import DictConfig
 
 from medusa_like.apps import CONFIG_DIR
-from medusa_like.cli import Flag, FloatDtype, check_config, one_line_errors
+from medusa_like.cli import Accepted, Flag, FloatDtype, check_config, one_line_errors
 from medusa_like.data.prepare import load_model
 from medusa_like.formats import export_drafter, read_drafter
-from medusa_like.formats.gguf import PRECISIONS
+from medusa_like.formats.gguf import PRECISIONS, gguf_precision
 from medusa_like.runs import resolved, save_config
 from medusa_like.targets import resolve_target
 
 GGUF_TYPES = tuple(PRECISIONS)  # `dtype` of format=gguf: f32, f16, q8_0
 EXPORT_CHECKS = {
     "overwrite": Flag(),
-    "dtype": FloatDtype(optional=True, words=GGUF_TYPES),
+    # GGUF's own types for format=gguf alone (q8_0 is no torch dtype); a torch floating-point dtype for the others
+    "dtype": (Accepted(gguf_precision, when=("format", "gguf")), FloatDtype(optional=True, unless=("format", "gguf"))),
     "model.dtype": FloatDtype(optional=True),
 }
 

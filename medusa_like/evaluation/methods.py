@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import torch
 
 from medusa_like.cpu.few_row_linear import linear_kernel, with_stock_linears
-from medusa_like.drafters.merge import cost_model_for
+from medusa_like.drafters.merge import cost_model_for, session_cost_model, use_cost_model
 from medusa_like.evaluation.timing import Runner
 
 REFERENCE = "hf_greedy"  # the output every method must reproduce token for token: greedy with the same layers
@@ -43,7 +43,7 @@ class MethodContext:
             drafter = model.drafter.learned
         else:
             drafter = model.drafter.lookup
-            drafter.state.cost_model = model.drafter.state.cost_model
+            use_cost_model(drafter, session_cost_model(model.drafter))
         # few_row_linear=False: the target's and drafters' layers stay as the evaluated model chose them
         return type(model)(
             model.target,

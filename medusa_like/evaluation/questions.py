@@ -85,6 +85,10 @@ def parse_question(record, where: str) -> Question:
     missing = [k for k in ("question_id", "turns") if k not in record]
     if missing:
         raise QuestionSetError(f"{where}: missing field(s) {missing}; MT-Bench form is question_id, category, turns")
+    if isinstance(record["question_id"], bool) or not isinstance(record["question_id"], str | int):
+        raise QuestionSetError(f"{where}: 'question_id' must be a string or an integer, got {record['question_id']!r}")
+    if not isinstance(record.get("category", ""), str):
+        raise QuestionSetError(f"{where}: 'category' must be a string (or absent), got {record['category']!r}")
     turns = record["turns"]
     if not isinstance(turns, list) or not turns:
         raise QuestionSetError(f"{where}: 'turns' must be a non-empty list of strings, got {turns!r}")

@@ -191,6 +191,21 @@ def methods_markdown(report: dict) -> list[str]:
     return parts
 
 
+def store_sentence(store: dict) -> str:
+    """How the lookup store was filled before the first prompt, as `evaluation.setup.output_store` recorded it."""
+    loaded = "started empty"
+    if store["loaded_from"]:
+        loaded = f"started from the {store['loaded_tokens']} tokens of `{store['loaded_from']}`"
+    if store["seeded_tokens"]:
+        seeded = f"seeded with {store['seeded_tokens']} tokens ({store['seeded_answers']} {store['seeded_from']})"
+    else:
+        seeded = "not seeded" if not store["seed_budget_tokens"] else "seeded with nothing (no answer fit the budget)"
+    return (
+        f"Lookup store: {loaded}, {seeded} before the first prompt; seed budget {store['seed_budget_tokens']} tokens, "
+        f"capacity {store['max_tokens']}."
+    )
+
+
 def markdown(report: dict) -> str:
     s, setup, speed = report["summary"], report["setup"], report["speed"]
     parts = []
@@ -206,6 +221,8 @@ def markdown(report: dict) -> str:
         f"max_new_tokens {setup['max_new_tokens']}; {setup['dtype']} on {setup['device']} ({setup['threads']} threads), "
         f"backend {setup['backend']}, torch {setup['torch']}, transformers {setup['transformers']}."
     )
+    if setup.get("lookup_store"):
+        parts.append(store_sentence(setup["lookup_store"]))
     parts.append(
         _table(
             [

@@ -27,6 +27,11 @@ def load_eval_model(cfg: DictConfig) -> MedusaLikeModel:
 
     A drafter or store made for another target raises `medusa_like.drafters.base.DrafterMismatchError`.
     """
+    return load_eval_setup(cfg)[0]
+
+
+def load_eval_setup(cfg: DictConfig) -> tuple[MedusaLikeModel, dict | None]:
+    """`load_eval_model`'s model and how its lookup store was filled (`output_store`; None without a store)."""
     if cfg.drafter.path is not None and not Path(cfg.drafter.path).exists():
         raise FileNotFoundError(
             f"drafter.path={cfg.drafter.path!r} does not exist (a drafter directory or a .ckpt file)"
@@ -37,7 +42,9 @@ def load_eval_model(cfg: DictConfig) -> MedusaLikeModel:
     if mode not in ("combined", "learned", "lookup"):
         raise ValueError(f"drafter.mode must be combined, learned or lookup, got {mode!r}")
     target, tokenizer = load_target_model(cfg.model)
-    store = output_store(cfg.drafter, cfg.validation, target, tokenizer) if mode != "learned" else None
+    store, store_filling = (None, None)
+    if mode != "learned":
+        store, store_filling = output_store(cfg.drafter, cfg.validation, target, tokenizer)
     if mode == "lookup":
         drafter = LOOKUP.fresh(target, store=store)
     else:
@@ -52,7 +59,7 @@ def load_eval_model(cfg: DictConfig) -> MedusaLikeModel:
                 cfg.drafter.vocab_data, int(size), vocab_size, split.val_fraction, split.split_seed
             )
         drafter = learned if mode == "learned" else COMBINED.fresh(target, learned, store)
-    return MedusaLikeModel(
+    model = MedusaLikeModel(
         target,
         tokenizer,
         drafter,
@@ -60,20 +67,36 @@ def load_eval_model(cfg: DictConfig) -> MedusaLikeModel:
         target_name=cfg.model.name_or_path,
         few_row_linear=cfg.target.get("few_row_linear"),
     )
+    return model, store_filling
 
 
-def output_store(drafter: DictConfig, training_data: DictConfig, target, tokenizer) -> OutputStore:
+def output_store(drafter: DictConfig, training_data: DictConfig, target, tokenizer) -> tuple[OutputStore, dict]:
     """The lookup store an evaluation starts from: the one saved at `drafter.store`, or an empty one of
-    `drafter.store_tokens`; then filled with up to `drafter.seed_store` tokens of the answers of the training data's
-    training split (`training_data`: its source and split), so no validation conversation leaks into it."""
+    `drafter.store_tokens`; then filled with up to `drafter.seed_store` tokens (the store's total, what it was loaded
+    with included) of the answers of the training data's training split (`training_data`: its source and split), so no
+    validation conversation leaks into it. Also returns how it was filled, as the report shows it: what was loaded and
+    what the seeding actually added, from which source."""
     if drafter.store:
         store = OutputStore.load(drafter.store, target)
     else:
         store = OutputStore(drafter.store_tokens, fingerprint=target_fingerprint(target.config))
+    loaded = store.num_tokens
+    seeded = {"seeded_answers": 0, "seeded_tokens": 0, "seeded_from": None}
     if drafter.seed_store:
         answers = training_answers(training_data.source, training_data.val_fraction, training_data.split_seed)
-        store.fill((tokenizer(text, add_special_tokens=False)["input_ids"] for text in answers), drafter.seed_store)
-    return store
+        added = store.fill(
+            (tokenizer(text, add_special_tokens=False)["input_ids"] for text in answers), drafter.seed_store
+        )
+        source = f"answers of the training split of {training_data.source}"
+        seeded = {"seeded_answers": added, "seeded_tokens": store.num_tokens - loaded, "seeded_from": source}
+    filling = {
+        "loaded_from": drafter.store,
+        "loaded_tokens": loaded,
+        "max_tokens": store.max_tokens,
+        "seed_budget_tokens": drafter.seed_store,
+        **seeded,
+    }
+    return store, filling
 
 
 def apply_tree_settings(model: MedusaLikeModel, tree) -> dict:

@@ -264,22 +264,18 @@ def drafter_parameters(model) -> int:
     return sum(p.numel() for p in (model.drafter.learned if kind == "combined" else model.drafter).parameters())
 
 
-def setup_section(cfg, model, tree, tree_name: str, questions: list, methods: list[str], prompt_lookup) -> dict:
+def setup_section(
+    cfg, model, tree, tree_name: str, questions: list, methods: list[str], prompt_lookup, store_filling=None
+) -> dict:
+    """The run's setup; `lookup_store`: how the lookup store was filled before the first prompt, as it happened
+    (`evaluation.setup.output_store`), None for a drafter without one."""
     return {
         "target": str(cfg.model.name_or_path),
         "drafter": None if cfg.drafter.path is None else str(cfg.drafter.path),
         "drafter_kind": model.drafter_kind,
         "drafter_parameters": drafter_parameters(model),
         "tree": {"name": tree_name, "nodes": tree.max_nodes, "depth": tree.max_depth},
-        "lookup_store": None
-        if cfg.drafter.mode == "learned"
-        else {
-            "loaded_from": cfg.drafter.store,
-            "seed_budget_tokens": cfg.drafter.seed_store,
-            "seeded_from": f"answers of the training split of {cfg.validation.source}"
-            if cfg.drafter.seed_store
-            else None,
-        },
+        "lookup_store": store_filling,
         "data": {"source": cfg.data.source, "path": cfg.data.path, "questions": len(questions)},
         "max_new_tokens": cfg.eval.max_new_tokens,
         "prompt_lookup_num_tokens": prompt_lookup,
@@ -322,9 +318,9 @@ def teacher_forced_topk(model, records: list[dict], k_max: int) -> list[list[flo
 
 
 def build_report(
-    cfg, model, all_records, tree, tree_name, search_result, questions, out_dir, prompt_lookup=None
+    cfg, model, all_records, tree, tree_name, search_result, questions, out_dir, prompt_lookup=None, store_filling=None
 ) -> dict:
-    """The report (json, markdown, plots) from the per-prompt records."""
+    """The report (json, markdown, plots) from the per-prompt records; `store_filling`: `setup_section`'s."""
     skipped = [r for r in all_records if r.get("skipped")]
     records = [r for r in all_records if not r.get("skipped")]
     if not records:
@@ -333,11 +329,11 @@ def build_report(
     if cfg.eval.head_accuracy and model.drafter_kind == "medusa":
         topk = teacher_forced_topk(model, records, cfg.eval.k_max)
 
-    methods = [m for m in METHODS if m in records[0]]
+    methods = [m for m in METHODS if all(m in r for r in records)]  # any subset a run timed, in METHODS' order
     acceptance = acceptance_section(records)
     speed = metrics.speed_summary([{m: r[m]["tps"] for m in methods} for r in records], BASELINES)
     lossless = losslessness_section(model, records, methods)
-    setup = setup_section(cfg, model, tree, tree_name, questions, methods, prompt_lookup)
+    setup = setup_section(cfg, model, tree, tree_name, questions, methods, prompt_lookup, store_filling)
     prompts = [torch.tensor(r["prompt_ids"])[None] for r in records]
     report = {
         "summary": summary_section(acceptance, speed, lossless, setup["tree"]),
