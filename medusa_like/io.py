@@ -41,8 +41,8 @@ def atomic_file(path: str | Path, write: Callable[[Path], None], mode: int = 0o6
 
 
 def user_cache_dir() -> Path:
-    """Where this package keeps what it measured about the machine: `$MEDUSA_LIKE_CACHE_DIR`, else
-    `$XDG_CACHE_HOME/medusa_like`, else `~/.cache/medusa_like`."""
+    """Where this package keeps what it derives once per machine (row plans, cost models, the converted default
+    target): `$MEDUSA_LIKE_CACHE_DIR`, else `$XDG_CACHE_HOME/medusa_like`, else `~/.cache/medusa_like`."""
     if os.environ.get("MEDUSA_LIKE_CACHE_DIR"):
         return Path(os.environ["MEDUSA_LIKE_CACHE_DIR"])
     return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "medusa_like"

@@ -10,6 +10,8 @@ drafter and lookup combined in one tree. Without one, training-free lookup draft
 used. Every drafter is lossless; a good one is only faster.
 """
 
+import json
+import logging
 import threading
 from contextlib import contextmanager
 from pathlib import Path
@@ -27,13 +29,34 @@ from medusa_like.decoding.checks import (
     sampling_generator,
     token_ids,
 )
+from medusa_like.decoding.cost_cache import activate, active_cost_model, cost_model_from_file, measure_and_cache
+from medusa_like.decoding.cost_model import CostModel
 from medusa_like.decoding.generate import GenerateOutput, StopChecker, speculative_generate
 from medusa_like.decoding.tree import TreeSpec, resolve_tree
+from medusa_like.drafters.merge import session_cost_model, use_cost_model
 from medusa_like.drafters.protocol import Drafter, Proposer
 from medusa_like.formats import resolve_drafter
 from medusa_like.targets import DEFAULT_TARGET, chat_input_ids, eos_token_ids, freeze, load_target
 
 DEFAULT_DRAFTER = "lookup"  # without a trained drafter: lookup drafting from the context and earlier outputs
+TREE_FILE_SETTINGS = ("cost_model", "prompt_lookup_num_tokens")  # what a tree search's file holds besides the tree
+
+log = logging.getLogger(__name__)
+_announced = []  # a swap was announced in this process: the first is a warning, later ones are logged at info level
+
+
+def announce_swap(target_layers: int, drafter_layers: int) -> None:
+    """Say in the log that a model's `nn.Linear` layers were replaced in place."""
+    if target_layers or drafter_layers:
+        log.log(
+            logging.INFO if _announced else logging.WARNING,
+            "replaced %d nn.Linear layers of the target and %d of the drafter, in place, by few-row layers sharing "
+            "their parameters (this CPU's fastest kernels for a tree step's few rows; results may differ from "
+            "nn.Linear's in fp32 rounding); few_row_linear=False keeps them",
+            target_layers,
+            drafter_layers,
+        )
+        _announced.append(True)
 
 
 class MedusaLikeModel:
@@ -46,16 +69,21 @@ class MedusaLikeModel:
         target_name: str | None = None,
         few_row_linear: bool | None = None,
     ):
-        """`few_row_linear`: compute the few rows of a tree step by this CPU's fastest kernels (see
-        `cpu/few_row_linear.py`; swaps the target's and drafter's `nn.Linear`s in place); None: on CPUs in fp32,
-        and in bf16 where AMX or AVX512-BF16 run oneDNN's packed product."""
+        """Wrap `target` (frozen: eval mode, no gradients) and `drafter` for speculative decoding.
+
+        `few_row_linear`: compute the few rows of a tree step by this CPU's fastest kernels (`cpu/few_row_linear.py`);
+        None: on CPUs in fp32, and in bf16 where AMX or AVX512-BF16 run oneDNN's packed product. This changes the
+        model you pass: its `nn.Linear` layers, and the drafter's, are replaced in place by `FewRowLinear` layers
+        that share their parameters (same state dict, no copy) and differ from `nn.Linear` only in fp32 rounding; the
+        log says so. Pass False to keep them (`cpu.few_row_linear.with_stock_linears` gives a copy with them back).
+        Their row plans come from this machine's cache and are measured only by `measure_cost_model`."""
         drafter.check_fits(target)
         self.target = freeze(target)
         self.tokenizer = tokenizer
         self.drafter = drafter.to(device=self.device, dtype=self.target.dtype).eval()
         if few_row_linear if few_row_linear is not None else worth_swapping(self.target):
-            use_few_row_linears(self.target)
-            use_few_row_linears(self.drafter)
+            announce_swap(use_few_row_linears(self.target, plans="cached"), use_few_row_linears(self.drafter))
+        self._tree_files: dict[tuple, dict] = {}  # (path, mtime, size) of each tree file read -> its settings
         self.backend = pick_backend(backend, self.device)
         self.target_name = target_name or getattr(target.config, "name_or_path", None)
         self._lock, self._generating = threading.Lock(), None  # `generate` serves one thread at a time
@@ -72,7 +100,9 @@ class MedusaLikeModel:
         few_row_linear: bool | None = None,
         **drafter_options,
     ) -> "MedusaLikeModel":
-        """`target`: a hub id, a local directory, the default's name, or a loaded model (then pass `tokenizer`).
+        """`target`: a hub id, a local directory, the default's name, or a loaded model (then pass `tokenizer`). A
+        model you pass is changed in place: its `nn.Linear` layers become few-row layers sharing their parameters,
+        unless `few_row_linear=False` (see `__init__`).
 
         `drafter`: a drafter directory (native Medusa heads or EAGLE-3 drafter, the Medusa, vLLM, TGI or EAGLE-3
         serving layouts), a training checkpoint, a drafter object, or the name of a drafter kind for a fresh one built
@@ -115,8 +145,54 @@ class MedusaLikeModel:
 
     def resolve_tree(self, tree) -> TreeSpec:
         """The tree spec generation uses for `tree` (a preset name, a tree file, rank paths, a dict or a spec), as
-        this drafter decodes with it (a lookup or combined drafter merges its sources into a budgeted tree)."""
-        return self.drafter.adapt_tree(resolve_tree(tree, self.max_depth))
+        this drafter decodes with it (a lookup or combined drafter merges its sources into a budgeted tree). A tree
+        file's other settings are put to use too (`use_tree_settings`)."""
+        spec = resolve_tree(tree, self.max_depth)
+        self.use_tree_settings(tree)
+        return self.drafter.adapt_tree(spec)
+
+    def use_tree_settings(self, tree) -> dict:
+        """Put to use what a tree file from the tree search holds besides the tree (`tree`: its path; {} for any
+        other tree): its cost model, checked and refused (`CostModelMismatchError`) when measured for another target,
+        dtype, device or machine, becomes the one this model's budgeted trees are sized by, its kernels (the prefill
+        kernel among them) set on the target; returns the file's `TREE_FILE_SETTINGS` as it holds them. The one rule
+        for the Python API and the evaluation; a file is read once, and its cost model set again whenever another
+        was set since."""
+        if not (isinstance(tree, (str, Path)) and str(tree).endswith(".json") and Path(tree).is_file()):
+            return {}
+        path = Path(tree)
+        stat = path.stat()
+        stamp = (str(path.resolve()), stat.st_mtime_ns, stat.st_size)
+        if stamp not in self._tree_files:
+            data = json.loads(path.read_text(encoding="utf-8"))
+            self._tree_files[stamp] = {
+                key: data[key] for key in TREE_FILE_SETTINGS if isinstance(data, dict) and key in data
+            }
+        settings = self._tree_files[stamp]
+        if settings.get("cost_model") is not None:
+            cost = active_cost_model(self.target)
+            if cost is None or cost.source != f"file:{path}":
+                cost = cost_model_from_file(settings["cost_model"], self.target, path)
+            self._use(cost)
+        return settings
+
+    @property
+    def cost_model(self) -> CostModel | None:
+        """The cost model this model's budgeted trees are sized by (a lookup or combined drafter's; None before its
+        first generation, or for drafters that consult none). `cost_model.source` says where it came from."""
+        return session_cost_model(self.drafter)
+
+    def measure_cost_model(self, **options) -> CostModel:
+        """Measure this machine's full cost model for the target (every tree size, the fastest kernels chosen and
+        set, the row plans measured where missing) and use it from now on: it replaces the quick first estimate
+        measured on first use, on disk too, for every later process. Takes a while: it times many forwards.
+        `options`: `cost_model.measure_cost_model`'s."""
+        with self._one_generation():
+            return self._use(measure_and_cache(self.target, **options))
+
+    def _use(self, cost: CostModel) -> CostModel:
+        use_cost_model(self.drafter, activate(cost, self.target))
+        return cost
 
     def generate(
         self,

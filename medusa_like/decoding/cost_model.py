@@ -433,8 +433,8 @@ def measure_cost_model(
 
 
 def quick_cost_model(target, timer: Timer = wall_ms) -> CostModel:
-    """A first estimate, bounded to a few forwards per size: QUICK_SIZES after a QUICK_PREFIX-token context, QUICK_REPEATS
-    rounds, the kernels as they are (nothing chosen, no row plan measured)."""
+    """A first estimate, bounded to a few forwards per size: QUICK_SIZES after a QUICK_PREFIX-token context,
+    QUICK_REPEATS rounds, the kernels as they are (nothing chosen, no row plan measured)."""
     return measure_cost_model(
         target, QUICK_SIZES, QUICK_PREFIX, QUICK_REPEATS, pick_kernels=False, quick=True, attempts=QUICK_ATTEMPTS,
         timer=timer,

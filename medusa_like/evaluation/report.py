@@ -206,6 +206,20 @@ def store_sentence(store: dict) -> str:
     )
 
 
+def cost_model_sentence(cost_models: dict) -> str:
+    """Which cost model sized each method's trees, where it came from and what it says
+    (`summary.cost_models_section`)."""
+    described = []
+    for method, cost in cost_models.items():
+        what = "a quick first estimate" if cost["quick"] else "a full measurement"
+        when = f", measured {cost['measured_at']}" if cost.get("measured_at") else ""
+        nodes, ms = cost["nodes"], cost["verify_ms"]
+        curve = f"{nodes[0]} node(s) {ms[0]:.3g} ms .. {nodes[-1]} nodes {ms[-1]:.3g} ms"
+        note = f" ({cost['note']})" if cost.get("note") else ""
+        described.append(f"{label(method)}: {what} from `{cost['source']}`{when}; {curve}{note}")
+    return "Cost models (tree sizes against verification ms): " + "; ".join(described) + "."
+
+
 def markdown(report: dict) -> str:
     s, setup, speed = report["summary"], report["setup"], report["speed"]
     parts = []
@@ -223,6 +237,8 @@ def markdown(report: dict) -> str:
     )
     if setup.get("lookup_store"):
         parts.append(store_sentence(setup["lookup_store"]))
+    if setup.get("cost_models"):
+        parts.append(cost_model_sentence(setup["cost_models"]))
     parts.append(
         _table(
             [

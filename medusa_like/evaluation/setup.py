@@ -1,6 +1,5 @@
 """What the evaluation and tree-search apps share: the model from a config, the question sets, the run directory."""
 
-import json
 from pathlib import Path
 
 import torch
@@ -8,7 +7,6 @@ from omegaconf import DictConfig
 
 from medusa_like.data.prepare import load_model as load_target_model
 from medusa_like.data.split import draft_vocab_from_training_split, training_answers
-from medusa_like.decoding.cost_model import CostModel
 from medusa_like.decoding.tree import save_tree
 from medusa_like.drafters.combined import COMBINED
 from medusa_like.drafters.lookup import LOOKUP, OutputStore
@@ -100,14 +98,10 @@ def output_store(drafter: DictConfig, training_data: DictConfig, target, tokeniz
 
 
 def apply_tree_settings(model: MedusaLikeModel, tree) -> dict:
-    """What a tree file from the tree search holds besides the tree: its cost model (given to the drafter, refused when
-    measured for another target or dtype) and the fastest `prompt_lookup_num_tokens`; {} for other trees."""
-    if not (isinstance(tree, str) and tree.endswith(".json") and Path(tree).is_file()):
-        return {}
-    data = json.loads(Path(tree).read_text(encoding="utf-8"))
-    if data.get("cost_model") and model.drafter_kind in ("combined", "lookup"):
-        model.drafter.state.cost_model = CostModel.from_json(data["cost_model"], model.target)
-    return {key: data[key] for key in ("cost_model", "prompt_lookup_num_tokens") if key in data}
+    """What a tree file from the tree search holds besides the tree, put to use as the Python API puts it
+    (`MedusaLikeModel.use_tree_settings`: its cost model, refused when measured for another target, dtype, device or
+    machine, with its kernels) and returned with the fastest `prompt_lookup_num_tokens`; {} for other trees."""
+    return model.use_tree_settings(tree)
 
 
 def question_set(data: DictConfig, validation: DictConfig) -> list[Question]:
@@ -151,6 +145,8 @@ def run_search(cfg: DictConfig, model, out_path: Path) -> dict:
     prompts = calibration_prompts(cfg, model)
     ts = cfg.tree_search
     timing = prompts[: max(ts.timing_prompts, 1)]
+    if ts.get("budgeted") is not None and model.drafter_kind in ("combined", "lookup"):
+        model.measure_cost_model()  # budgeted trees are timed, and the winner saved, with a full cost model
     result = search(
         model,
         prompts,
@@ -174,6 +170,6 @@ def run_search(cfg: DictConfig, model, out_path: Path) -> dict:
     if result["kind"] == "static":
         meta.update(budget=result["label"], predicted_tau=result["predicted_tau"], head_topk_accuracy=result["topk"])
     if result["kind"] == "budgeted":
-        meta.update(cost_model=model.drafter.state.cost_model.to_json())
+        meta.update(cost_model=model.cost_model.to_json())
     save_tree(model.resolve_tree(result["spec"]), out_path, **meta)
     return {**result, "path": str(out_path), "prompt_lookup_num_tokens": prompt_lookup}

@@ -11,6 +11,7 @@ import torch
 import transformers
 
 from medusa_like.cpu.few_row_linear import linear_kernel, with_stock_linears
+from medusa_like.drafters.merge import session_cost_model
 from medusa_like.evaluation import metrics
 from medusa_like.evaluation.methods import BASELINES, METHODS, REFERENCE, SPECULATIVE, STOCK
 from medusa_like.evaluation.report import print_report, write_plots, write_report
@@ -287,7 +288,17 @@ def setup_section(
         "transformers": transformers.__version__,
         "machine": platform.machine(),
         "methods": {name: METHODS[name].description for name in methods},
+        "cost_models": cost_models_section(model, methods),
     }
+
+
+def cost_models_section(model, methods: list[str]) -> dict:
+    """The cost model each method sized its trees by (lookup and combined drafters: the speculative method, and lookup
+    alone), as used, with its source (`file:`, `cache:` or `measured`) and when it was measured; methods that consult
+    none are left out."""
+    drafters = {SPECULATIVE: model.drafter, "lookup": getattr(model.drafter, "lookup", None)}
+    used = {name: session_cost_model(drafter) for name, drafter in drafters.items() if name in methods}
+    return {name: cost.to_json() for name, cost in used.items() if cost is not None}
 
 
 def summary_section(acceptance: dict, speed: dict, lossless: dict, tree: dict) -> dict:

@@ -1,0 +1,389 @@
+"""Cost models as validated data: every bad field refused with its name, another setup's refused, provenance recorded,
+measured once per machine and cached on disk (a corrupt or foreign cache measured again), a quick first estimate on
+first use and a full one on request, implausible measurements repeated or fallen back on (a scripted timer, the
+decisions real), a tree file's cost model used by the Python API and the evaluation alike, decoding lossless."""
+
+import json
+import logging
+import math
+import platform
+
+import pytest
+import torch
+
+from medusa_like.cpu import row_plans
+from medusa_like.cpu.few_row_linear import FewRowLinear
+from medusa_like.cpu.kernel_choice import current_kernels
+from medusa_like.cpu.machine import machine_identity
+from medusa_like.decoding.cost_cache import cache_key, cache_path
+from medusa_like.decoding.cost_model import (
+    QUICK_SIZES,
+    CostModel,
+    CostModelError,
+    CostModelMismatchError,
+    InvalidCostModelError,
+    measure_cost_model,
+)
+from medusa_like.decoding.tree import BudgetedTreeSpec, save_tree
+from medusa_like.drafters.lookup import LookupDrafter
+from medusa_like.evaluation.report import markdown
+from medusa_like.io import user_cache_dir
+from medusa_like.model import MedusaLikeModel
+from medusa_like.targets import DEFAULT_TARGET, target_fingerprint
+
+from .conftest import greedy_reference, random_prompts, tiny_target
+
+
+@pytest.fixture
+def cache_dir(tmp_path, monkeypatch):
+    """A cache directory without row plans or cost models for this test, as a fresh machine has (the default target,
+    whose tokenizer the evaluation's tiny targets use, linked in if converted already)."""
+    path = tmp_path / "cache"
+    path.mkdir()
+    if (user_cache_dir() / DEFAULT_TARGET).is_dir():
+        (path / DEFAULT_TARGET).symlink_to((user_cache_dir() / DEFAULT_TARGET).resolve())
+    monkeypatch.setenv("MEDUSA_LIKE_CACHE_DIR", str(path))
+    monkeypatch.setattr(row_plans, "_PLANS", {})
+    monkeypatch.setattr(row_plans, "_READ", set())
+    return path
+
+
+def cost_json(target, **changes) -> dict:
+    """A cost model of `target` on this machine as a file holds it, with `changes`."""
+    nodes = [1, 2, 4, 8, 16]
+    cost = CostModel(
+        nodes,
+        [10.0 + 0.25 * n for n in nodes],
+        target_fingerprint(target.config),
+        str(target.dtype),
+        target.device.type,
+        current_kernels(target, nodes),
+    )
+    return cost.to_json() | changes
+
+
+def lookup_model(target=None) -> MedusaLikeModel:
+    target = target if target is not None else tiny_target("llama")
+    return MedusaLikeModel(target, None, LookupDrafter(), backend="sdpa")
+
+
+def assert_lossless(model: MedusaLikeModel, tree="dynamic", prompts: int = 2) -> None:
+    for ids in random_prompts(prompts, seed=7, min_len=6, max_len=20):
+        expected = greedy_reference(model.target, ids, 16)
+        out = model.generate(ids, max_new_tokens=16, tree=tree, eos_token_id=[], remember=False)
+        assert out.new_tokens.tolist() == expected.tolist()
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Validation
+
+
+@pytest.mark.parametrize(
+    "changes, field",
+    [
+        ({"verify_ms": [math.nan, 11.0, 12.0, 13.0, 14.0]}, r"verify_ms\[0\]"),
+        ({"verify_ms": [10.0, -1.0, 12.0, 13.0, 14.0]}, r"verify_ms\[1\]"),
+        ({"verify_ms": [10.0, 11.0, math.inf, 13.0, 14.0]}, r"verify_ms\[2\]"),
+        ({"verify_ms": [10.0, 11.0, 12.0, "13", 14.0]}, r"verify_ms\[3\]"),
+        ({"verify_ms": [10.0, 11.0, 12.0, 13.0, None]}, r"verify_ms\[4\]"),
+        ({"verify_ms": [10.0, 11.0, 12.0, 13.0, True]}, r"verify_ms\[4\]"),
+        ({"verify_ms": [10.0, 11.0]}, "verify_ms must be a list of 5"),
+        ({"verify_ms": None}, "verify_ms must be a list"),
+        ({"measured_ms": [10.0, 0.0, 12.0, 13.0, 14.0]}, r"measured_ms\[1\]"),
+        ({"nodes": [1, 2, 2, 8, 16]}, "nodes must be unique and ascending"),
+        ({"nodes": [1, 4, 2, 8, 16]}, "nodes must be unique and ascending"),
+        ({"nodes": [0, 1, 2, 8, 16]}, r"nodes\[0\] must be an integer >= 1"),
+        ({"nodes": [1, 2.0, 4, 8, 16]}, r"nodes\[1\]"),
+        ({"nodes": "1,2,4,8,16"}, "nodes must be a non-empty list"),
+        ({"nodes": {"1": 10.0}}, "nodes must be a non-empty list"),
+        ({"nodes": []}, "nodes must be a non-empty list"),
+        ({"nodes": None}, "nodes must be a non-empty list"),
+        ({"machine": 5}, "machine must be a non-empty string"),
+        ({"dtype": None}, "dtype must be a non-empty string"),
+        ({"threads": 0}, "threads"),
+        ({"quick": "no"}, "quick"),
+        ({"kernels": {"linears": "cuBLAS"}}, "kernels.linears"),
+        ({"kernels": {"linears": "nn.Linear", "rows": {"1": "fastest"}}}, r"kernels.rows\[1\]"),
+        ({"kernels": [1]}, "kernels must be a JSON object"),
+        ({"colour": "red"}, r"unknown fields \['colour'\]"),
+    ],
+)
+def test_a_malformed_cost_model_is_refused_naming_the_field(changes, field):
+    target = tiny_target("llama")
+    with pytest.raises(InvalidCostModelError, match=field):
+        CostModel.from_json(cost_json(target, **changes), target)
+
+
+def test_a_cost_model_missing_a_field_or_not_an_object_is_refused():
+    target = tiny_target("llama")
+    data = cost_json(target)
+    del data["dtype"]
+    with pytest.raises(InvalidCostModelError, match=r"missing fields \['dtype'\]"):
+        CostModel.from_json(data, target)
+    for bad in ([1, 2], "cost", None):
+        with pytest.raises(InvalidCostModelError, match="JSON object"):
+            CostModel.from_json(bad, target)
+    assert issubclass(CostModelError, ValueError)  # never a raw TypeError
+
+
+@pytest.mark.parametrize(
+    "changes, field",
+    [
+        ({"target_fingerprint": "0123456789abcdef"}, "target_fingerprint"),
+        ({"dtype": "torch.float64"}, "dtype"),
+        ({"device": "cuda"}, "device"),
+        ({"machine": f"{platform.machine()} Another CPU 9000"}, "machine"),
+        ({"machine": "not-this-architecture"}, "machine"),
+        ({"kernels": {"linears": "few_row"}}, "linears"),  # measured with other layers than this target's
+    ],
+)
+def test_a_cost_model_of_another_setup_is_refused(changes, field):
+    target = tiny_target("llama")
+    with pytest.raises(CostModelMismatchError, match=field):
+        CostModel.from_json(cost_json(target, **changes), target)
+
+
+def test_a_cost_model_that_names_only_the_architecture_is_compared_on_it():
+    """Older files named the architecture alone: accepted on the same architecture, refused on another."""
+    target = tiny_target("llama")
+    assert CostModel.from_json(cost_json(target, machine=platform.machine()), target).machine == platform.machine()
+    assert cost_json(target)["machine"] == machine_identity()
+
+
+def test_a_measurement_whose_timer_gives_no_valid_time_is_refused_not_kept():
+    target = tiny_target("llama")
+    for bad in (math.nan, -1.0):
+
+        def broken(what, run, bad=bad):
+            run()
+            return bad
+
+        with pytest.raises(InvalidCostModelError, match="verify_ms"):
+            measure_cost_model(target, sizes=(1, 2), prefix=8, repeats=1, timer=broken, attempts=1)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Implausible measurements: a scripted timer (the forwards still run), the checks and their decisions real
+
+
+class ScriptedTimer:
+    """Times every forward as `script(nodes, call)` ms, `call` counting the calls for that node count from 1 (a warm-up
+    round, then the timed rounds, then a re-check of the smallest and largest size, attempt after attempt)."""
+
+    def __init__(self, script):
+        self.script, self.calls = script, {}
+
+    def __call__(self, what, run) -> float:
+        run()
+        self.calls[what] = self.calls.get(what, 0) + 1
+        return self.script(what, self.calls[what])
+
+
+SIZES = (1, 2, 4, 8)
+REPEATS = 2
+PER_ATTEMPT = REPEATS + 1  # calls per size in one attempt's rounds; the smallest and largest are re-checked once more
+
+
+def calm(nodes: int) -> float:
+    return 10.0 + 0.5 * nodes
+
+
+def measure(timer, attempts: int = 3) -> CostModel:
+    target = tiny_target("llama")
+    return measure_cost_model(
+        target, SIZES, prefix=8, repeats=REPEATS, pick_kernels=False, attempts=attempts, timer=timer
+    )
+
+
+def test_a_slow_spell_that_makes_trees_dearer_than_single_forwards_is_measured_again(caplog):
+    """The shared-CPU case: one node 15 ms and every larger tree 219 ms in the first measurement, which would make every
+    tree look dearer than single tokens and switch drafting off; measured again, it is calm."""
+
+    def shared_cpu(nodes, call):
+        first = call <= PER_ATTEMPT
+        return (15.0 if nodes == 1 else 219.0) if first else calm(nodes)
+
+    with caplog.at_level(logging.WARNING):
+        cost = measure(ScriptedTimer(shared_cpu))
+    assert cost.verify_ms == [calm(n) for n in SIZES]
+    assert "measuring again" in caplog.text and "more than" in caplog.text
+    assert cost.note.startswith("implausible: 2 nodes measured 219 ms") and "kept measurement 2" in cost.note
+
+
+def test_noisy_rounds_and_a_dip_are_measured_again():
+    def noisy_then_calm(nodes, call):
+        if call <= PER_ATTEMPT:  # rounds of one size 10 and 30 ms apart
+            return calm(nodes) + (20.0 if call % 2 else 0.0)
+        if call <= 2 * PER_ATTEMPT:  # then 8 nodes measured far cheaper than 1
+            return 2.0 if nodes == 8 else 20.0
+        return calm(nodes)
+
+    cost = measure(ScriptedTimer(noisy_then_calm))
+    assert cost.verify_ms == [calm(n) for n in SIZES]
+    assert "noisy" in cost.note and "non-monotone" in cost.note and "kept measurement 3" in cost.note
+
+
+def test_a_re_check_far_from_the_measurement_is_measured_again():
+    """Steady rounds, but the re-check of one node (its fourth call) takes four times as long: a spell covered all the
+    rounds, so the measurement is repeated."""
+
+    def spell_ends(nodes, call):
+        return 4 * calm(nodes) if (nodes, call) == (1, PER_ATTEMPT + 1) else calm(nodes)
+
+    cost = measure(ScriptedTimer(spell_ends))
+    assert cost.verify_ms == [calm(n) for n in SIZES] and "re-check of 1 nodes" in cost.note
+
+
+def test_a_measurement_implausible_every_time_falls_back_to_each_sizes_fastest_and_says_so(caplog):
+    """A spell that lands on another size in each attempt: no attempt is plausible, each size's fastest median over
+    the attempts is the calm curve."""
+
+    def moving_spell(nodes, call):
+        attempt = (call - 1) // PER_ATTEMPT  # no attempt is plausible, so none is re-checked
+        return 30 * calm(nodes) if SIZES.index(nodes) == attempt + 1 else calm(nodes)
+
+    with caplog.at_level(logging.WARNING):
+        cost = measure(ScriptedTimer(moving_spell))
+    assert cost.verify_ms == [calm(n) for n in SIZES] and cost.measured_ms == cost.verify_ms
+    assert "still implausible after 3 measurements" in caplog.text
+    assert "kept each size's fastest median over the attempts" in cost.note
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# First use, the cache, provenance
+
+
+def test_the_first_generation_measures_a_quick_estimate_and_no_row_plan_and_a_second_model_reads_the_cache(
+    cache_dir, caplog
+):
+    with caplog.at_level(logging.INFO):
+        model = lookup_model()
+        assert not (cache_dir / "row_plans.json").exists()  # construction measured no row plan
+        assert_lossless(model)
+    first = model.cost_model
+    assert first.quick and first.source == "measured" and first.measured_at and first.nodes == list(QUICK_SIZES)
+    assert not (cache_dir / "row_plans.json").exists()  # nor did the first generation
+    # the layers' unmeasured plans (F.linear for a row, weight-first for more), named as they ran
+    assert first.kernels["rows"] == {"1": "linear", **{str(n): "weight_first" for n in QUICK_SIZES[1:]}}
+    assert "quick first estimate" in caplog.text and str(cache_path(model.target)) in caplog.text
+    stored = json.loads(cache_path(model.target).read_text())
+    assert (
+        stored["key"] == cache_key(model.target) and stored["cost_model"]["verify_ms"] == first.to_json()["verify_ms"]
+    )
+
+    second = lookup_model()  # another copy of the target, as in a new process: read, not measured
+    assert_lossless(second)
+    assert second.cost_model.source == f"cache:{cache_path(second.target)}"
+    assert second.cost_model.verify_ms == pytest.approx(first.verify_ms, abs=1e-3)
+    assert second.cost_model.measured_at == first.measured_at
+
+
+def test_a_full_measurement_replaces_the_quick_one_on_disk_too(cache_dir):
+    model = lookup_model()
+    assert_lossless(model, prompts=1)
+    assert model.cost_model.quick
+    full = model.measure_cost_model(sizes=(1, 2, 4, 8), repeats=1)
+    assert not full.quick and model.cost_model is full and full.kernels["rows"].keys() == {"1", "2", "4", "8"}
+    assert (cache_dir / "row_plans.json").exists()  # the full measurement measured the plans its kernels need
+    assert all(m.plan_measured for m in model.target.modules() if isinstance(m, FewRowLinear) and m.plan)
+    assert_lossless(model, prompts=1)
+    later = lookup_model()
+    assert_lossless(later, prompts=1)
+    assert not later.cost_model.quick and later.cost_model.source.startswith("cache:")
+    assert later.cost_model.kernels == full.kernels
+
+
+@pytest.mark.parametrize(
+    "content",
+    ["{not json", "\udcff", '["a list"]', '{"key": {}, "cost_model": {}}', "foreign key", "foreign cost model"],
+)
+def test_a_corrupt_or_foreign_cache_file_is_refused_with_a_log_line_and_measured_again(cache_dir, caplog, content):
+    model = lookup_model()
+    path = cache_path(model.target)
+    path.parent.mkdir()
+    key, cost = cache_key(model.target), cost_json(model.target)
+    if content == "foreign key":  # a valid cost model, cached under another machine's key
+        content = json.dumps({"key": key | {"machine": "x86_64 Other"}, "cost_model": cost})
+    elif content == "foreign cost model":  # the right key, but a cost model of another dtype
+        content = json.dumps({"key": key, "cost_model": cost | {"dtype": "torch.bfloat16"}})
+    path.write_text(content, errors="surrogateescape")
+    with caplog.at_level(logging.WARNING):
+        assert_lossless(model, prompts=1)
+    assert f"refusing the cached cost model {path}" in caplog.text
+    assert model.cost_model.source == "measured" and model.cost_model.quick
+    stored = json.loads(path.read_text())  # measured again, and cached in its place
+    assert (
+        stored["key"] == cache_key(model.target) and stored["cost_model"]["measured_at"] == model.cost_model.measured_at
+    )
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Tree files: the Python API applies them as the evaluation does
+
+
+def tree_file(tmp_path, cost: dict, name: str = "tree.json"):
+    return save_tree(BudgetedTreeSpec(None, 6, 4), tmp_path / name, cost_model=cost, prompt_lookup_num_tokens=3)
+
+
+def test_the_api_sizes_trees_by_a_tree_files_cost_model_and_measures_none(cache_dir, tmp_path):
+    model = lookup_model()
+    path = tree_file(tmp_path, cost_json(model.target))
+    assert_lossless(model, tree=str(path))
+    assert model.cost_model.source == f"file:{path}" and model.cost_model.verify_ms[0] == 10.25
+    assert not cache_path(model.target).exists()  # nothing was measured
+    assert model.use_tree_settings(str(path))["prompt_lookup_num_tokens"] == 3
+    model.measure_cost_model(sizes=(1, 2), repeats=1)  # another cost model since: naming the file sets its own again
+    model.generate(torch.tensor([[1, 2, 3]]), max_new_tokens=2, tree=str(path), eos_token_id=[])
+    assert model.cost_model.source == f"file:{path}"
+
+
+@pytest.mark.parametrize("changes", [{"dtype": "torch.float64"}, {"machine": "other-arch Some CPU"}])
+def test_the_api_refuses_a_tree_file_measured_for_another_setup_before_any_work(cache_dir, tmp_path, changes):
+    model = lookup_model()
+    path = tree_file(tmp_path, cost_json(model.target, **changes))
+    with pytest.raises(CostModelMismatchError, match=f"{path}.*{next(iter(changes))}"):
+        model.generate(torch.tensor([[1, 2, 3]]), max_new_tokens=4, tree=str(path))
+    bad = tree_file(tmp_path, cost_json(model.target, verify_ms=[10.0, math.nan, 12.0, 13.0, 14.0]), "nan.json")
+    with pytest.raises(InvalidCostModelError, match=r"verify_ms\[1\]"):
+        model.generate(torch.tensor([[1, 2, 3]]), max_new_tokens=4, tree=str(bad))
+    assert model.cost_model is None and not cache_path(model.target).exists()
+
+
+def test_the_evaluation_reports_each_methods_cost_model_and_its_source(cache_dir, tmp_path, eval_cfg):
+    """A lookup drafter on the dynamic tree: the quick estimate measured at start; then on a tree file: the file's."""
+    from eval.evaluate import evaluate
+
+    questions = tmp_path / "q.jsonl"
+    questions.write_text(json.dumps({"question_id": 1, "category": "c", "turns": ["Say three words."]}) + "\n")
+    common = (
+        "drafter.mode=lookup",
+        "data.source=jsonl",
+        f"data.path={questions}",
+        "eval.max_new_tokens=4",
+        "eval.sweep.prompts=0",
+    )
+    report = evaluate(eval_cfg(*common, "tree=dynamic", "eval.warmup=false", out_dir=tmp_path / "dynamic"))
+    used = report["setup"]["cost_models"]["speculative"]
+    assert used["source"] == "measured" and used["quick"] and report["summary"]["losslessness"] == 1.0
+    assert "a quick first estimate from `measured`" in markdown(report)
+
+    path = tree_file(tmp_path, used | {"verify_ms": [20.0 + n for n in used["nodes"]]})
+    report = evaluate(eval_cfg(*common, f"tree={path}", "eval.warmup=false", out_dir=tmp_path / "file"))
+    used = report["setup"]["cost_models"]["speculative"]
+    assert used["source"] == f"file:{path}" and used["verify_ms"][0] == 21.0
+    assert report["summary"]["losslessness"] == 1.0 and report["setup"]["prompt_lookup_num_tokens"] == 3
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# A model the caller passes in
+
+
+def test_swapping_a_passed_models_layers_is_logged_and_can_be_declined(caplog):
+    with caplog.at_level(logging.INFO, logger="medusa_like.model"):
+        lookup_model()
+    assert "replaced" in caplog.text and "nn.Linear layers of the target" in caplog.text
+    caplog.clear()
+    target = tiny_target("llama")
+    with caplog.at_level(logging.INFO, logger="medusa_like.model"):
+        MedusaLikeModel(target, None, LookupDrafter(), few_row_linear=False)
+    assert "replaced" not in caplog.text and not any(isinstance(m, FewRowLinear) for m in target.modules())
