@@ -142,6 +142,33 @@ class Eagle3Drafter(LearnedDrafter, nn.Module):
         if target_norm.weight.shape == self.norm.weight.shape:
             self.norm.weight.copy_(target_norm.weight)
 
+    @torch.no_grad()
+    def init_layer_from_target(self, target, layer_index: int) -> None:
+        """Start the decoder layer from the target's layer `layer_index`: its attention, MLP and norms as they are,
+        q/k/v reading the feature half of [embedding; feature] with the target's weights (the embedding half starts
+        at zero), and `fc` passing the last aux stream through unchanged. The drafter then starts as one more target
+        layer applied to the high stream, a representation the target's own head (`init_from_target`) can read."""
+        layers = target.base_model.layers
+        if not 0 <= layer_index < len(layers):
+            raise ValueError(f"init_layer_from_target={layer_index}: the target has layers 0..{len(layers) - 1}")
+        source, hidden = layers[layer_index], self.config.hidden_size
+        if hidden != self.config.target_hidden_size:
+            raise ValueError("init_layer_from_target needs the drafter's width to equal the target's")
+        own = {name: p for name, p in self.named_parameters()}
+        for name, param in source.named_parameters():
+            if name.startswith("self_attn.") and name.split(".")[1] in ("q_proj", "k_proj", "v_proj"):
+                mine = own[name]
+                if name.endswith("weight"):
+                    mine.zero_()
+                    mine[:, hidden:].copy_(param)  # the feature half; the embedding half stays zero
+                else:
+                    mine.copy_(param)
+            elif name in own and own[name].shape == param.shape:
+                own[name].copy_(param)
+        self.hidden_norm.weight.copy_(source.input_layernorm.weight)
+        self.fc.weight.zero_()
+        self.fc.weight[:, -hidden:].copy_(torch.eye(hidden))  # the last aux stream passes through
+
     def fuse(self, aux_hidden: torch.Tensor) -> torch.Tensor:
         """The target's concatenated aux hidden states [..., n * h_target] -> the drafter's input feature [..., h]."""
         return self.fc(aux_hidden.to(self.fc.weight.dtype))
