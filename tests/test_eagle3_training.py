@@ -73,3 +73,24 @@ def test_only_the_drafter_trains_and_is_checkpointed():
     meta = checkpoint[CHECKPOINT_KEY]
     assert meta["kind"] == "eagle3" and meta["draft_token_ids"] == list(range(0, VOCAB, 2))
     assert meta["config"]["draft_vocab_size"] == len(range(0, VOCAB, 2))
+
+
+def test_a_layer_started_from_the_target_computes_that_layer_on_the_high_stream():
+    """`init_layer_from_target(target, i)` with the high aux stream entering layer i: the drafter's step equals the
+    target's layer i on that stream (hidden_states[i + 1]), whatever the token embeddings."""
+    from medusa_like.drafters.eagle3 import Eagle3Config, Eagle3Drafter
+
+    target = tiny_target("llama", num_hidden_layers=3)
+    config = Eagle3Config.for_target(target.config, VOCAB, aux_layer_ids=[0, 1, 1])
+    drafter = Eagle3Drafter(config)
+    batch = small_batch(rows=1)
+    ids = batch["input_ids"]
+    hidden = target(ids, output_hidden_states=True).hidden_states  # [L + 1] x [1, T, h]
+    aux = torch.cat([hidden[0], hidden[1], hidden[1]], dim=-1)
+    positions = torch.arange(ids.shape[1])[None]
+    embeds = torch.randn_like(hidden[0])
+    before = drafter(drafter.fuse(aux), embeds, positions)
+    drafter.init_layer_from_target(target, 1)
+    after = drafter(drafter.fuse(aux), embeds, positions)
+    torch.testing.assert_close(after, hidden[2], rtol=1e-4, atol=1e-4)
+    assert not torch.allclose(before, hidden[2], atol=1e-2)  # a random layer does not
