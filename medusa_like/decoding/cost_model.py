@@ -61,8 +61,8 @@ PREFIX = 128  # the context the sizes are timed after
 REPEATS = 5  # timed rounds over all sizes, after a warm-up round
 ATTEMPTS = 3  # measurements before falling back (`implausible`)
 # a first estimate on first use: bounded to a few forwards per size, as many as a short answer's greedy steps
-QUICK_SIZES = (1, 2, 4, 8, 16)
-QUICK_PREFIX = 64
+QUICK_SIZES = (1, 2, 4, 16)
+QUICK_PREFIX = 32
 QUICK_REPEATS = 2
 QUICK_ATTEMPTS = 2
 
