@@ -1,4 +1,5 @@
-"""The entry points' shared behaviour: config values checked when composed, one-line errors, data directories."""
+"""The entry points' shared behaviour: config values checked when composed (every checked key exists), one-line errors
+(a run directory that cannot be created among them), data directories."""
 
 import os
 import subprocess
@@ -7,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from medusa_like.cli import EVAL_CHECKS, TRAIN_CHECKS, ConfigError, check_config
+from medusa_like.cli import DISTILL_CHECKS, EVAL_CHECKS, TRAIN_CHECKS, ConfigError, Number, check_config
 from medusa_like.data.naming import source_name
-from tests.conftest import TINY_TRAIN
+from tests.conftest import TINY_TRAIN, compose_config
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -42,6 +43,40 @@ def test_bad_eval_values_and_good_defaults(train_cfg, eval_cfg):
         check_config(eval_cfg("data.limit=all"), EVAL_CHECKS)
 
 
+def test_the_default_drafter_is_eagle3_and_every_checked_key_exists(tmp_path, train_cfg):
+    assert train_cfg().drafter.kind == "eagle3"
+    for drafter in ("eagle3", "medusa", "medusa_own_lm_head"):
+        check_config(train_cfg(f"drafter={drafter}"), TRAIN_CHECKS)
+    check_config(compose_config("distill", tmp_path, "model=tiny_llama", "data=tiny"), DISTILL_CHECKS)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "pattern"),
+    [
+        (["drafter=medusa", "drafter.heads.num_heads=0"], r"drafter.heads.num_heads: expected an integer >= 1, got 0"),
+        (
+            ["drafter=eagle3", "drafter.module.ttt_steps=0"],
+            r"drafter.module.ttt_steps: expected an integer >= 1, got 0",
+        ),
+        (["~data.chunk_size"], r"config key data.chunk_size: checked, but the config has no such key"),
+        (
+            ["drafter=eagle3", "~drafter.draft_vocab_size"],
+            r"drafter.draft_vocab_size \(checked where drafter.kind=eagle3",
+        ),
+    ],
+)
+def test_checks_refuse_bad_values_and_missing_keys(train_cfg, overrides, pattern):
+    with pytest.raises(ConfigError, match=pattern):
+        check_config(train_cfg(*overrides), TRAIN_CHECKS)
+
+
+def test_a_checked_key_with_a_typo_is_refused_not_skipped(train_cfg):
+    cfg = train_cfg("drafter=medusa")
+    with pytest.raises(ConfigError, match="drafter.num_heads"):
+        check_config(cfg, {"drafter.num_heads": Number(min=1)})
+    check_config(cfg, {"drafter.module.ttt_steps": Number(min=1, when=("drafter.kind", "eagle3"))})  # not medusa's
+
+
 def run(module: str, *overrides: str, **env: str) -> subprocess.CompletedProcess:
     environ = {k: v for k, v in os.environ.items() if k != "HYDRA_FULL_ERROR"}
     environ.update(PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", **env)
@@ -65,6 +100,29 @@ def test_expected_failures_print_one_line_and_full_error_keeps_the_traceback(tmp
 
     verbose = run("train.export", *args, HYDRA_FULL_ERROR="1")
     assert verbose.returncode == 1 and "Traceback" in verbose.stderr
+
+
+def unwritable_run_dirs(tmp_path: Path) -> list[Path]:
+    a_file = tmp_path / "a_file"
+    a_file.write_text("")
+    dirs = [a_file / "run"]  # mkdir fails with an OSError, as on a read-only file system
+    if os.geteuid() != 0:  # root ignores permissions
+        read_only = tmp_path / "read_only"
+        read_only.mkdir(mode=0o555)
+        dirs.append(read_only / "run")
+    return dirs
+
+
+@pytest.mark.slow
+def test_a_run_directory_that_cannot_be_created_is_one_error_line(tmp_path):
+    for run_dir in unwritable_run_dirs(tmp_path):
+        proc = run("train.train", *TINY_TRAIN, f"hydra.run.dir={run_dir}")
+        assert proc.returncode == 1, proc.stderr
+        assert "Traceback" not in proc.stderr, proc.stderr
+        errors = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
+        assert len(errors) == 1, proc.stderr
+        assert errors[0].startswith(f"error: cannot create the run directory hydra.run.dir={run_dir}: ")
+        assert not run_dir.exists()
 
 
 def test_different_local_sources_get_different_data_directories(tmp_path, train_cfg):

@@ -7,11 +7,13 @@ import lightning as L
 import pytest
 import torch
 from hydra.utils import get_method, instantiate
-from omegaconf import OmegaConf, open_dict
+from omegaconf import DictConfig, ListConfig, OmegaConf, open_dict
 
+from medusa_like.cli import computes_in_bf16
 from medusa_like.data import split
 from medusa_like.data.datamodule import TrainingDataModule
 from medusa_like.data.generation import GenerationConfig
+from medusa_like.data.prepare import load_model
 from medusa_like.drafters.medusa import HeadsConfig
 from medusa_like.runs import resolved
 from medusa_like.training.build import build_module
@@ -143,3 +145,58 @@ def test_overrides_reach_the_objects(tmp_path):
     assert cfg.model.name == "smollm2_135m" and cfg.logger.wandb.offline is False
     optimizer = instantiate(cfg.module.optimizer)([torch.nn.Parameter(torch.zeros(2))])
     assert isinstance(optimizer, torch.optim.AdamW) and optimizer.param_groups[0]["lr"] == 3e-4
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# One name per setting: the target's dtype is `model.dtype`, `distill:` is defined once, debug configs add no keys
+
+MODELS = ("smollm2_135m", "tiny_llama", "tiny_qwen2", "llama3_8b_instruct", "qwen2_5_7b_instruct", "vicuna_7b")
+
+
+def keys(node, prefix: str = "") -> set[str]:
+    """Every dotted key of a config, without resolving interpolations."""
+    out = set()
+    if isinstance(node, DictConfig):
+        for k in node.keys():
+            out |= {f"{prefix}{k}"} | keys(node._get_node(k), f"{prefix}{k}.")
+    elif isinstance(node, ListConfig):
+        for i, item in enumerate(node._iter_ex(resolve=False)):
+            out |= keys(item, f"{prefix}{i}.")
+    return out
+
+
+@pytest.mark.parametrize("model", MODELS)
+def test_the_target_dtype_has_one_name_model_dtype(tmp_path, model):
+    for name in ("train", "distill"):
+        cfg = compose_config(name, tmp_path, f"model={model}", "model.dtype=bfloat16")
+        assert OmegaConf.to_container(cfg.model.loader, resolve=True)["dtype"] == "bfloat16"
+        assert not [k for k in keys(cfg) if k.rsplit(".", 1)[-1] == "target_dtype"]
+
+
+def test_model_dtype_reaches_the_loaded_target(tmp_path, train_cfg):
+    target, _ = load_model(train_cfg("model.dtype=bfloat16").model)
+    assert target.dtype == torch.bfloat16
+    target, _ = load_model(train_cfg().model)
+    assert target.dtype == torch.float32
+    eagle3 = compose_config("train", tmp_path, "experiment=smollm2_eagle3")
+    # the default experiment trains in bf16 only where the machine computes in it natively (else fp32 is ~10x faster)
+    native = computes_in_bf16()
+    assert eagle3.model.dtype == ("bfloat16" if native else "float32") and eagle3.drafter.kind == "eagle3"
+    assert eagle3.trainer.precision == ("bf16-mixed" if native else "32-true")
+
+
+def test_distill_settings_are_defined_once_and_shared(tmp_path, train_cfg):
+    train = train_cfg().distill
+    distill = compose_config("distill", tmp_path, "model=tiny_llama", "data=tiny", "distill.progress=false").distill
+    assert train == distill and set(train) == {"batch_size", "shard", "num_shards", "max_chunks", "progress"}
+    full = compose_config("distill", tmp_path, "experiment=smollm2_medusa_full")
+    assert full.distill.batch_size == 64 and full.distill.num_shards == 1  # an experiment changes one key
+
+
+def test_debug_configs_set_only_keys_the_train_config_has(train_cfg):
+    plain = keys(train_cfg())
+    for debug in ("default", "fdr", "overfit"):
+        cfg = train_cfg(f"debug={debug}")
+        assert cfg.export_drafter is False
+        new = {k for k in keys(cfg) - plain if not k.startswith(("callbacks", "logger", "trainer"))}
+        assert not new, (debug, new)

@@ -9,7 +9,7 @@ from datasets import Dataset, DatasetDict
 from medusa_like.data.datamodule import TrainingDataModule
 from medusa_like.data.sharegpt import ReadStats, iter_json_array, sharegpt_path
 from medusa_like.data.sources import load_conversations, user_turns
-from medusa_like.data.split import is_validation, split_token_counts, training_answers
+from medusa_like.data.split import draft_vocab_from_training_split, is_validation, split_token_counts, training_answers
 from medusa_like.data.storage import FEATURES, save_dataset
 
 
@@ -180,3 +180,23 @@ def test_draft_vocabulary_counts_come_from_the_training_split_alone(tmp_path):
         counts[5 + i % 5] += 1
         counts[7] += 1
     assert train.tolist() == expected_train.tolist() and validation.tolist() == expected_validation.tolist()
+
+
+def test_the_draft_vocabulary_comes_from_the_training_split_alone(tmp_path):
+    groups = [f"conv{i}" for i in range(40)]
+    held_out = [g for g in groups if is_validation(g, 0.25)]
+    assert 0 < len(held_out) < len(groups)
+    # every training conversation supervises tokens 1 and 2; each held-out one its own token, more often than those
+    rows = [
+        {"id": g, "group": g, "input_ids": [0, 1, 2], "loss_mask": [0, 1, 1]} for g in groups if g not in held_out
+    ] + [
+        {"id": g, "group": g, "input_ids": [0] + [10 + i] * 50, "loss_mask": [0] + [1] * 50}
+        for i, g in enumerate(held_out)
+    ]
+    save_dataset(rows, tmp_path / "dataset")
+    vocab = draft_vocab_from_training_split(tmp_path, 2, 64, val_fraction=0.25)
+    assert vocab.token_ids.tolist() == [1, 2] and vocab.target_vocab_size == 64
+    everything = draft_vocab_from_training_split(tmp_path, 2, 64, val_fraction=0.0)
+    assert everything.token_ids.tolist() != [1, 2]  # with no split, the held-out tokens would win
+    with pytest.raises(ValueError, match="training data directory"):
+        draft_vocab_from_training_split(None, 2, 64, 0.25)

@@ -1,15 +1,22 @@
 """Building training data on tiny random targets: loss masks, resuming after an interruption, shards, multi-turn,
-recipe checks, and the teacher-forced `original` recipe."""
+recipe checks, the teacher-forced `original` recipe, and two runs building one data directory at once."""
 
 import json
+import logging
+import multiprocessing
+import time
+from pathlib import Path
 
 import pytest
 import torch
 import torch.nn as nn
 
 from medusa_like.data import conversation_text, generation, masks, storage
-from medusa_like.data.storage import check_recipe, recipe
+from medusa_like.data.prepare import ensure_dataset, load_model
+from medusa_like.data.storage import check_recipe, is_complete, load_distilled, recipe
 from medusa_like.tiny import tiny_chat_target
+
+from .conftest import TINY_TRAIN, compose_config
 
 
 def chatty_target(eos_logit: float = 9.7):
@@ -216,3 +223,65 @@ def test_nothing_is_written_for_an_empty_source(tmp_path, target):
     with pytest.raises(ValueError, match="no conversations"):
         conversation_text.run(model, tokenizer, [], tmp_path / "e", max_length=64, progress=False)
     assert not (tmp_path / "e").exists()
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Two runs building one data directory
+
+
+def build(name: str, tmp_path: Path, data: Path, gate: Path | None, results) -> None:
+    """One run's data step (forked: a process of its own), counting its target forwards; logs into <name>.log."""
+    handler = logging.FileHandler(tmp_path / f"{name}.log")
+    logging.getLogger("medusa_like").addHandler(handler)
+    logging.getLogger("medusa_like").setLevel(logging.INFO)
+    cfg = compose_config("train", tmp_path / name, *TINY_TRAIN, data_dir=data)  # composed in the child: no fixture here
+    target, tokenizer = load_model(cfg.model)
+    forwards = []
+
+    def count(module, args, output):  # the first forward waits for the test's go-ahead, if given a gate
+        while gate is not None and not forwards and not gate.exists():
+            time.sleep(0.05)
+        forwards.append(1)
+
+    target.register_forward_hook(count)
+    ensure_dataset(cfg, target, tokenizer)
+    results.put((name, len(forwards)))
+
+
+def wait_for(predicate, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise TimeoutError(what)
+        time.sleep(0.05)
+
+
+def test_two_runs_building_one_data_directory_build_it_once(tmp_path, train_cfg):
+    data, gate = tmp_path / "data", tmp_path / "go"
+    data_dir = Path(train_cfg(out_dir=tmp_path / "probe", data_dir=data).data.dir)
+    lock = data_dir.with_name(f".{data_dir.name}.build-shard0-of-1.lock")
+    context = multiprocessing.get_context("fork")  # a process each, without re-importing torch
+    results = context.Queue()
+    first = context.Process(target=build, args=("first", tmp_path, data, gate, results))
+    first.start()  # holds the build lock, stopped at its first target forward
+    wait_for(
+        lambda: (tmp_path / "first.log").exists() and "distilling" in (tmp_path / "first.log").read_text(),
+        300,
+        "the first run never started building",
+    )
+    second = context.Process(target=build, args=("second", tmp_path, data, None, results))
+    second.start()
+    try:
+        wait_for(
+            lambda: (tmp_path / "second.log").exists() and "waiting for" in (tmp_path / "second.log").read_text(),
+            300,
+            "the second run did not wait for the first",
+        )
+    finally:
+        gate.touch()
+    counts = dict(results.get(timeout=300) for _ in range(2))
+    first.join(timeout=60)
+    second.join(timeout=60)
+    assert first.exitcode == second.exitcode == 0 and lock.exists()
+    assert counts["first"] > 0 and counts["second"] == 0, counts  # the second found the rows built
+    assert is_complete(data_dir) and len(load_distilled(data_dir)) > 0

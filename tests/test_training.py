@@ -1,5 +1,6 @@
-"""Training the heads on tiny random targets: targets and losses, fast dev run, overfitting, checkpoints and resume,
-the NaN guard, the hidden-state cache, W&B offline logging and 2-process DDP on the CPU (gloo)."""
+"""Training the heads on tiny random targets: targets and losses, fast dev run, overfitting, checkpoints (last.ckpt every
+N steps, at each epoch's end and at the end) and resume, the NaN guard, the hidden-state cache, W&B offline logging and
+2-process DDP on the CPU (gloo)."""
 
 import csv
 import os
@@ -14,6 +15,7 @@ import torch
 import torch.nn.functional as F
 from hydra.utils import instantiate
 from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.demos.boring_classes import BoringModel
 from safetensors.torch import load_file, save_file
 
 from medusa_like import targets
@@ -207,6 +209,57 @@ def test_checkpoints_hold_heads_and_optimizer_only_and_resume_exactly(tmp_path, 
     for name in straight:
         torch.testing.assert_close(resumed[name], straight[name], rtol=0, atol=0)
     assert any(not torch.equal(after_one[n], straight[n]) for n in straight)
+
+
+class LastCheckpointProbe(Callback):
+    """Records, at each epoch start and at the end of fitting, the step of checkpoints/last.ckpt and the step the
+    previous epoch ended at."""
+
+    def __init__(self, path: Path):
+        self.path, self.seen, self.epoch_end_steps = path, [], []
+
+    def on_train_epoch_end(self, trainer, pl_module):
+        self.epoch_end_steps.append(trainer.global_step)
+
+    def on_train_epoch_start(self, trainer, pl_module):
+        if trainer.current_epoch > 0:
+            self.seen.append(torch.load(self.path, map_location="cpu", weights_only=False)["global_step"])
+
+
+@pytest.mark.parametrize(("every", "max_steps"), [(2, -1), (2, 7), (None, -1)])
+def test_last_checkpoint_is_written_every_n_steps_at_every_epoch_end_and_at_the_end(
+    tmp_path, train_cfg, every, max_steps
+):
+    overrides = [] if every is None else [f"callbacks.last_checkpoint.every_n_train_steps={every}"]
+    cfg = train_cfg(*overrides)
+    checkpoint = instantiate(cfg.callbacks.last_checkpoint)
+    last = Path(cfg.paths.output_dir) / "checkpoints" / "last.ckpt"
+    probe = LastCheckpointProbe(last)
+    saved_steps = []
+
+    class StepRecorder(Callback):  # which steps last.ckpt held after each batch
+        def on_train_batch_end(self, trainer, *args):
+            if last.exists():
+                saved_steps.append(torch.load(last, map_location="cpu", weights_only=False)["global_step"])
+
+    trainer = L.Trainer(
+        max_epochs=3,
+        max_steps=max_steps,
+        limit_train_batches=5,  # 5 steps per epoch: an epoch never ends on a multiple of 2
+        limit_val_batches=1,
+        callbacks=[checkpoint, probe, StepRecorder()],
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=tmp_path,
+    )
+    trainer.fit(BoringModel())
+    final = torch.load(last, map_location="cpu", weights_only=False)["global_step"]
+    assert final == trainer.global_step == (15 if max_steps == -1 else max_steps)
+    assert probe.seen == probe.epoch_end_steps[: len(probe.seen)] and probe.seen  # each epoch's end was saved
+    if every:
+        assert {2, 4} <= set(saved_steps)  # and every N steps within the epoch
+    assert sorted(p.name for p in last.parent.iterdir()) == ["last.ckpt"]
 
 
 def test_non_finite_loss_and_empty_batches_stop_training(tmp_path, data_dir):
