@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from medusa_like.cpu.few_row_linear import use_few_row_linears, worth_swapping
+from medusa_like.cpu.few_row_linear import measure_row_plans, use_few_row_linears, worth_swapping
 from medusa_like.decoding.attention import pick_backend
 from medusa_like.decoding.checks import (
     check_lengths,
@@ -76,13 +76,15 @@ class MedusaLikeModel:
         model you pass: its `nn.Linear` layers, and the drafter's, are replaced in place by `FewRowLinear` layers
         that share their parameters (same state dict, no copy) and differ from `nn.Linear` only in fp32 rounding; the
         log says so. Pass False to keep them (`cpu.few_row_linear.with_stock_linears` gives a copy with them back).
-        Their row plans come from this machine's cache and are measured only by `measure_cost_model`."""
+        Their row plans come from this machine's cache: construction measures none (`measure_row_plans`)."""
         drafter.check_fits(target)
         self.target = freeze(target)
         self.tokenizer = tokenizer
         self.drafter = drafter.to(device=self.device, dtype=self.target.dtype).eval()
         if few_row_linear if few_row_linear is not None else worth_swapping(self.target):
-            announce_swap(use_few_row_linears(self.target, plans="cached"), use_few_row_linears(self.drafter))
+            announce_swap(
+                use_few_row_linears(self.target, plans="cached"), use_few_row_linears(self.drafter, plans="cached")
+            )
         self._tree_files: dict[tuple, dict] = {}  # (path, mtime, size) of each tree file read -> its settings
         self.backend = pick_backend(backend, self.device)
         self.target_name = target_name or getattr(target.config, "name_or_path", None)
@@ -187,8 +189,18 @@ class MedusaLikeModel:
         set, the row plans measured where missing) and use it from now on: it replaces the quick first estimate
         measured on first use, on disk too, for every later process. Takes a while: it times many forwards.
         `options`: `cost_model.measure_cost_model`'s."""
+        self.measure_row_plans()
         with self._one_generation():
             return self._use(measure_and_cache(self.target, **options))
+
+    def measure_row_plans(self) -> None:
+        """Measure the row plans of the target's and the drafter's few-row layers that this machine's cache lacks (once
+        per weight shape, then cached): what their few-row products run fastest by. Construction only reads the cache,
+        so that a first call never waits for them; until measured, a layer runs `F.linear` for one row and
+        weight-first for more. `measure_cost_model` measures them too."""
+        with self._one_generation():
+            measure_row_plans(self.target)
+            measure_row_plans(self.drafter)
 
     def _use(self, cost: CostModel) -> CostModel:
         use_cost_model(self.drafter, activate(cost, self.target))

@@ -25,6 +25,7 @@ from medusa_like.decoding.cost_model import (
     measure_cost_model,
 )
 from medusa_like.decoding.tree import BudgetedTreeSpec, save_tree
+from medusa_like.drafters.eagle3 import EAGLE3
 from medusa_like.drafters.lookup import LookupDrafter
 from medusa_like.evaluation.report import markdown
 from medusa_like.io import user_cache_dir
@@ -276,6 +277,16 @@ def test_the_first_generation_measures_a_quick_estimate_and_no_row_plan_and_a_se
     assert second.cost_model.source == f"cache:{cache_path(second.target)}"
     assert second.cost_model.verify_ms == pytest.approx(first.verify_ms, abs=1e-3)
     assert second.cost_model.measured_at == first.measured_at
+
+
+def test_construction_measures_no_row_plan_and_measure_row_plans_measures_the_target_and_drafter_ones(cache_dir):
+    target = tiny_target("llama")
+    model = MedusaLikeModel(target, None, EAGLE3.fresh(target), backend="sdpa")
+    layers = [m for m in (*model.target.modules(), *model.drafter.modules()) if isinstance(m, FewRowLinear) and m.plan]
+    assert layers and not any(m.plan_measured for m in layers) and not (cache_dir / "row_plans.json").exists()
+    model.measure_row_plans()
+    assert all(m.plan_measured for m in layers) and (cache_dir / "row_plans.json").exists()
+    assert_lossless(model)
 
 
 def test_a_full_measurement_replaces_the_quick_one_on_disk_too(cache_dir):
