@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed-stamp
 TORCH_CPU_VERSION ?= 2.13.0
 RUN_DIR ?= runs/make_run
 # On a machine shared with other busy processes, `OMP_WAIT_POLICY=PASSIVE make run` keeps idle OpenMP workers from
-# spinning against them; on an idle machine the default (spinning) is faster, small tree steps by ~25%.
+# spinning against them; on an idle machine the default (spinning) is faster for small tree steps (docs/results.md).
 
 .PHONY: install run test bench llamacpp lint clean
 
@@ -52,7 +52,7 @@ test: $(STAMP)
 
 # all 80 MT-Bench questions, both turns, with `make run`'s drafter and tree: transformers greedy and prompt lookup (the
 # same layers), transformers greedy as it ships, lookup alone and combined, interleaved; resumable (run it again after
-# a kill); 26-38 minutes on 2 cores with AVX512 (AMD EPYC; Intel Xeon), 47 and about 95 (estimated) on two AVX2-only ones
+# a kill); its duration on the machines measured is in docs/benchmarks.md
 MT_BENCH ?= ../shared/data/mt_bench_question.jsonl
 bench: $(STAMP)
 	$(PY) -m eval.evaluate data.source=jsonl data.path=$(MT_BENCH) drafter.path=$(RUN_DIR)/train/drafter \
