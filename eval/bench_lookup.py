@@ -1,5 +1,5 @@
-"""Lookup benchmark: what one lookup drafting step costs with a large output store (the issue's bound: < 1 ms with
-100k stored tokens on a 2-core CPU).
+"""Lookup benchmark: what one lookup drafting step costs with a large output store (it must stay small beside a
+target forward, or lookup's drafts stop paying).
 
     python -m eval.bench_lookup                          # 100k tokens of ShareGPT answers, the default tokenizer
     python -m eval.bench_lookup --store-tokens 200000 --steps 400 --out bench_lookup.json

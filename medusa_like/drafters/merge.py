@@ -3,9 +3,9 @@ merged by prefix, each node scored by an estimated chance of acceptance, cut to 
 
 One step (`CombinedProposer.propose`):
 
-    lookup      each source's trie of continuations after the text so far                   (~0.1-0.5 ms)
+    lookup      each source's trie of continuations after the text so far                   (no model: cheap)
     learned     the learned drafter's tree, unless steps without it, where lookup's best guess was as sure as now,
-                gave more tokens per ms, measured end to end                                 (EAGLE-3: ms per depth)
+                gave more tokens per ms, measured end to end                     (EAGLE-3: one drafter pass per depth)
     merge       one trie keyed by token paths: two sources proposing the same prefix give one node
     score       q(node) = P(node accepted | parent accepted), calibrated online per source and bucket (below);
                 score(node) = product of q along its path: the chance the target accepts it
@@ -18,9 +18,9 @@ the matches (lookup). After each step the target's accepted path and bonus token
 parent was accepted, whether the target agreed with it, verified or not; those outcomes update Beta counts per bucket
 (the set of sources that proposed it, then its most confident proposal's source, raw-estimate, match-length and depth
 buckets), whose mean (with that raw estimate as prior) is q. A node two sources agree on is far likelier than one
-either proposes alone (measured on the validation prompts: .67 against .22 at the same per-source estimate), so
-agreement is its own bucket: pooled into each source's buckets, it made single-source nodes look ~25% likelier than
-they were, and the budget verified too many of them.
+either proposes alone at the same per-source estimate (docs/trees.md), so agreement is its own bucket: pooled into
+each source's buckets, it would make single-source nodes look likelier than they are, and the budget would verify too
+many of them.
 
 Scores are non-increasing along a path, so the best n nodes are ancestor-closed; the target verifies them like any
 tree, and the output stays exactly the target's.

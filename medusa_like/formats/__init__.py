@@ -24,7 +24,7 @@ def read_drafter(path: str | Path, target) -> tuple[Drafter, dict]:
     path = drafter_source(path)
     if path.is_file():
         checkpoint = read_checkpoint(path, CHECKPOINT_KEY)
-        name = checkpoint[CHECKPOINT_KEY].get("kind", "medusa")  # early checkpoints of heads name no kind
+        name = checkpoint[CHECKPOINT_KEY].get("kind", "medusa")  # a checkpoint that names no kind holds heads
         try:
             kind = kind_named(name)
         except ValueError as err:

@@ -2,8 +2,8 @@
 run's length it is fitted to: its optimizer steps and, under a time budget (`trainer.max_time`), its share of the
 budget spent.
 
-A budget that ends the epoch early would otherwise stop the run with the learning rate still near its peak (the
-default experiment on a slow fp32-only CPU: step 51 of 162, 0.84 of the peak). So the decay follows whichever is
+A budget that ends the epoch early would otherwise stop the run with the learning rate still near its peak (as the
+default experiment's budget does on a slow fp32-only CPU, docs/training.md). So the decay follows whichever is
 further along, the steps or the time: the cosine reaches its floor when the budget runs out. The rate of a step then
 depends on the machine's speed, as the number of steps under a budget does already.
 """
