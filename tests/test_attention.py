@@ -183,13 +183,15 @@ def test_real_flash_kernel_causal_and_windowed_matches_reference(window):
 @pytest.mark.parametrize("family", ["mistral", "gemma3"])
 def test_real_flash_kernel_decodes_losslessly_on_sliding_window_targets(family):
     """End to end on the real kernel: tree verification through flash (static and dynamic trees, windows that slide)
-    gives the target's own greedy output."""
+    gives the target's own greedy output, or differs first at a near-tie. The kernel computes in bf16 (it takes no
+    fp32), greedy through transformers' own attention: their rounding differs, so exact equality is not owed."""
     from medusa_like.decoding.tree import DynamicTreeSpec
     from medusa_like.model import MedusaLikeModel
 
     from .conftest import greedy_reference, random_heads, random_prompts, tiny_target
+    from .test_gpu import assert_greedy_or_near_tie
 
-    target = tiny_target(family).to("cuda")
+    target = tiny_target(family).to("cuda", torch.bfloat16)
     model = MedusaLikeModel(target, None, random_heads(), backend="flash")
     assert model.backend == "flash"
     for prompt in random_prompts(4, seed=4, min_len=10, max_len=30):
@@ -197,4 +199,4 @@ def test_real_flash_kernel_decodes_losslessly_on_sliding_window_targets(family):
         expected = greedy_reference(target, prompt, 20).tolist()
         for tree in ("small", DynamicTreeSpec(4, 3, 10)):
             out = model.generate(prompt, max_new_tokens=20, tree=tree, eos_token_id=[])
-            assert out.new_tokens.tolist() == expected, (family, tree)
+            assert_greedy_or_near_tie(target, prompt, out.new_tokens.tolist(), expected)

@@ -1,6 +1,8 @@
-"""EAGLE-3 draft tokens do get accepted: an oracle drafter on a target that repeats its last token, and a drafter
-trained for a few dozen steps on a tiny low-entropy target; the drafter's own KV cache stays exact across many
-accept/rewind steps (its proposals equal a from-scratch recomputation at every step)."""
+"""EAGLE-3 draft tokens do get accepted, and for the right reason: (a) on a copy task, where the next token is the one a
+fixed distance back, a drafter that can only find it through its own attention over its KV cache gets its whole depth
+accepted at every step, and a copy of it whose cache forgets earlier steps does not; (b) a drafter trained for a few
+dozen steps on a tiny low-entropy target; and the drafter's own KV cache stays exact across many accept/rewind steps
+(its proposals equal a from-scratch recomputation at every step). Decoding is lossless throughout."""
 
 import lightning as L
 import pytest
@@ -11,61 +13,125 @@ from medusa_like.decoding.generate import speculative_generate
 from medusa_like.decoding.tree import DynamicTreeSpec, TokenTree, resolve_tree
 from medusa_like.drafters.eagle3 import Eagle3Config, Eagle3Drafter, Eagle3Proposer
 from medusa_like.drafters.vocab import DraftVocab
+from medusa_like.tiny import tiny_model
 from medusa_like.training.eagle3_module import Eagle3Module
 
 from .conftest import VOCAB, greedy_reference, random_prompts, tiny_target
 
 # ---------------------------------------------------------------------------------------------------------------------
-# (a) An oracle: the target repeats its last token, and the drafter is set up to predict exactly that
+# (a) A copy task: the target's next token is the one PERIOD - 1 positions back, so its text repeats with period
+#     PERIOD; the drafter, set analytically, finds that token only by attending over its own cache
 
 
-def repeating_target(family: str):
-    """A tiny target whose layers add nothing (zero output projections): its hidden state is the token's embedding,
-    so (tied embeddings) its greedy continuation repeats the prompt's last token."""
-    target = tiny_target(family, tie_word_embeddings=True)
+PERIOD = 8
+COPY_VOCAB = 24
+HEADS, HEAD_DIM = 8, 8  # 64 attention dimensions over a hidden size of 32: two groups of heads, each as wide as it
+ROPE_AMPLITUDE = 25.0  # of every rotary pair of the q and k biases: attention falls on one offset (weight ~1 - 1e-8)
+COPY_GAIN = 10.0  # the copied embedding's weight in the residual stream, far above the current token's
+
+
+def rotated(vector: torch.Tensor, rotary, position: int) -> torch.Tensor:
+    """`vector` [head_dim] turned by the model's rotary embedding at `position` (rotate-half pairs)."""
+    cos, sin = rotary(vector[None, None], torch.tensor([[position]]))  # [1, 1, head_dim] each
+    half = vector.shape[-1] // 2
+    return vector * cos[0, 0] + torch.cat([-vector[half:], vector[:half]]) * sin[0, 0]
+
+
+def attend_by_offset(attn, rotary, offsets: list[int | None]) -> None:
+    """Queries and keys from biases alone, so head h attends by relative position only: to the key `offsets[h]`
+    positions back (q_i . k_j = b . R(j - i + offset) b is largest at j = i - offset), or evenly (None)."""
+    base = torch.zeros(len(offsets), HEAD_DIM)
+    base[:, : HEAD_DIM // 2] = ROPE_AMPLITUDE  # every frequency pair as (x, 0)
+    keys = torch.stack([rotated(base[h], rotary, offset or 0) for h, offset in enumerate(offsets)])
+    queries = base.clone()
+    queries[[h for h, offset in enumerate(offsets) if offset is None]] = 0.0
+    for proj, bias in ((attn.q_proj, queries), (attn.k_proj, keys)):
+        proj.weight.zero_()
+        proj.bias.copy_(bias.flatten())
+
+
+def copy_target(family: str):
+    """A one-layer target whose next token is the token PERIOD - 1 positions back: half its heads attend exactly
+    there and write that token's (normalised) embedding into the residual stream, which the tied output projection
+    reads back (unit-norm embeddings: a token's own row scores highest); its MLP and other heads add nothing."""
+    target = tiny_model(
+        family, COPY_VOCAB, num_hidden_layers=1, num_attention_heads=HEADS, num_key_value_heads=HEADS,
+        head_dim=HEAD_DIM, attention_bias=True, tie_word_embeddings=True,
+    )  # fmt: skip
+    hidden, layer = target.config.hidden_size, target.model.layers[0]
+    attn, copying = layer.self_attn, hidden // HEAD_DIM
     with torch.no_grad():
-        for layer in target.model.layers:
-            layer.self_attn.o_proj.weight.zero_()
-            layer.mlp.down_proj.weight.zero_()
+        embed = target.get_input_embeddings().weight
+        embed.copy_(torch.nn.functional.normalize(embed, dim=-1))
+        for norm in (layer.input_layernorm, layer.post_attention_layernorm, target.model.norm):
+            norm.weight.fill_(1.0)
+        attend_by_offset(attn, target.model.rotary_emb, [PERIOD - 1] * copying + [None] * (HEADS - copying))
+        attn.v_proj.weight.zero_()
+        attn.v_proj.weight[:hidden] = torch.eye(hidden)  # the copying heads' values: the normalised embedding
+        attn.o_proj.weight.zero_()
+        attn.o_proj.weight[:, :hidden] = COPY_GAIN * torch.eye(hidden)
+        for proj in (attn.v_proj, attn.o_proj):
+            if proj.bias is not None:
+                proj.bias.zero_()
+        layer.mlp.down_proj.weight.zero_()
     return target
 
 
-def oracle_drafter(target) -> Eagle3Drafter:
-    """A drafter whose state is its input feature (attention and MLP outputs zero, fc the identity on one aux layer,
-    projection and final norm the target's, scaled to be confident): for this target it predicts the token it was fed,
-    at every depth, with a probability near 1 (so dynamic trees keep that chain)."""
-    drafter = Eagle3Drafter(Eagle3Config.for_target(target.config, VOCAB))
-    hidden = target.config.hidden_size
+def copy_drafter(target) -> Eagle3Drafter:
+    """An EAGLE-3 drafter for `copy_target` whose every guess comes from its cache. Its entry at position t holds
+    token t + 1 and predicts token t + 2, which is the token of the entry PERIOD - 1 positions back: half its heads
+    attend there and copy that entry's token embedding. Its fused feature is zero (fc), so the target's features
+    carry nothing; a tree node's feature is its parent's state (the parent's guess), which the other heads, attending
+    to the node itself, subtract again; the MLP adds nothing. Without the right cached entries, it guesses wrong."""
+    drafter = Eagle3Drafter(Eagle3Config.for_target(target.config, COPY_VOCAB))
+    hidden, attn, copying = target.config.hidden_size, drafter.self_attn, target.config.hidden_size // HEAD_DIM
     with torch.no_grad():
         for p in drafter.parameters():
-            p.normal_(std=0.3)  # the attention and MLP still compute (over the cache), their output is dropped
-        drafter.self_attn.o_proj.weight.zero_()
-        drafter.mlp.down_proj.weight.zero_()
-        drafter.fc.weight.zero_()
-        drafter.fc.weight[:, :hidden] = torch.eye(hidden)
-        for norm in (drafter.hidden_norm, drafter.input_layernorm, drafter.post_attention_layernorm):
+            p.zero_()
+        for norm in (drafter.input_layernorm, drafter.hidden_norm, drafter.post_attention_layernorm):
             norm.weight.fill_(1.0)
-        drafter.init_from_target(target)
-        drafter.lm_head.weight.mul_(1000)  # the same argmax, sharper: the tiny target's own logits are nearly flat
+        attend_by_offset(attn, drafter.rotary_emb, [PERIOD - 1] * copying + [0] * (HEADS - copying))
+        attn.v_proj.weight.copy_(torch.eye(2 * hidden))  # values: [normalised embedding; normalised feature]
+        attn.o_proj.weight[:, :hidden] = COPY_GAIN * torch.eye(hidden)  # + the copied token
+        attn.o_proj.weight[:, hidden:] = -COPY_GAIN * torch.eye(hidden)  # - the feature (its RMS is COPY_GAIN)
+        drafter.init_from_target(target)  # the target's output projection and final norm
     return drafter.eval()
 
 
-@pytest.mark.parametrize("family", ["llama", "mistral"])
+class ForgetfulProposer(Eagle3Proposer):
+    """A broken proposer: its cache drops the entries of earlier steps whenever it commits new ones."""
+
+    def _commit_pending(self):
+        self.cache.rewind(0)
+        return super()._commit_pending()
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
 @pytest.mark.parametrize(
     "spec", ["chain", "small", DynamicTreeSpec(depth=4, top_k=3, num_nodes=10), DynamicTreeSpec(6, 2, 8)]
 )
-def test_an_oracle_drafter_gets_its_whole_depth_accepted_every_step(family, spec):
-    target = repeating_target(family)
-    proposer = Eagle3Proposer(oracle_drafter(target), target)
+def test_a_drafter_that_reads_its_cache_gets_its_whole_depth_accepted_and_a_forgetful_one_does_not(family, spec):
+    target = copy_target(family)
+    drafter = copy_drafter(target)
     tree = resolve_tree(spec, None)
-    for prompt in random_prompts(3, seed=7, min_len=3, max_len=12):
+    assert tree.max_depth < PERIOD  # every entry a node copies from is committed, none is a tree entry
+    g = torch.Generator().manual_seed(3)
+    for length in (PERIOD, 13):  # random text: what repeats is known only from this prompt, never from weights
+        prompt = torch.randint(0, COPY_VOCAB, (1, length), generator=g)
         expected = greedy_reference(target, prompt, 40).tolist()
-        assert expected == [int(prompt[0, -1])] * 40  # the oracle's premise: the target repeats its last token
-        out = speculative_generate(target, proposer, prompt, tree, 40)
+        text = prompt[0].tolist() + expected
+        assert all(text[i] == text[i - PERIOD] for i in range(length, len(text)))  # the copy task's premise
+
+        out = speculative_generate(target, Eagle3Proposer(drafter, target), prompt, tree, 40)
         assert out.new_tokens.tolist() == expected
         steps = out.stats.accepted_draft
         assert steps[:-1] == [tree.max_depth] * (len(steps) - 1)  # the last step may be cut by max_new_tokens
         assert len(steps) == -(-(40 - 1) // (tree.max_depth + 1))  # ceil: the prefill yields the first token
+
+        broken = speculative_generate(target, ForgetfulProposer(drafter, target), prompt, tree, 40)
+        assert broken.new_tokens.tolist() == expected  # lossless whatever the drafts
+        later = broken.stats.accepted_draft[1:]  # the first step drafts from the prompt's entries, all just committed
+        assert sum(later) / len(later) < 0.5, broken.stats.accepted_draft
 
 
 # ---------------------------------------------------------------------------------------------------------------------

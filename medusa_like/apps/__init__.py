@@ -1,12 +1,21 @@
 """The Hydra applications: each module holds one importable function (`train`, `evaluate`, `tree_search`, `export`,
-`distill`) and the `main` that both its console script (`medusa-train`, ...) and the checkout's `python -m train.train`
-style entry points call.
+`distill`) and the `main` that the checkout's `python -m train.train` style entry points call. The console scripts
+(`medusa-train`, ...) call the launchers below, which import that module first.
 
 The configs are found in one place for every app: `medusa_like/conf` in an installed wheel, the repository's `conf/`
 (their source) when running from the checkout or an editable install.
+
+The apps need the `train` extra (Hydra, OmegaConf, Lightning, ...), which a plain `pip install medusa_like` leaves
+out: installed without it, a console script says so in one line and exits with status 2 instead of a traceback.
 """
 
+import contextlib
+import sys
+from collections.abc import Iterator
 from pathlib import Path
+
+EXTRA_HINT = 'pip install "medusa_like[train]"'
+MISSING_EXTRA_STATUS = 2  # a usage error, as argparse's: the command cannot run in this environment as installed
 
 
 def find_config_dir() -> str:
@@ -20,3 +29,54 @@ def find_config_dir() -> str:
 
 
 CONFIG_DIR = find_config_dir()
+
+
+@contextlib.contextmanager
+def needs_train_extra(script: str) -> Iterator[None]:
+    """Around a console script's import of its app: a third-party module missing (the `train` extra was not
+    installed; `pip install "medusa_like[train]"` brings the base dependencies too) ends the command with one line
+    naming the extra and exit status 2. A module of this package missing is a broken install: it keeps its traceback."""
+    try:
+        yield
+    except ModuleNotFoundError as missing:
+        if missing.name is None or missing.name.split(".")[0] == __name__.split(".")[0]:
+            raise
+        print(
+            f"error: {script} needs the training dependencies (no module named {missing.name!r}); "
+            f"install them with: {EXTRA_HINT}",
+            file=sys.stderr,
+        )
+        raise SystemExit(MISSING_EXTRA_STATUS) from None
+
+
+# The console scripts of pyproject.toml's [project.scripts]: each imports its app only when run.
+
+
+def train_main():
+    with needs_train_extra("medusa-train"):
+        from medusa_like.apps.train import main
+    return main()
+
+
+def evaluate_main():
+    with needs_train_extra("medusa-evaluate"):
+        from medusa_like.apps.evaluate import main
+    return main()
+
+
+def tree_search_main():
+    with needs_train_extra("medusa-tree-search"):
+        from medusa_like.apps.tree_search import main
+    return main()
+
+
+def export_main():
+    with needs_train_extra("medusa-export"):
+        from medusa_like.apps.export import main
+    return main()
+
+
+def distill_main():
+    with needs_train_extra("medusa-distill"):
+        from medusa_like.apps.distill import main
+    return main()
