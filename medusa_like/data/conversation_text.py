@@ -11,7 +11,7 @@ from pathlib import Path
 
 from medusa_like.data.masks import build_sample
 from medusa_like.data.sources import load_conversations
-from medusa_like.data.storage import build_chunks, recipe
+from medusa_like.data.storage import CHUNK_SIZE, build_chunks, recipe
 
 
 def select(source: str, num_conversations: int | None, split: str = "train") -> list[dict]:
@@ -47,7 +47,7 @@ def run(
     conversations: list[dict],
     out_dir: str | Path,
     max_length: int,
-    chunk_size: int = 256,
+    chunk_size: int = CHUNK_SIZE,
     target_name: str = "",
     source: str = "",
     progress: bool = True,

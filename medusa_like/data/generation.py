@@ -16,7 +16,7 @@ import torch
 
 from medusa_like.data.masks import build_sample, render
 from medusa_like.data.sources import load_conversations, user_turns
-from medusa_like.data.storage import build_chunks, recipe
+from medusa_like.data.storage import CHUNK_SIZE, build_chunks, recipe
 from medusa_like.targets import eos_token_ids
 
 log = logging.getLogger(__name__)
@@ -65,7 +65,7 @@ def run(
     out_dir: str | Path,
     gen: GenerationConfig,
     batch_size: int = 32,
-    chunk_size: int = 256,
+    chunk_size: int = CHUNK_SIZE,
     shard: int = 0,
     num_shards: int = 1,
     max_chunks: int | None = None,  # stop after writing this many new chunks (time-boxed runs); the rest resumes later

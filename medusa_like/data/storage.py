@@ -18,6 +18,7 @@ from tqdm.auto import tqdm
 from medusa_like.io import atomic_directory, exclusive_lock, remove_stale_temporaries, write_json
 from medusa_like.targets import target_fingerprint
 
+CHUNK_SIZE = 256  # conversations per resumable chunk when a build names no size
 FEATURES = Features(
     {
         "id": Value("string"),

@@ -40,6 +40,8 @@ from .tree_presets import DEFAULT_DEPTH, PRESETS, Path_
 # buffers of its drafted nodes.
 MAX_TREE_NODES = 4096  # nodes a step verifies, the root excluded
 MAX_DRAFTED_NODES = 1 << 20  # nodes a dynamic tree drafts before keeping its best, the root included
+DEFAULT_NUM_NODES = 16  # nodes a dynamic or budgeted tree verifies, the root excluded, when it names no number
+DEFAULT_LOOKUP_DEPTH = 8  # how deep lookup continuations go in a budgeted tree that names no depth
 
 
 class InvalidTreeError(ValueError):
@@ -129,7 +131,7 @@ class DynamicTreeSpec:
 
     depth: int = 4
     top_k: int = 4
-    num_nodes: int = 16  # drafted nodes verified, the root excluded
+    num_nodes: int = DEFAULT_NUM_NODES  # drafted nodes verified, the root excluded
 
     def __post_init__(self):
         for name in ("depth", "top_k", "num_nodes"):
@@ -278,8 +280,8 @@ class BudgetedTreeSpec:
     cost model, and may be smaller)."""
 
     learned: "TokenTree | DynamicTreeSpec | None" = None
-    num_nodes: int = 16  # verified nodes, the root excluded, at most
-    lookup_depth: int = 8
+    num_nodes: int = DEFAULT_NUM_NODES  # verified nodes, the root excluded, at most
+    lookup_depth: int = DEFAULT_LOOKUP_DEPTH
 
     def __post_init__(self):
         for name in ("num_nodes", "lookup_depth"):
@@ -330,7 +332,7 @@ class BudgetedTreeSpec:
         return BudgetedTreeSpec(learned, self.num_nodes, self.lookup_depth)
 
 
-def budgeted(spec: TreeSpec, lookup_depth: int = 8, keep_learned: bool = True) -> BudgetedTreeSpec:
+def budgeted(spec: TreeSpec, lookup_depth: int = DEFAULT_LOOKUP_DEPTH, keep_learned: bool = True) -> BudgetedTreeSpec:
     """`spec` as a budgeted tree that verifies as many nodes as `spec` does, with `spec` as its learned part (or
     none, for lookup alone); a budgeted spec keeps its own settings."""
     if isinstance(spec, BudgetedTreeSpec):

@@ -24,7 +24,7 @@ from medusa_like.decoding.checks import check_integer
 from medusa_like.io import existing_file, write_json
 from medusa_like.targets import target_fingerprint
 
-from ..decoding.tree import TreeSpec, budgeted
+from ..decoding.tree import DEFAULT_LOOKUP_DEPTH, TreeSpec, budgeted
 from .base import DrafterMismatchError, target_name
 from .kinds import TrainingFreeKind
 from .merge import CombinedProposer, SessionState
@@ -33,6 +33,8 @@ SEPARATOR = -1  # between documents of a store: no n-gram or continuation crosse
 STORE_FORMAT = "medusa_like.output_store"
 STORE_VERSION = 1
 DEFAULT_STORE_TOKENS = 200_000  # an output store's bound when none is given: a few hundred answers
+MAX_NGRAM = 4  # the longest n-gram a lookup source indexes
+MAX_MATCHES = 16  # the most recent occurrences of a matched suffix whose continuations are read
 
 
 @dataclass
@@ -54,7 +56,9 @@ class NgramIndex:
     them (SuffixDecoding stops its paths at about 0.1 too).
     """
 
-    def __init__(self, max_n: int = 4, max_matches: int = 16, max_match: int = 16, min_share: float = 0.1):
+    def __init__(
+        self, max_n: int = MAX_NGRAM, max_matches: int = MAX_MATCHES, max_match: int = 16, min_share: float = 0.1
+    ):
         self.max_n, self.max_matches, self.max_match, self.min_share = max_n, max_matches, max_match, min_share
         self.tokens: list[int] = []
         self.after: dict[tuple[int, ...], list[int]] = {}  # n-gram -> positions right after each occurrence
@@ -128,7 +132,7 @@ class ContextLookup:
 
     name = "context"
 
-    def __init__(self, max_n: int = 4, max_matches: int = 16):
+    def __init__(self, max_n: int = MAX_NGRAM, max_matches: int = MAX_MATCHES):
         self.max_n, self.max_matches = max_n, max_matches
 
     def begin(self, prompt_ids: list[int]) -> None:
@@ -154,8 +158,8 @@ class OutputStore:
     def __init__(
         self,
         max_tokens: int = DEFAULT_STORE_TOKENS,
-        max_n: int = 4,
-        max_matches: int = 16,
+        max_n: int = MAX_NGRAM,
+        max_matches: int = MAX_MATCHES,
         fingerprint: str | None = None,
     ):
         check_integer("an output store's max_tokens", max_tokens, 1)
@@ -317,7 +321,7 @@ class LookupDrafter:
         self,
         store: OutputStore | None = None,
         context: ContextLookup | None = None,
-        lookup_depth: int = 8,
+        lookup_depth: int = DEFAULT_LOOKUP_DEPTH,
         use: tuple[str, ...] = ("context", "store"),
     ):
         self.store = store if store is not None else OutputStore()
@@ -359,7 +363,7 @@ def fresh_lookup(
     target,
     store: str | Path | OutputStore | None = None,
     max_store_tokens: int = DEFAULT_STORE_TOKENS,
-    lookup_depth=8,
+    lookup_depth: int = DEFAULT_LOOKUP_DEPTH,
     use: tuple[str, ...] = ("context", "store"),
 ) -> LookupDrafter:
     """Context lookup and an output store: empty, or loaded from `store` (a file `OutputStore.save` wrote);

@@ -19,12 +19,14 @@ from medusa_like.drafters.base import LearnedDrafter
 from medusa_like.drafters.kinds import WeightsKind
 from medusa_like.drafters.vocab import DraftVocab
 
+NUM_HEADS = 4  # heads, when a config or a caller names no number
+
 
 @dataclass(frozen=True)
 class HeadsConfig:
     hidden_size: int
     vocab_size: int
-    num_heads: int = 4
+    num_heads: int = NUM_HEADS
     num_layers: int = 1  # residual blocks per head
     shared_lm_head: bool = True  # reuse the target's frozen lm_head instead of one projection per head
 
@@ -157,7 +159,7 @@ class MedusaProposer:
 # The kind: what the framework asks about Medusa heads (registered in `drafters/registry.py`)
 
 
-def fresh_heads(target, num_heads: int = 4, num_layers: int = 1, shared_lm_head: bool = True) -> MedusaHeads:
+def fresh_heads(target, num_heads: int = NUM_HEADS, num_layers: int = 1, shared_lm_head: bool = True) -> MedusaHeads:
     """Zero-initialised heads: they reproduce the target's next-token distribution (lossless, only slower)."""
     config = target.config.get_text_config()
     return MedusaHeads(

@@ -43,6 +43,13 @@ PROBE_EVERY = 8  # every this many steps the learned drafter's gate takes the si
 STEP_WEIGHT = 0.05  # the weight of one step in the gate's moving averages of tokens and milliseconds per step
 LEARNED = "learned"
 
+# Calibration bucket edges (`bisect_right`: a value equal to an edge falls in the bucket above it)
+FREQUENCY_EDGES = (0.34, 0.67, 0.99)  # a lookup node's share of the matches
+MATCH_LENGTH_EDGES = (2, 3, 4, 6, 9)  # the tokens its match spans
+PROBABILITY_EDGES = (0.05, 0.15, 0.3, 0.5, 0.7, 0.9)  # a learned node's probability
+MAX_DEPTH_BUCKET = 4  # nodes this deep or deeper share a bucket
+CERTAINTY_EDGES = (0.05, 0.2, 0.5)  # the best lookup node's score, for the learned drafter's gate
+
 
 @dataclass
 class Calibration:
@@ -63,9 +70,9 @@ class Calibration:
 def lookup_key(source: str, frequency: float, match_length: int, depth: int) -> tuple:
     return (
         source,
-        bisect_right((0.34, 0.67, 0.99), frequency),
-        bisect_right((2, 3, 4, 6, 9), match_length),
-        min(depth, 4),
+        bisect_right(FREQUENCY_EDGES, frequency),
+        bisect_right(MATCH_LENGTH_EDGES, match_length),
+        min(depth, MAX_DEPTH_BUCKET),
     )
 
 
@@ -75,7 +82,7 @@ def lookup_prior(frequency: float, match_length: int) -> float:
 
 
 def learned_key(probability: float, depth: int) -> tuple:
-    return (LEARNED, bisect_right((0.05, 0.15, 0.3, 0.5, 0.7, 0.9), probability), min(depth, 4))
+    return (LEARNED, bisect_right(PROBABILITY_EDGES, probability), min(depth, MAX_DEPTH_BUCKET))
 
 
 @dataclass
@@ -248,7 +255,7 @@ def path_scores(candidates: dict) -> dict:
 
 def lookup_certainty(scores: dict) -> int:
     """A bucket of the best lookup node's chance of acceptance: 0 (nothing matched or below 5%) .. 3 (over 50%)."""
-    return bisect_right((0.05, 0.2, 0.5), max(scores.values(), default=0.0))
+    return bisect_right(CERTAINTY_EDGES, max(scores.values(), default=0.0))
 
 
 def best_rate(scores: dict, cost: CostModel, draft_ms: float, limit: int | None = None) -> tuple[int, float]:

@@ -22,6 +22,8 @@ from collections.abc import Iterable, Sequence
 
 import torch
 
+TOPK_MAX = 10  # top-1 .. top-TOPK_MAX accuracy is counted unless a caller asks for another depth
+
 # ---------------------------------------------------------------------------------------------------------------------
 # Acceptance
 
@@ -164,7 +166,7 @@ def target_ranks(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return (logits > right).sum(-1)
 
 
-def rank_counts(ranks: torch.Tensor, k_max: int = 10) -> list[int]:
+def rank_counts(ranks: torch.Tensor, k_max: int = TOPK_MAX) -> list[int]:
     """ranks [N] -> counts[r] of ranks equal to r for r < k_max, and the total N as the last entry."""
     ranks = ranks.flatten()
     counts = torch.bincount(ranks.clamp(max=k_max), minlength=k_max + 1)[:k_max]

@@ -23,6 +23,7 @@ from medusa_like.decoding.tree import BudgetedTreeSpec, DynamicTreeSpec
 from medusa_like.decoding.tree_presets import expected_acceptance, greedy_tree
 from medusa_like.evaluation.methods import hf_runner, loop_runner
 from medusa_like.evaluation.metrics import (
+    TOPK_MAX,
     rank_accuracy,
     rank_counts,
     summarize_decode,
@@ -40,7 +41,7 @@ Path_ = tuple[int, ...]
 
 @torch.inference_mode()
 def head_rank_counts(
-    model, sequence: torch.Tensor, prompt_len: int, k_max: int = 10, chunk: int = 64
+    model, sequence: torch.Tensor, prompt_len: int, k_max: int = TOPK_MAX, chunk: int = 64
 ) -> list[list[int]]:
     """Per head, `metrics.rank_counts` of the right token over the answer part of one sequence [1, L].
 
@@ -63,7 +64,9 @@ def head_rank_counts(
     return counts
 
 
-def head_topk_accuracy(model, sequences: Sequence[tuple[torch.Tensor, int]], k_max: int = 10) -> list[list[float]]:
+def head_topk_accuracy(
+    model, sequences: Sequence[tuple[torch.Tensor, int]], k_max: int = TOPK_MAX
+) -> list[list[float]]:
     """(sequence [1, L], prompt length) pairs -> topk[k][j] = top-(j+1) accuracy of head k+1, pooled over positions."""
     pooled = None
     for sequence, prompt_len in sequences:
@@ -195,7 +198,15 @@ def greedy_sequences(model, prompts, max_new_tokens: int) -> list[tuple[torch.Te
 
 
 def search(
-    model, prompts, timing_prompts: int, max_new_tokens: int, budget, budgets, dynamic_grid, k_max=10, budgeted=None
+    model,
+    prompts,
+    timing_prompts: int,
+    max_new_tokens: int,
+    budget,
+    budgets,
+    dynamic_grid,
+    k_max=TOPK_MAX,
+    budgeted=None,
 ):
     """The fastest tree for `model`'s drafter on `prompts` (dict: kind, tree spec, timings, calibration).
 

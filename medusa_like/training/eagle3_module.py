@@ -24,8 +24,8 @@ from medusa_like.drafters.eagle3 import EAGLE3, Eagle3Config, Eagle3Drafter
 from medusa_like.drafters.vocab import DraftVocab
 from medusa_like.targets import output_logits, target_fingerprint
 from medusa_like.training.drafter_module import DrafterModule
-from medusa_like.training.losses import decay_weights, shift_left
-from medusa_like.training.target_cache import TargetCache, cache_key
+from medusa_like.training.losses import DECAY, decay_weights, shift_left
+from medusa_like.training.target_cache import BATCH_TOKENS, TargetCache, cache_key
 from medusa_like.training.ttt import simulated_tau, supervised_rows, topk_soft_cross_entropy, unrolled_mask
 
 _PROJECTION_ROWS = 1024  # positions per chunk of the target's full projection (bounds memory: 1024 x V floats)
@@ -45,12 +45,12 @@ class Eagle3Module(DrafterModule):
         scheduler: Callable | None = None,  # partial(schedule, ...): (optimizer, total_steps=[, time_spent=])
         aux_layer_ids: list[int] | None = None,  # null: layers 2, L/2 and L-3
         ttt_steps: int = 4,  # unrolled draft steps (EAGLE-3: 7)
-        decay: float = 0.8,  # step j's loss is weighted decay^j
+        decay: float = DECAY,  # step j's loss is weighted decay^j
         init_from_target: bool = True,  # start lm_head and the final norm from the target's
         init_layer_from_target: int | None = None,  # start the decoder layer from this target layer's weights
         top_k: int | None = 64,  # labels: the target's k most likely draft tokens (null: the whole draft vocabulary)
         target_cache_dir: str | None = None,  # compute the target's side once, before the first step, and reuse it
-        target_cache_batch_tokens: int = 4096,  # padded tokens per target forward while building the cache
+        target_cache_batch_tokens: int = BATCH_TOKENS,  # padded tokens per target forward while building the cache
         hidden_cache_dir: str | None = None,  # not used by this drafter: see `target_cache_dir`
     ):
         super().__init__(target, target_name, optimizer, scheduler, None)

@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 
 IGNORE = -100
+DECAY = 0.8  # `decay_weights`' ratio when a drafter's module names none
 
 
 def head_labels(input_ids: torch.Tensor, loss_mask: torch.Tensor, num_heads: int) -> torch.Tensor:

@@ -16,7 +16,7 @@ from medusa_like.drafters.base import check_fits
 from medusa_like.drafters.medusa import MEDUSA, HeadsConfig, MedusaHeads
 from medusa_like.targets import output_logits
 from medusa_like.training.drafter_module import DrafterModule
-from medusa_like.training.losses import IGNORE, decay_weights, head_labels, head_losses, shift_left, topk_correct
+from medusa_like.training.losses import DECAY, IGNORE, decay_weights, head_labels, head_losses, shift_left, topk_correct
 
 TOPK = (1, 5)
 
@@ -33,7 +33,7 @@ class MedusaHeadsModule(DrafterModule):
         target_name: str,
         optimizer: Callable,  # partial(torch.optim.AdamW, lr=...) from Hydra (`_partial_: true`)
         scheduler: Callable | None = None,  # partial(schedule, ...): (optimizer, total_steps=[, time_spent=])
-        decay: float = 0.8,
+        decay: float = DECAY,
         kl_weight: float = 0.0,  # mix of the soft-label KL to the target's own distribution
         kl_temperature: float = 1.0,
         hidden_cache_dir: str | None = None,  # cache the target's hidden states here during the first epoch

@@ -34,6 +34,7 @@ from medusa_like.io import atomic_file, remove_stale_temporaries, write_json
 FORMAT = 1
 MANIFEST = "manifest.json"
 FIELDS = ("aux", "topk_ids", "topk_logp", "labelled")
+BATCH_TOKENS = 4096  # padded tokens per target forward while a cache is built, unless the caller says otherwise
 
 
 class TargetCacheMismatchError(ValueError):
@@ -95,7 +96,7 @@ class TargetCache:
         self,
         rows: list[dict],
         compute: Callable[[dict], dict[str, torch.Tensor]],
-        batch_tokens: int = 4096,
+        batch_tokens: int = BATCH_TOKENS,
         shard_rows: int = 256,
     ) -> int:
         """Compute and store every row of `rows` (dicts with `index`, `input_ids`, `loss_mask`; cut here to the key's
