@@ -43,35 +43,31 @@ def build_dataset(cfg: DictConfig, target, tokenizer, shard: int = 0, num_shards
 
 def _build_dataset(cfg: DictConfig, target, tokenizer, shard: int, num_shards: int, max_chunks):
     data = cfg.data
-    common = dict(chunk_size=data.chunk_size, target_name=cfg.model.name_or_path, source=str(data.source))
+    common = dict(  # what both recipes' builders take alike
+        model=target,
+        tokenizer=tokenizer,
+        out_dir=data.dir,
+        chunk_size=data.chunk_size,
+        target_name=cfg.model.name_or_path,
+        source=str(data.source),
+        progress=cfg.distill.progress,
+    )
     if data.recipe == "original":
         conversations = conversation_text.select(data.source, data.num_conversations, split=data.split)
         log.info("reading %d conversations from %s into %s", len(conversations), data.source, data.dir)
-        return conversation_text.run(
-            target,
-            tokenizer,
-            conversations,
-            data.dir,
-            data.generation.max_length,
-            progress=cfg.distill.progress,
-            **common,
-        )
+        return conversation_text.run(conversations=conversations, max_length=data.generation.max_length, **common)
     if data.recipe != "distilled":
         raise ValueError(f"data.recipe must be 'distilled' or 'original', got {data.recipe!r}")
     gen = _generation_config(data)
     conversations = generation.select_conversations(data.source, data.num_conversations, tokenizer, gen, data.split)
     log.info("distilling %d conversations from %s into %s", len(conversations), data.source, data.dir)
     return generation.run(
-        target,
-        tokenizer,
-        conversations,
-        data.dir,
-        gen,
+        conversations=conversations,
+        gen=gen,
         batch_size=cfg.distill.batch_size,
         shard=shard,
         num_shards=num_shards,
         max_chunks=max_chunks,
-        progress=cfg.distill.progress,
         **common,
     )
 
