@@ -1,18 +1,25 @@
 """Sampling verification (temperature > 0): tokens follow exactly the target's distribution."""
 
 import math
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import pytest
 import torch
 
-from medusa_like.decoding.draft_tree import DraftTree, grow_dynamic
-from medusa_like.decoding.generate import accept_greedy, speculative_generate
+from medusa_like.decoding import generate
+from medusa_like.decoding.cost_model import CostModel
+from medusa_like.decoding.draft_tree import DraftTree
+from medusa_like.decoding.generate import DecodeStats, accept_greedy, speculative_generate
 from medusa_like.decoding.sampling import PositionNoise, race, warp_logits
-from medusa_like.decoding.tree import DynamicTreeSpec, TokenTree, resolve_tree
-from medusa_like.drafters.eagle3 import Eagle3Config, Eagle3Drafter
+from medusa_like.decoding.tree import BudgetedTreeSpec, DynamicTreeSpec, TokenTree
+from medusa_like.drafters.combined import CombinedDrafter
+from medusa_like.drafters.eagle3 import EAGLE3, Eagle3Config, Eagle3Drafter
+from medusa_like.drafters.lookup import LookupDrafter, OutputStore
 from medusa_like.model import MedusaLikeModel
 
-from .conftest import VOCAB, ScriptedProposer, greedy_reference, random_heads, random_prompts, tiny_target
+from .conftest import VOCAB, greedy_reference, random_heads, random_prompts, tiny_target
+from .test_lookup import flat_cost
 
 
 def test_acceptance_rule_emits_the_target_distribution():
@@ -76,93 +83,6 @@ def two_step_distributions(
         extended = torch.cat([prompt.expand(VOCAB, -1), torch.arange(VOCAB)[:, None]], dim=1)
         p2_given_1 = warp_logits(target(extended).logits[:, -1], temperature, top_k, top_p)  # [V, V]
     return p1, p2_given_1
-
-
-def test_sampling_end_to_end_follows_the_target():
-    """The second token, the first one verified by a tree, has the target's exact two-step marginal distribution,
-    although the candidates are the target's most likely tokens and get accepted often."""
-    target = tiny_target("llama")
-    tree = resolve_tree("small", 4)
-    prompt = random_prompts(1, seed=4, min_len=6, max_len=6)[0]
-    temperature = 0.05  # the tiny random model's logits are flat: this spreads the two-step marginal over ~8 tokens
-    p1, p2_given_1 = two_step_distributions(target, prompt, temperature)
-    exact = p1 @ p2_given_1  # [V]
-    # accepting the best candidate whenever it is proposed would give this instead: the test must tell them apart
-    always_top1 = p1 @ torch.nn.functional.one_hot(p2_given_1.argmax(-1), VOCAB).float()
-    assert 0.5 * (always_top1 - exact).abs().sum() > 0.4
-
-    def likely_candidates(generated):
-        proposals = torch.randint(0, VOCAB, (4, tree.top_k))
-        proposals[0] = p2_given_1[generated[-1]].topk(tree.top_k).indices
-        return proposals
-
-    n = 500
-    counts = torch.zeros_like(exact)
-    for seed in range(n):
-        out = speculative_generate(
-            target,
-            ScriptedProposer(likely_candidates),
-            prompt,
-            tree,
-            max_new_tokens=2,
-            temperature=temperature,
-            generator=torch.Generator().manual_seed(seed),
-        )
-        counts[out.new_tokens[1]] += 1
-    total_variation = 0.5 * (counts / n - exact).abs().sum().item()
-    assert total_variation < 0.2, total_variation
-
-
-class LikelyDynamicProposer:
-    """Grows EAGLE-2 dynamic trees whose root children are the target's `top_k` likeliest next tokens (scored by the
-    target's own probabilities) and whose deeper nodes are random: the tree's shape changes from step to step."""
-
-    feature_layers = None
-    max_depth = None
-    max_rank = None
-
-    def __init__(self, next_probs: torch.Tensor, seed: int):
-        self.next_probs, self.generator = next_probs, torch.Generator().manual_seed(seed)  # [V, V]
-
-    def begin(self, prompt_ids, features, root, capacity):
-        self.root = root
-
-    def accept(self, tokens, features, bonus):
-        self.root = bonus
-
-    def propose(self, spec):
-        return grow_dynamic(spec, self.root, self._expand)
-
-    def _expand(self, frontier, tokens, parents, depth):
-        probs = torch.rand(frontier.numel(), VOCAB, generator=self.generator).softmax(-1)  # [F, V]
-        if depth == 1:  # the root's children
-            probs[0] = self.next_probs[int(tokens[0])]
-        top = probs.topk(3, dim=-1)
-        return top.indices, top.values.log()
-
-
-def test_sampling_on_dynamic_trees_follows_the_target():
-    """As above, with dynamic trees (EAGLE-2's top-k expansion and best-N selection) instead of a static one."""
-    target = tiny_target("qwen2")
-    spec = DynamicTreeSpec(depth=3, top_k=3, num_nodes=5)
-    prompt = random_prompts(1, seed=6, min_len=5, max_len=5)[0]
-    temperature = 0.05
-    p1, p2_given_1 = two_step_distributions(target, prompt, temperature)
-    exact = p1 @ p2_given_1  # [V]
-    always_top1 = p1 @ torch.nn.functional.one_hot(p2_given_1.argmax(-1), VOCAB).float()
-    assert 0.5 * (always_top1 - exact).abs().sum() > 0.3
-
-    n, accepted = 500, 0
-    counts = torch.zeros_like(exact)
-    for seed in range(n):
-        proposer = LikelyDynamicProposer(p2_given_1, seed)
-        generator = torch.Generator().manual_seed(seed)
-        out = speculative_generate(target, proposer, prompt, spec, 2, temperature=temperature, generator=generator)
-        counts[out.new_tokens[1]] += 1
-        accepted += out.stats.accepted_draft[0]
-    assert accepted > n // 4  # the trees' candidates were often accepted: the acceptance rule was exercised
-    total_variation = 0.5 * (counts / n - exact).abs().sum().item()
-    assert total_variation < 0.2, total_variation
 
 
 def test_sampling_is_reproducible_and_near_zero_temperature_is_greedy():
@@ -235,3 +155,156 @@ def test_both_drafters_sample_the_targets_two_token_distribution(kind, tree, tem
     assert accepted >= 10, accepted  # drafts were accepted (12 to 50 times here): the acceptance rule was sampled
     total_variation = 0.5 * (counts / n - exact).abs().sum().item()
     assert total_variation < bound, (total_variation, bound)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Through a combined drafter (a random-weight EAGLE-3 drafter and lookup in one tree): three tokens jointly, with a
+# sample size that catches a small bias, and the same statistic shown to catch a biased acceptance rule
+
+SMALL_VOCAB = 8
+COMBINED_WARP = {"temperature": 1.0, "top_k": 2}  # two tokens possible at each position: 8 cells for three tokens
+TV_BIAS = 0.05  # the total-variation bias of the joint distribution the statistic must catch
+FALSE_FAILURE = 1e-3  # the chance that an exact sampler fails, and that one biased by TV_BIAS passes
+
+
+def samples_to_catch(support: int, bias: float, false_failure: float) -> tuple[int, float]:
+    """(n, threshold): a sample size and a bound on TV(empirical, p), p the exact distribution over `support` cells,
+    that an exact sampler exceeds, and a sampler q with TV(q, p) >= `bias` stays under, each with probability below
+    `false_failure`.
+
+    Exact: TV(p_n, p) is the largest p_n(A) - p(A) over the 2^support sets A of cells; Hoeffding gives each
+    P(p_n(A) - p(A) >= t) <= exp(-2 n t^2), so P(TV >= t) <= 2^support exp(-2 n t^2) = false_failure at
+    t = sqrt((support ln 2 + ln(1 / false_failure)) / (2 n)).
+    Biased: on the set A* where q exceeds p, q(A*) - p(A*) = TV(q, p) >= bias and TV(q_n, p) >= q_n(A*) - p(A*);
+    Hoeffding once, q_n(A*) <= q(A*) - s with probability <= exp(-2 n s^2) = false_failure at
+    s = sqrt(ln(1 / false_failure) / (2 n)), so q stays under t with probability below false_failure once
+    t + s <= bias: n is the smallest such size."""
+    null, alternative = support * math.log(2) + math.log(1 / false_failure), math.log(1 / false_failure)
+    n = math.ceil(((math.sqrt(null) + math.sqrt(alternative)) / bias) ** 2 / 2)
+    return n, math.sqrt(null / (2 * n))
+
+
+def joint_distribution(target, prompt, length: int, temperature: float, top_k: int = 0, top_p: float = 1.0):
+    """The target's warped joint distribution of its next `length` tokens [V ** length] (cell (t1 * V + t2) * V + ...),
+    from full forwards over the prompt and every prefix of new tokens."""
+    vocab = target.config.vocab_size
+    joint, prefixes = torch.ones(1), prompt  # [M], [M, L]: every prefix so far and its probability
+    with torch.no_grad():
+        for step in range(length):
+            probs = warp_logits(target(prefixes).logits[:, -1], temperature, top_k, top_p)  # [M, V]
+            joint = (joint[:, None] * probs).flatten()  # [M * V]
+            if step + 1 < length:
+                last = torch.arange(vocab).repeat(len(prefixes))[:, None]  # [M * V, 1]
+                prefixes = torch.cat([prefixes.repeat_interleave(vocab, dim=0), last], dim=1)
+    return joint
+
+
+@dataclass
+class CombinedSampling:
+    """The setup both tests below sample: a small-vocabulary target, a prompt that repeats (context lookup drafts
+    from it), an output store holding the target's likeliest two-token continuations of each likely first token,
+    a random-weight EAGLE-3 drafter, and the target's exact joint distribution of three new tokens."""
+
+    target: torch.nn.Module
+    prompt: torch.Tensor
+    learned: Eagle3Drafter
+    store: OutputStore
+    cost: CostModel  # verifying any number of nodes costs the same: the budget keeps every candidate
+    exact: torch.Tensor  # [V ** 3]
+    spec = BudgetedTreeSpec(DynamicTreeSpec(depth=2, top_k=3, num_nodes=6), num_nodes=8, lookup_depth=2)
+
+    def sample(self, n: int, before_each: Callable[[], None] = lambda: None) -> tuple[torch.Tensor, DecodeStats]:
+        """The empirical joint distribution of n generations' three tokens (seeds 0..n-1), and their summed stats;
+        `before_each` is called before each generation."""
+        vocab, counts, total = self.target.config.vocab_size, torch.zeros_like(self.exact), DecodeStats()
+        for seed in range(n):
+            before_each()
+            # a fresh session each time (calibration, gate and cost model): every sample is drafted alike
+            drafter = CombinedDrafter(self.learned, LookupDrafter(self.store), self.cost)
+            generator = torch.Generator().manual_seed(seed)
+            out = speculative_generate(
+                self.target, drafter.proposer(self.target), self.prompt, self.spec, 3, generator=generator,
+                **COMBINED_WARP,
+            )  # fmt: skip
+            first, second, third = out.new_tokens.tolist()
+            counts[(first * vocab + second) * vocab + third] += 1
+            total.accepted_draft += out.stats.accepted_draft[:1]  # the first step's: the one every sample has
+            for name, count in out.stats.accepted_by_source.items():
+                total.accepted_by_source[name] = total.accepted_by_source.get(name, 0) + count
+        return counts / n, total
+
+
+@pytest.fixture(scope="module")
+def combined_sampling() -> CombinedSampling:
+    target = tiny_target("llama", vocab_size=SMALL_VOCAB)
+    prompt = torch.tensor([[3, 1, 2, 3, 1, 2]])
+    exact = joint_distribution(target, prompt, 3, **COMBINED_WARP)
+    joint = exact.view(SMALL_VOCAB, SMALL_VOCAB, SMALL_VOCAB)
+    store = OutputStore()
+    for first in joint.sum((1, 2)).nonzero().flatten().tolist():
+        second = int(joint[first].sum(1).argmax())
+        store.add([first, second, int(joint[first, second].argmax())])
+    torch.manual_seed(0)
+    return CombinedSampling(target, prompt, EAGLE3.fresh(target).eval(), store, flat_cost(target), exact)
+
+
+@pytest.mark.slow
+def test_sampling_through_a_combined_drafter_follows_the_targets_joint_distribution(combined_sampling):
+    """Three tokens drawn through combined trees (the EAGLE-3 drafter's dynamic tree merged with context lookup and
+    the output store, drafts accepted at depths 1 and 2 from every source) follow the target's exact joint
+    distribution: the empirical TV distance stays under a threshold that a sampler biased by TV_BIAS would exceed
+    (`samples_to_catch`: both errors below FALSE_FAILURE)."""
+    exact = combined_sampling.exact
+    support = int((exact > 0).sum())
+    assert support == 8  # two tokens possible at each of three positions
+    n, threshold = samples_to_catch(support, TV_BIAS, FALSE_FAILURE)
+    empirical, stats = combined_sampling.sample(n)
+    accepted = stats.accepted_by_source
+    assert min(accepted.get(name, 0) for name in ("learned", "context", "store")) > n // 50, accepted
+    assert stats.accepted_draft.count(2) > n // 10  # a whole depth-2 path accepted in one step
+    total_variation = 0.5 * (empirical - exact).abs().sum().item()
+    assert total_variation < threshold, (total_variation, threshold, n)
+
+
+class CarelessAcceptance:
+    """A biased acceptance rule: at a generation's first verification, with probability `eps` (its own coin), the
+    root's first child is accepted untested; otherwise `accept_greedy` decides. Every token other than the second
+    keeps its exact distribution, and the second is the first child c1 with probability eps + (1 - eps) p(c1 | t1):
+    the joint is off by eps * E_t1[1 - p(c1 | t1)] >= eps * E_t1[1 - max_t p(t | t1)] in TV."""
+
+    def __init__(self, eps: float):
+        self.eps, self.coin = eps, torch.Generator().manual_seed(1)
+        self.first_step, self.untested, self.childless = False, 0, 0
+
+    def __call__(self, tokens, predictions, tree):
+        first_step, self.first_step = self.first_step, False
+        if first_step and not tree.children[0]:
+            self.childless += 1
+        elif first_step and torch.rand((), generator=self.coin) < self.eps:
+            self.untested += 1
+            return torch.tensor([0, tree.children[0][0]], device=tokens.device)
+        return accept_greedy(tokens, predictions, tree)
+
+
+@pytest.mark.slow
+def test_the_joint_distribution_statistic_catches_a_slightly_biased_acceptance_rule(combined_sampling, monkeypatch):
+    """The power of the statistic above: the same sampling, sample size and threshold, with the acceptance rule
+    replaced by one whose output is off by at least TV_BIAS, fail it."""
+    exact = combined_sampling.exact
+    n, threshold = samples_to_catch(int((exact > 0).sum()), TV_BIAS, FALSE_FAILURE)
+    joint = exact.view(SMALL_VOCAB, SMALL_VOCAB, SMALL_VOCAB)
+    p_first, p_second = joint.sum((1, 2)), joint.sum(2)  # [V], [V, V]: p(t1), p(t1, t2)
+    conditional = p_second / p_first.clamp_min(1e-30)[:, None]  # p(t2 | t1)
+    eps = TV_BIAS / float((p_first * (1 - conditional.max(1).values)).sum())  # the bias is at least TV_BIAS
+    careless = CarelessAcceptance(eps)
+    monkeypatch.setattr(generate, "accept_greedy", careless)  # the loop calls the rule through its own module
+
+    def next_generation():
+        careless.first_step = True
+
+    empirical, _ = combined_sampling.sample(n, before_each=next_generation)
+    assert careless.childless == 0  # every first step had a candidate to accept untested: the bias is as above
+    assert careless.untested > 0
+    total_variation = 0.5 * (empirical - exact).abs().sum().item()
+    assert total_variation > threshold, (total_variation, threshold, n)
+    assert total_variation < 4 * TV_BIAS  # a small bias, not a gross one, was caught
