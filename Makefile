@@ -1,6 +1,7 @@
 # Two commands do all set-up on a fresh machine:
 #   make run    create .venv, install, then build data + train + export + evaluate a drafter for the embedded default
 #   make test   create .venv, install, then run the test suite
+# and `make test-fast`: the suite without the tests marked slow, for the loop while editing
 VENV ?= .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
@@ -10,7 +11,7 @@ RUN_DIR ?= runs/make_run
 # On a machine shared with other busy processes, `OMP_WAIT_POLICY=PASSIVE make run` keeps idle OpenMP workers from
 # spinning against them; on an idle machine the default (spinning) is faster for small tree steps (docs/results.md).
 
-.PHONY: install run test bench llamacpp lint clean
+.PHONY: install run test test-fast bench llamacpp lint clean
 
 install: $(STAMP)
 
@@ -49,6 +50,11 @@ run: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m pytest -q tests
+
+# the suite without the tests marked `slow` (about half a second or more each: entry points run as processes,
+# training, evaluation and tree-search runs, wheels, the decoding matrices over every family, backend and tree)
+test-fast: $(STAMP)
+	$(PY) -m pytest -q -m "not slow" tests
 
 # all 80 MT-Bench questions, both turns, with `make run`'s drafter and tree: transformers greedy and prompt lookup (the
 # same layers), transformers greedy as it ships, lookup alone and combined, interleaved; resumable (run it again after

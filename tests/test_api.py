@@ -23,6 +23,7 @@ def test_the_main_names_are_exported_and_work():
     assert callable(MedusaLikeModel.from_pretrained)
 
 
+@pytest.mark.slow
 def test_importing_the_package_does_not_import_training_data_or_config_libraries():
     code = (
         "import sys, medusa_like; "

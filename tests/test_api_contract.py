@@ -49,6 +49,7 @@ def test_stop_strings_that_are_not_strings_are_refused(stop_strings):
         lookup_model().generate(torch.tensor([[1, 2]]), max_new_tokens=4, stop_strings=stop_strings)
 
 
+@pytest.mark.slow
 def test_a_seeded_call_repeats_whatever_the_store_or_tree_holds():
     """The same seeded call at temperature 0.9, three times on one model whose store grows with each answer, gives one
     output, although the later calls draft (and accept) far more from the store; so do plain decoding (no tree) and
@@ -82,6 +83,7 @@ def test_a_seeded_call_repeats_with_a_learned_drafter_on_a_static_tree():
     assert drafted.new_tokens.tolist() == model.generate(prompt, tree="none", **kwargs).new_tokens.tolist()
 
 
+@pytest.mark.slow
 def test_two_threads_generating_on_one_model_get_the_sequential_outputs():
     """`generate` from two threads at once is serialised: each thread's outputs equal what sequential calls give, and
     none raises (unserialised, the threads interleave their steps on one target and drafter)."""

@@ -60,6 +60,7 @@ def test_an_eagle3_config_whose_layer_cannot_be_built_names_the_file(tmp_path):
         load_drafter(out, target)
 
 
+@pytest.mark.slow
 def test_every_registered_kind_builds_a_lossless_drafter_from_its_name():
     """`from_pretrained(drafter=<kind name>)` for every kind of the registry decodes the target's greedy output."""
     target = tiny_target("qwen2")

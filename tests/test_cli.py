@@ -33,6 +33,7 @@ def test_bad_train_values_name_the_key_before_anything_runs(override, pattern, t
     assert not any(tmp_path.iterdir())  # nothing built, nothing written
 
 
+@pytest.mark.slow
 def test_bad_eval_values_and_good_defaults(train_cfg, eval_cfg):
     check_config(eval_cfg(), EVAL_CHECKS)
     for drafter in ("medusa", "eagle3"):
@@ -43,6 +44,7 @@ def test_bad_eval_values_and_good_defaults(train_cfg, eval_cfg):
         check_config(eval_cfg("data.limit=all"), EVAL_CHECKS)
 
 
+@pytest.mark.slow
 def test_the_default_drafter_is_eagle3_and_every_checked_key_exists(tmp_path, train_cfg):
     assert train_cfg().drafter.kind == "eagle3"
     for drafter in ("eagle3", "medusa", "medusa_own_lm_head"):
@@ -125,6 +127,7 @@ def test_a_run_directory_that_cannot_be_created_is_one_error_line(tmp_path):
         assert not run_dir.exists()
 
 
+@pytest.mark.slow
 def test_different_local_sources_get_different_data_directories(tmp_path, train_cfg):
     a, b = tmp_path / "A.jsonl", tmp_path / "sub" / "A.jsonl"
     b.parent.mkdir()

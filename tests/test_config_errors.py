@@ -91,6 +91,7 @@ def test_an_export_dtype_the_format_does_not_write_is_refused_first(tmp_path, ex
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.slow
 def test_every_dtype_a_format_writes_passes(export_cfg):
     good = [("gguf", "q8_0"), ("gguf", "f16"), ("gguf", "float16"), ("gguf", "null"), ("native", "bfloat16")]
     for fmt, dtype in [*good, ("vllm", "null")]:
@@ -127,6 +128,7 @@ def test_null_or_odd_question_fields_are_refused_with_their_line(tmp_path, recor
 # The lookup store's seeding, as it happened
 
 
+@pytest.mark.slow
 def test_the_store_seeding_is_reported_as_it_happened(tmp_path, eval_cfg):
     answers = ["One, two.", "One, two, three.", "One.", "One, two, three, four.", "Zero."] * 2
     conversations = write_jsonl(

@@ -165,6 +165,7 @@ def keys(node, prefix: str = "") -> set[str]:
     return out
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("model", MODELS)
 def test_the_target_dtype_has_one_name_model_dtype(tmp_path, model):
     for name in ("train", "distill"):
@@ -173,6 +174,7 @@ def test_the_target_dtype_has_one_name_model_dtype(tmp_path, model):
         assert not [k for k in keys(cfg) if k.rsplit(".", 1)[-1] == "target_dtype"]
 
 
+@pytest.mark.slow
 def test_model_dtype_reaches_the_loaded_target(tmp_path, train_cfg):
     target, _ = load_model(train_cfg("model.dtype=bfloat16").model)
     assert target.dtype == torch.bfloat16
@@ -185,6 +187,7 @@ def test_model_dtype_reaches_the_loaded_target(tmp_path, train_cfg):
     assert eagle3.trainer.precision == ("bf16-mixed" if native else "32-true")
 
 
+@pytest.mark.slow
 def test_distill_settings_are_defined_once_and_shared(tmp_path, train_cfg):
     train = train_cfg().distill
     distill = compose_config("distill", tmp_path, "model=tiny_llama", "data=tiny", "distill.progress=false").distill
@@ -193,6 +196,7 @@ def test_distill_settings_are_defined_once_and_shared(tmp_path, train_cfg):
     assert full.distill.batch_size == 64 and full.distill.num_shards == 1  # an experiment changes one key
 
 
+@pytest.mark.slow
 def test_debug_configs_set_only_keys_the_train_config_has(train_cfg):
     plain = keys(train_cfg())
     for debug in ("default", "fdr", "overfit"):

@@ -254,6 +254,7 @@ def test_a_measurement_implausible_every_time_falls_back_to_each_sizes_fastest_a
 # First use, the cache, provenance
 
 
+@pytest.mark.slow
 def test_the_first_generation_measures_a_quick_estimate_and_no_row_plan_and_a_second_model_reads_the_cache(
     cache_dir, caplog
 ):
@@ -279,6 +280,7 @@ def test_the_first_generation_measures_a_quick_estimate_and_no_row_plan_and_a_se
     assert second.cost_model.measured_at == first.measured_at
 
 
+@pytest.mark.slow
 def test_construction_measures_no_row_plan_and_measure_row_plans_measures_the_target_and_drafter_ones(cache_dir):
     target = tiny_target("llama")
     model = MedusaLikeModel(target, None, EAGLE3.fresh(target), backend="sdpa")
@@ -289,6 +291,7 @@ def test_construction_measures_no_row_plan_and_measure_row_plans_measures_the_ta
     assert_lossless(model)
 
 
+@pytest.mark.slow
 def test_a_full_measurement_replaces_the_quick_one_on_disk_too(cache_dir):
     model = lookup_model()
     assert_lossless(model, prompts=1)
@@ -360,6 +363,7 @@ def test_the_api_refuses_a_tree_file_measured_for_another_setup_before_any_work(
     assert model.cost_model is None and not cache_path(model.target).exists()
 
 
+@pytest.mark.slow
 def test_the_evaluation_reports_each_methods_cost_model_and_its_source(cache_dir, tmp_path, eval_cfg):
     """A lookup drafter on the dynamic tree: the quick estimate measured at start; then on a tree file: the file's."""
     from eval.evaluate import evaluate

@@ -37,6 +37,7 @@ def test_truncated_array_yields_only_complete_records(tmp_path):
     assert len(list(iter_json_array(whole, stats))) == 4 and not stats.truncated
 
 
+@pytest.mark.slow
 def test_packaged_sharegpt_file_reads_every_complete_record():
     stats = ReadStats()
     count = 0

@@ -22,6 +22,7 @@ def default_model():
     return MedusaLikeModel.from_pretrained(target, drafter="medusa", tokenizer=tokenizer, num_heads=3)
 
 
+@pytest.mark.slow
 def test_default_target_loads_frozen_with_its_chat_template(default_model):
     target = default_model.target
     assert not target.training and not any(p.requires_grad for p in target.parameters())
@@ -32,6 +33,7 @@ def test_default_target_loads_frozen_with_its_chat_template(default_model):
     assert len(target_fingerprint(target.config)) == 16
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("messages", PROMPTS)
 def test_default_model_is_lossless_on_chat_prompts(default_model, messages):
     ids = default_model.chat_ids(messages)
@@ -52,6 +54,7 @@ def test_default_model_is_lossless_on_chat_prompts(default_model, messages):
     assert oracle_out.stats.tau > 3.5 > out.stats.tau
 
 
+@pytest.mark.slow
 def test_stop_string_on_real_text(default_model):
     ids = default_model.chat_ids(PROMPTS[0])
     out = default_model.generate(ids, max_new_tokens=40, tree="chain", stop_strings=["Paris"])

@@ -83,6 +83,7 @@ def test_loss_mask_covers_the_answers_and_their_end_token_only():
     assert tokenizer.decode(ids[: spans[0][0]]).endswith("<|im_start|>assistant\n")
 
 
+@pytest.mark.slow
 def test_distilled_rows_hold_the_targets_own_answers(tmp_path, target):
     model, tokenizer = target
     path = generation.run(
@@ -101,6 +102,7 @@ def test_distilled_rows_hold_the_targets_own_answers(tmp_path, target):
     assert any(row["input_ids"][segments(row["loss_mask"])[0][1] - 1] == eos for row in data)
 
 
+@pytest.mark.slow
 def test_interrupted_then_resumed_equals_uninterrupted(tmp_path, target):
     model, tokenizer = target
     convs = conversations(12)
@@ -134,6 +136,7 @@ def test_interrupted_then_resumed_equals_uninterrupted(tmp_path, target):
     assert storage.load_distilled(tmp_path / "resumed").to_list() == whole
 
 
+@pytest.mark.slow
 def test_shards_and_time_boxed_runs_combine_into_the_same_dataset(tmp_path, target):
     model, tokenizer = target
     convs = conversations(12)
@@ -256,6 +259,7 @@ def wait_for(predicate, timeout: float, what: str) -> None:
         time.sleep(0.05)
 
 
+@pytest.mark.slow
 def test_two_runs_building_one_data_directory_build_it_once(tmp_path, train_cfg):
     data, gate = tmp_path / "data", tmp_path / "go"
     data_dir = Path(train_cfg(out_dir=tmp_path / "probe", data_dir=data).data.dir)

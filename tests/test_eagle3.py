@@ -44,6 +44,7 @@ def tree_spec(name: str):
     return resolve_tree(spec, 8) if isinstance(spec, str) else spec
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("tree_name", sorted(TREES))
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_eagle3_greedy_equals_target_greedy(family, backend, tree_name):
@@ -130,6 +131,7 @@ def test_tree_node_states_equal_sequential_drafting():
     assert checked >= 2
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", ["llama", "gemma3"])
 def test_reduced_vocabulary_is_never_left_and_stays_lossless(family):
     target = tiny_target(family)

@@ -3,6 +3,7 @@ the drafter only."""
 
 from functools import partial
 
+import pytest
 import torch
 
 from medusa_like.drafters.base import CHECKPOINT_KEY
@@ -40,6 +41,7 @@ def make_module(vocab: DraftVocab | None = None, steps: int = 3) -> Eagle3Module
     )
 
 
+@pytest.mark.slow
 def test_training_time_test_loss_falls_and_overfits_a_batch():
     torch.manual_seed(0)
     module = make_module()

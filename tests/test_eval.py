@@ -61,6 +61,7 @@ def report(tmp_path_factory):
     return evaluate(cfg), tmp / "run"
 
 
+@pytest.mark.slow
 def test_report_fields(report):
     report, _ = report
     summary = report["summary"]
@@ -90,6 +91,7 @@ def test_report_fields(report):
     assert set(report["definitions"]) >= {"tau", "mean_accepted_draft", "speedup", "losslessness"}
 
 
+@pytest.mark.slow
 def test_lossless_on_fp32(report):
     report, _ = report
     assert report["losslessness"]["fraction"] == 1.0
@@ -99,6 +101,7 @@ def test_lossless_on_fp32(report):
     assert all(len(set(p["new_tokens"].values())) == 1 for p in report["prompts"])
 
 
+@pytest.mark.slow
 def test_files_written(report):
     report, run = report
     on_disk = json.loads((run / "report.json").read_text())
@@ -110,6 +113,7 @@ def test_files_written(report):
         assert f"]({name})" in md
 
 
+@pytest.mark.slow
 def test_mismatch_is_loud(report):
     report, _ = report
     bad = json.loads(json.dumps(report))
@@ -157,6 +161,7 @@ def test_validation_questions_follow_the_training_split(tmp_path):
     assert qs[0].turns == (f"question {expected[0][1:]}",)
 
 
+@pytest.mark.slow
 def test_per_category_subset(tmp_path, eval_cfg):
     path = write_jsonl(
         tmp_path / "q.jsonl", [{"question_id": i, "category": "ab"[i % 2], "turns": ["x"]} for i in range(6)]
@@ -197,6 +202,7 @@ def test_missing_question_file(tmp_path, eval_cfg):
         evaluate(cfg)
 
 
+@pytest.mark.slow
 def test_missing_path_and_unknown_source(tmp_path, eval_cfg):
     with pytest.raises(QuestionSetError, match="needs a path"):
         question_set(eval_cfg().data, eval_cfg().validation)
@@ -205,6 +211,7 @@ def test_missing_path_and_unknown_source(tmp_path, eval_cfg):
         question_set(cfg.data, cfg.validation)
 
 
+@pytest.mark.slow
 def test_heads_for_another_target(tmp_path, eval_cfg):
     other, _ = tiny_chat_target("llama", hidden_size=32, num_layers=1, num_attention_heads=2, num_key_value_heads=1)
     heads = MedusaHeads(HeadsConfig(32, other.config.vocab_size, 4), other.get_output_embeddings().weight)
@@ -239,6 +246,7 @@ def small_eval(tmp_path, eval_cfg):
     return compose
 
 
+@pytest.mark.slow
 def test_the_store_is_seeded_with_the_training_splits_answers_alone_and_decoding_stays_lossless(tmp_path, small_eval):
     conversations = write_jsonl(
         tmp_path / "conversations.jsonl",
@@ -266,6 +274,7 @@ def test_the_store_is_seeded_with_the_training_splits_answers_alone_and_decoding
     assert report["setup"]["lookup_store"]["seed_budget_tokens"] == 1000
 
 
+@pytest.mark.slow
 def test_a_killed_evaluation_keeps_its_prompts_and_resumes(tmp_path, small_eval):
     first = evaluate(small_eval(QUESTIONS))
     log_path = tmp_path / "run" / "prompts.jsonl"
@@ -283,6 +292,7 @@ def test_a_killed_evaluation_keeps_its_prompts_and_resumes(tmp_path, small_eval)
     assert resumed["acceptance"]["prompts"] == 3 and resumed["summary"]["lossless"]
 
 
+@pytest.mark.slow
 def test_a_prompt_longer_than_the_context_is_reported_and_skipped(small_eval):
     long_question = {"question_id": 9, "category": "long", "turns": [" ".join(["word"] * 6000)]}
     report = evaluate(small_eval([QUESTIONS[1], long_question]))
@@ -291,6 +301,7 @@ def test_a_prompt_longer_than_the_context_is_reported_and_skipped(small_eval):
     assert report["acceptance"]["prompts"] == 1 and report["summary"]["lossless"]
 
 
+@pytest.mark.slow
 def test_eagle3_drafter_is_evaluated_with_a_searched_tree(tmp_path, small_eval):
     """An EAGLE-3 drafter (saved natively for the tiny llama) through `evaluate` with `tree=auto`: the tree search
     picks a dynamic-tree budget, every prompt is lossless, and the report describes the EAGLE-3 drafter."""
@@ -324,6 +335,7 @@ def test_eagle3_drafter_is_evaluated_with_a_searched_tree(tmp_path, small_eval):
     assert set(report["methods"]) == {"plain_loop", "learned", "lookup", "speculative"}
 
 
+@pytest.mark.slow
 def test_combined_evaluation_times_each_source_and_never_leaks_an_answer_into_the_store(tmp_path, eval_cfg):
     """drafter.mode=combined (the default): the learned drafter alone, lookup alone and combined on the same prompts,
     each lossless, with per-source shares; and while any method runs a prompt, the output store holds only the

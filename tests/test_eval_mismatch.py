@@ -35,6 +35,7 @@ def lossy(method: Method) -> Method:
     return Method(method.label, method.description, make, method.applies)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("broken", [False, True])
 def test_the_evaluation_reports_a_lossy_method_and_fails(tmp_path, eval_cfg, monkeypatch, broken):
     if broken:

@@ -314,6 +314,7 @@ def test_on_by_default_for_fp32_cpu_targets_and_drafters_and_off_on_request():
     assert linear_kernel(stock.target) == "nn.Linear"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", ["llama", "qwen2", "mistral", "gemma3"])
 @pytest.mark.parametrize("drafter", ["medusa", "eagle3", "lookup"])
 def test_decoding_with_few_row_linears_equals_the_targets_greedy(family, drafter):
@@ -490,6 +491,7 @@ def test_a_row_kernel_replaces_transformers_own_product_only_where_it_is_clearly
     assert layer.plan[:3] == (0, 2, 0) and len(layer.plan) == PLANNED_ROWS
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", ["llama", "qwen2"])
 @pytest.mark.parametrize("kernel", ["mixed", *ROW_KERNELS])
 def test_decoding_with_any_row_kernels_equals_the_targets_greedy(family, kernel):

@@ -49,6 +49,7 @@ def truth(family: str, index: int, n: int = 60) -> tuple[int, ...]:
     return tuple(greedy_reference(target, prompts[index], n).tolist())
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("tree_name", TREES)
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_speculative_greedy_equals_target_greedy(family, backend, tree_name):
@@ -65,6 +66,7 @@ def test_speculative_greedy_equals_target_greedy(family, backend, tree_name):
     assert accepted > 0, "no draft token was ever accepted: only the all-rejected path was tested"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_plain_decoding_equals_target_greedy(family, backend):
     """tree='none' never calls the drafter: one prefill and one target forward per token, the target's greedy output."""
@@ -272,6 +274,7 @@ class RecordingProposer:
         return tree
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("tree_name", ["small", "dynamic"])
 def test_heads_on_a_reduced_vocabulary_propose_only_its_tokens_and_stay_lossless(family, tree_name):
     """Medusa heads restricted to a draft vocabulary (FR-Spec) never propose a token outside it, and the output is still
@@ -291,6 +294,7 @@ def test_heads_on_a_reduced_vocabulary_propose_only_its_tokens_and_stay_lossless
     assert proposed and proposed <= set(vocab.token_ids.tolist())
 
 
+@pytest.mark.slow
 def test_a_tree_given_as_a_dict_or_a_json_file_is_that_tree(tmp_path):
     """A dict of `DynamicTreeSpec` fields, a JSON file of rank paths and a JSON file of a dynamic spec each decode
     exactly as the spec they describe (the same accepted drafts step by step), and losslessly."""
@@ -353,6 +357,7 @@ def test_transformers_streamers_receive_exactly_the_generated_tokens(tokenizer):
     assert "".join(iterator) == tokenizer.decode(expected[6]) and out.new_tokens.tolist() == expected[6].tolist()
 
 
+@pytest.mark.slow
 def test_from_pretrained_loads_the_target_in_the_dtype_and_on_the_device_asked(tmp_path, tokenizer):
     """A target directory loaded with `dtype=` (a torch dtype or its name) and `device=`: target and drafter get them,
     and decoding is the loaded target's own greedy decoding."""

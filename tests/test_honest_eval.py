@@ -138,6 +138,7 @@ def test_a_lossy_method_of_this_project_makes_evaluate_exit_1(tmp_path, broken):
 # Stock greedy not run: said so
 
 
+@pytest.mark.slow
 def test_a_report_without_stock_greedy_says_so(tmp_path, eval_cfg):
     """Layers left as nn.Linear (as on a GPU, or in bf16 without few-row layers): (a) is transformers' greedy as it
     ships, (g) does not run, and the report says why."""
@@ -162,6 +163,7 @@ def test_a_report_without_stock_greedy_says_so(tmp_path, eval_cfg):
 # Every method runs the kernels the tree file chose
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("tree", ["file", "preset"])
 def test_every_method_runs_the_kernels_the_cost_model_chose(tmp_path, eval_cfg, monkeypatch, tree):
     """A combined drafter's evaluation, through `evaluate`, watched around every call of every method (warm-up

@@ -100,6 +100,7 @@ def accepted_draft_tokens(prompt: list[int], reference: list[int], depth: int, m
     return accepted
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", ["llama", "qwen2"])
 def test_a_kind_registered_from_outside_the_package_decodes_the_targets_greedy_output(family, follower):
     """`register(KIND)` then `from_pretrained(target, drafter=KIND.name)`: the target's greedy output token for token,
@@ -155,6 +156,7 @@ def test_every_registered_kind_reaches_its_codec_and_training_module(name, train
             module_class(train_cfg("drafter=medusa", f"drafter.kind={name}"))
 
 
+@pytest.mark.slow
 def test_a_training_config_whose_module_trains_another_kind_is_refused(train_cfg):
     with pytest.raises(ValueError, match=r"MedusaHeadsModule' \(trains 'medusa'\) does not train drafter.kind=eagle3"):
         module_class(train_cfg("drafter=medusa", "drafter.kind=eagle3"))
@@ -162,6 +164,7 @@ def test_a_training_config_whose_module_trains_another_kind_is_refused(train_cfg
         module_class(train_cfg("drafter=medusa", "drafter.module._target_=medusa_like.nothing.Module"))
 
 
+@pytest.mark.slow
 def test_reaching_every_kinds_codec_imports_no_training_or_data_code():
     """Drafters and their codecs are inference code: neither pulls in training (Lightning) or data (datasets)."""
     code = (
@@ -178,6 +181,7 @@ def test_reaching_every_kinds_codec_imports_no_training_or_data_code():
 # The evaluation's choice of how the drafter decodes is `drafter.mode`; `drafter.kind` names a kind in training only
 
 
+@pytest.mark.slow
 def test_the_evaluation_names_its_decoding_mode_drafter_mode_and_refuses_drafter_kind_with_the_new_name(eval_cfg):
     with pytest.raises(ValueError, match="drafter.kind=lookup is now drafter.mode=lookup in the evaluation"):
         load_eval_model(eval_cfg("drafter.kind=lookup"))

@@ -6,8 +6,8 @@ import json
 import pytest
 import torch
 
-from medusa_like.decoding.cost_model import CostModel, CostModelMismatchError, measure_cost_model, non_decreasing_fit
 from medusa_like.cpu.few_row_linear import linear_kernel
+from medusa_like.decoding.cost_model import CostModel, CostModelMismatchError, measure_cost_model, non_decreasing_fit
 from medusa_like.decoding.generate import speculative_generate
 from medusa_like.decoding.sampling import warp_logits
 from medusa_like.decoding.tree import BudgetedTreeSpec, DynamicTreeSpec, TokenTree, load_tree, save_tree, spec_from_json
@@ -342,6 +342,7 @@ def test_cost_model_interpolates_and_extrapolates():
 # Losslessness
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", FAMILIES)
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_every_source_and_their_combination_is_lossless(family, backend):
@@ -384,6 +385,7 @@ def test_combined_tree_counts_each_sources_accepted_tokens():
     assert sum(out.stats.accepted_by_source.values()) >= sum(out.stats.accepted_draft)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", ("mistral",))
 def test_sampling_through_the_combined_tree_follows_the_target(family):
     """temperature > 0: the second token (the first a tree verifies) has the target's exact two-step marginal, while

@@ -127,6 +127,7 @@ def test_two_differences_are_both_named(killed):
         evaluate(compose(files, run, "eval.resume=true", "eval.max_new_tokens=16", "seed=2"))
 
 
+@pytest.mark.slow
 def test_the_same_settings_resume_and_keep_the_finished_prompts(killed, tmp_path):
     files, run, first = killed
     copy = tmp_path / "run"
@@ -141,6 +142,7 @@ def test_the_same_settings_resume_and_keep_the_finished_prompts(killed, tmp_path
     assert resumed["setup"]["lookup_store"] == first["setup"]["lookup_store"]
 
 
+@pytest.mark.slow
 def test_a_changed_target_under_the_same_name_is_refused_once_loaded(killed, tmp_path):
     """The target's architecture fingerprint is recorded: model files replaced under the same name are refused."""
     files, run, _ = killed
@@ -165,6 +167,7 @@ def test_prompts_without_recorded_settings_are_not_continued(killed, tmp_path):
         evaluate(compose(files, copy, "eval.resume=true"))
 
 
+@pytest.mark.slow
 def test_the_content_of_the_tree_and_question_files_is_recorded(tmp_path):
     """A tree file or a question file rewritten under the same path is refused, each naming its hash."""
     questions = write_jsonl(tmp_path / "q.jsonl", QUESTIONS)
@@ -190,6 +193,7 @@ def test_the_content_of_the_tree_and_question_files_is_recorded(tmp_path):
     assert resumed["acceptance"]["prompts"] == 3 and resumed["summary"]["lossless"]
 
 
+@pytest.mark.slow
 def test_a_resumed_search_keeps_the_tree_the_first_run_chose(tmp_path):
     """tree=auto: the tree search's result is recorded with the settings; a resumed run decodes with that tree
     instead of searching again (a new search on a busy machine may pick another)."""
@@ -212,6 +216,7 @@ def test_a_resumed_search_keeps_the_tree_the_first_run_chose(tmp_path):
         evaluate(compose_config("eval", tmp_path / "hydra", *overrides, "eval.resume=true"))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("mode", "methods", "timed"),
     [

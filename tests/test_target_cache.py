@@ -67,6 +67,7 @@ def fake_outputs(batch):
 KEY = cache_key("fp", torch.arange(10), [0, 1, 2], 4, 64)
 
 
+@pytest.mark.slow
 def test_a_cache_for_other_settings_or_rows_is_refused(tmp_path, data_dir):  # noqa: F811
     _, datamodule = build_module(data_dir, tmp_path)
     rows = rows_of(datamodule, 6)
@@ -94,6 +95,7 @@ def test_a_cache_for_other_settings_or_rows_is_refused(tmp_path, data_dir):  # n
         TargetCache(tmp_path / "bad", KEY)
 
 
+@pytest.mark.slow
 def test_a_killed_build_resumes_to_the_same_content(tmp_path, data_dir):  # noqa: F811
     _, datamodule = build_module(data_dir, tmp_path)
     rows = rows_of(datamodule)
@@ -128,6 +130,7 @@ def test_a_killed_build_resumes_to_the_same_content(tmp_path, data_dir):  # noqa
     assert all(set(load_file(str(tmp_path / "cut" / s))) for s in shards)
 
 
+@pytest.mark.slow
 def test_training_from_the_cache_matches_the_target_and_runs_no_target_forward(tmp_path, data_dir):  # noqa: F811
     cache_dir = tmp_path / "cache"
     common = ("drafter=eagle3", "drafter.module.top_k=null")
@@ -149,6 +152,7 @@ def batch_aux_width(module) -> int:
     return len(module.drafter.config.aux_layer_ids) * module.drafter.config.target_hidden_size
 
 
+@pytest.mark.slow
 def test_train_with_the_cache_exports_the_best_checkpoint(tmp_path, data_dir):  # noqa: F811
     cfg = compose_train(
         tmp_path,
@@ -173,6 +177,7 @@ def test_train_with_the_cache_exports_the_best_checkpoint(tmp_path, data_dir):  
         torch.testing.assert_close(exported[name.removeprefix("drafter.")], tensor)
 
 
+@pytest.mark.slow
 def test_token_milestones_make_a_learning_curve(tmp_path, data_dir, monkeypatch):  # noqa: F811
     """A run with TokenMilestones saves a checkpoint per milestone (and stops after the last); eval.learning_curve
     measures each on the validation rows and by decoding, and writes the table, curve.json and the plot."""

@@ -96,6 +96,7 @@ def test_losses_accuracies_and_weights():
 # ---- training runs ---------------------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_fast_dev_run_trains_validates_and_exports(tmp_path, data_dir):
     cfg = compose_train(tmp_path, data_dir, "debug=fdr", "export_drafter=true", "model=tiny_qwen2")
     metrics = train(cfg)
@@ -108,6 +109,7 @@ def test_fast_dev_run_trains_validates_and_exports(tmp_path, data_dir):
     assert (tmp_path / "metrics.json").is_file()
 
 
+@pytest.mark.slow
 def test_eagle3_trains_validates_and_exports_through_train_on_the_cpu(tmp_path, data_dir):
     """`train.train` with `drafter=eagle3` on the CPU: per-depth validation metrics, and an exported drafter that
     loads against the target and decodes losslessly."""
@@ -129,6 +131,7 @@ def test_eagle3_trains_validates_and_exports_through_train_on_the_cpu(tmp_path, 
     assert out.sequences.tolist() == reference.tolist()
 
 
+@pytest.mark.slow
 def test_a_time_budget_stops_the_epoch_then_validates_and_exports(tmp_path, data_dir):
     """`trainer.max_time` (the default experiment's budget) ends the first epoch early: the step that passes the budget
     is the last, its learning rate has decayed to the floor as the whole epoch's last would, and the run still
@@ -178,6 +181,7 @@ def test_the_schedule_decays_with_the_steps_or_the_time_budget_whichever_is_furt
     assert rates(lambda: spent[0])[5:] == pytest.approx([floor] * (total - 5))
 
 
+@pytest.mark.slow
 def test_the_loss_falls_on_an_overfit_batch(tmp_path, data_dir):
     cfg = compose_train(tmp_path, data_dir, "debug=overfit", "trainer.max_epochs=30", "module.optimizer.lr=0.05")
     train(cfg)
@@ -187,6 +191,7 @@ def test_the_loss_falls_on_an_overfit_batch(tmp_path, data_dir):
     assert losses[-1] < 0.5 * losses[0], losses
 
 
+@pytest.mark.slow
 def test_checkpoints_hold_heads_and_optimizer_only_and_resume_exactly(tmp_path, data_dir):
     common = ["module.scheduler=null", "data.module.batch_size=64", "data.module.shuffle=false", "callbacks=default"]
     train(compose_train(tmp_path / "a", data_dir, *common, "trainer.max_steps=2"))
@@ -262,6 +267,7 @@ def test_last_checkpoint_is_written_every_n_steps_at_every_epoch_end_and_at_the_
     assert sorted(p.name for p in last.parent.iterdir()) == ["last.ckpt"]
 
 
+@pytest.mark.slow
 def test_non_finite_loss_and_empty_batches_stop_training(tmp_path, data_dir):
     module, datamodule = build_module(data_dir, tmp_path)
     with torch.no_grad():
@@ -275,6 +281,7 @@ def test_non_finite_loss_and_empty_batches_stop_training(tmp_path, data_dir):
         module._forward(batch)
 
 
+@pytest.mark.slow
 def test_cached_hidden_states_give_the_same_loss(tmp_path, data_dir):
     module, datamodule = build_module(data_dir, tmp_path, f"module.hidden_cache_dir={tmp_path / 'cache'}")
     plain, _ = build_module(data_dir, tmp_path, "drafter.module.kl_weight=0.0")
@@ -286,6 +293,7 @@ def test_cached_hidden_states_give_the_same_loss(tmp_path, data_dir):
     torch.testing.assert_close(plain._forward(batch)[0], first)
 
 
+@pytest.mark.slow
 def test_soft_labels_change_the_loss(tmp_path, data_dir):
     hard, datamodule = build_module(data_dir, tmp_path)
     soft, _ = build_module(data_dir, tmp_path, "drafter.module.kl_weight=0.5")
@@ -294,6 +302,7 @@ def test_soft_labels_change_the_loss(tmp_path, data_dir):
     assert torch.isfinite(loss_soft) and not torch.isclose(loss_hard, loss_soft)
 
 
+@pytest.mark.slow
 def test_wandb_offline_run_holds_the_per_head_metrics(tmp_path, data_dir, monkeypatch):
     monkeypatch.setenv("WANDB_SILENT", "true")
     cfg = compose_train(tmp_path, data_dir, "logger=wandb", "trainer.max_epochs=1", "export_drafter=false")

@@ -90,6 +90,7 @@ def tiny_model():
     return MedusaLikeModel.from_pretrained(target, drafter="medusa", tokenizer=tokenizer, num_heads=2)
 
 
+@pytest.mark.slow
 def test_head_rank_counts_positions(tiny_model):
     # a 5-token prompt + 4 answer tokens (L = 9): head 1 sees t = 4..6 (t + 2 <= 8), head 2 sees t = 4..5
     seq = torch.randint(0, 1000, (1, 9))
@@ -109,6 +110,7 @@ def test_time_trees_rows(tiny_model):
     assert all(r["tokens_per_second"] > 0 for r in rows)
 
 
+@pytest.mark.slow
 def test_tree_search_app_saves_a_tree_eval_uses(tmp_path, eval_cfg):
     from eval.evaluate import evaluate
     from eval.tree_search import tree_search
@@ -148,6 +150,7 @@ def test_tree_search_app_saves_a_tree_eval_uses(tmp_path, eval_cfg):
     assert report["summary"]["losslessness"] == 1.0
 
 
+@pytest.mark.slow
 def test_tree_search_of_a_combined_drafter_saves_its_cost_model_and_prompt_lookup(tmp_path, eval_cfg):
     """drafter.mode=combined: budgeted trees are timed, the winner is saved with this machine's cost model and the
     fastest prompt_lookup_num_tokens, and evaluation reads both back from the tree file."""
