@@ -10,6 +10,7 @@ out: installed without it, a console script says so in one line and exits with s
 """
 
 import contextlib
+import importlib
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -52,31 +53,21 @@ def needs_train_extra(script: str) -> Iterator[None]:
 # The console scripts of pyproject.toml's [project.scripts]: each imports its app only when run.
 
 
-def train_main():
-    with needs_train_extra("medusa-train"):
-        from medusa_like.apps.train import main
-    return main()
+def launcher(script: str, app: str):
+    """The console script `script`: imports `medusa_like.apps.<app>` when run (naming the extra it needs when a
+    dependency is missing) and runs its Hydra `main`."""
+
+    def main():
+        with needs_train_extra(script):
+            module = importlib.import_module(f"medusa_like.apps.{app}")
+        return module.main()
+
+    main.__name__ = f"{app}_main"
+    return main
 
 
-def evaluate_main():
-    with needs_train_extra("medusa-evaluate"):
-        from medusa_like.apps.evaluate import main
-    return main()
-
-
-def tree_search_main():
-    with needs_train_extra("medusa-tree-search"):
-        from medusa_like.apps.tree_search import main
-    return main()
-
-
-def export_main():
-    with needs_train_extra("medusa-export"):
-        from medusa_like.apps.export import main
-    return main()
-
-
-def distill_main():
-    with needs_train_extra("medusa-distill"):
-        from medusa_like.apps.distill import main
-    return main()
+train_main = launcher("medusa-train", "train")
+evaluate_main = launcher("medusa-evaluate", "evaluate")
+tree_search_main = launcher("medusa-tree-search", "tree_search")
+export_main = launcher("medusa-export", "export")
+distill_main = launcher("medusa-distill", "distill")
