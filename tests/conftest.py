@@ -25,8 +25,8 @@ HIDDEN = 32
 SLIDING_WINDOW = 6  # far below the test sequence lengths, so sliding layers really slide
 FAMILIES = ("llama", "qwen2", "mistral", "gemma3")
 
-# Tiny models gain nothing from intra-op threads, and OpenMP workers spinning on a busy 2-core machine make each small
-# matmul up to 50x slower.
+# Tiny models gain nothing from intra-op threads, and OpenMP workers spinning on a busy machine make each small matmul
+# far slower.
 torch.set_num_threads(1)
 
 # Row plans and cost models measured by the tests stay out of the user's cache (one directory, `io.user_cache_dir`);

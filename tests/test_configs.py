@@ -181,7 +181,7 @@ def test_model_dtype_reaches_the_loaded_target(tmp_path, train_cfg):
     target, _ = load_model(train_cfg().model)
     assert target.dtype == torch.float32
     eagle3 = compose_config("train", tmp_path, "experiment=smollm2_eagle3")
-    # the default experiment trains in bf16 only where the machine computes in it natively (else fp32 is ~10x faster)
+    # the default experiment trains in bf16 only where the machine computes in it natively (elsewhere bf16 is emulated and fp32 is faster)
     native = computes_in_bf16()
     assert eagle3.model.dtype == ("bfloat16" if native else "float32") and eagle3.drafter.kind == "eagle3"
     assert eagle3.trainer.precision == ("bf16-mixed" if native else "32-true")

@@ -191,6 +191,7 @@ def mean_accepted(target, drafter, prompts, spec, new_tokens: int = 32) -> float
     return sum(accepted) / len(accepted)
 
 
+@pytest.mark.slow
 def test_a_briefly_trained_drafter_gets_drafts_accepted_on_unseen_prompts(trained):
     target, drafter, untrained = trained
     prompts = random_prompts(6, seed=123, min_len=4, max_len=4)  # not the training prompts

@@ -22,6 +22,7 @@ from .conftest import VOCAB, greedy_reference, random_heads, random_prompts, tin
 from .test_lookup import flat_cost
 
 
+@pytest.mark.slow
 def test_acceptance_rule_emits_the_target_distribution():
     """Verification by the race with per-position noise: the first emitted token ~ p(root) and, after a first token t,
     the next one ~ p(t), whatever the candidates; the drafts change only how many tokens are accepted."""
@@ -121,6 +122,7 @@ def eagle3_from_target(target) -> Eagle3Drafter:
     return drafter
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("kind", "tree", "temperature", "top_k", "top_p", "n"),
     [

@@ -36,7 +36,7 @@ log = logging.getLogger(__name__)
 PLANNED_ROWS = 64  # row counts a plan covers: every product short of a prefill (few_row_linear.MAX_ROWS)
 NEAR = 1.05  # a kernel within 5% of the fastest counts as fast: F.linear, then the fewest padded rows, win ties
 COLD_BYTES = 256 * 2**20  # the weight copies a plan's timing cycles through, so that no call finds its weight cached
-PLAN_VERSION = 3  # part of the cache key: 3 = 1..64 rows (2: 1..32, 1: timed one hot weight)
+PLAN_VERSION = 3  # part of the cache key: raised whenever what a plan covers changes, so stale plans are not read
 
 
 def _median_ms(fn, weights: Iterator[torch.Tensor], repeats: int) -> float:
