@@ -71,7 +71,7 @@ KEY = cache_key("fp", torch.arange(10), [0, 1, 2], 4, 64)
 def test_a_cache_for_other_settings_or_rows_is_refused(tmp_path, data_dir):  # noqa: F811
     _, datamodule = build_module(data_dir, tmp_path)
     rows = rows_of(datamodule, 6)
-    TargetCache(tmp_path / "cache", KEY).build(rows, fake_outputs, batch_tokens=64, shard_rows=2)
+    TargetCache(tmp_path / "cache", KEY).build(rows, fake_outputs, batch_tokens=64, shard_tokens=100)
     others = {
         "target_fingerprint": cache_key("other", torch.arange(10), [0, 1, 2], 4, 64),
         "draft_vocab": cache_key("fp", torch.arange(1, 11), [0, 1, 2], 4, 64),
@@ -100,7 +100,7 @@ def test_a_killed_build_resumes_to_the_same_content(tmp_path, data_dir):  # noqa
     _, datamodule = build_module(data_dir, tmp_path)
     rows = rows_of(datamodule)
     whole = TargetCache(tmp_path / "whole", KEY)
-    assert whole.build(rows, fake_outputs, batch_tokens=64, shard_rows=3) == len(rows)
+    assert whole.build(rows, fake_outputs, batch_tokens=64, shard_tokens=150) == len(rows)
 
     calls = {"n": 0}
 
@@ -111,12 +111,12 @@ def test_a_killed_build_resumes_to_the_same_content(tmp_path, data_dir):  # noqa
         return fake_outputs(batch)
 
     with pytest.raises(KeyboardInterrupt):
-        TargetCache(tmp_path / "cut", KEY).build(rows, killed, batch_tokens=64, shard_rows=3)
+        TargetCache(tmp_path / "cut", KEY).build(rows, killed, batch_tokens=64, shard_tokens=150)
     assert not [p for p in (tmp_path / "cut").iterdir() if ".tmp-" in p.name]  # no half-written file
     kept = TargetCache(tmp_path / "cut", KEY)
     survived = len(kept.rows)
     assert 0 < survived < len(rows)  # finished shards survive the kill
-    assert kept.build(rows, fake_outputs, batch_tokens=64, shard_rows=3) == len(rows) - survived
+    assert kept.build(rows, fake_outputs, batch_tokens=64, shard_tokens=150) == len(rows) - survived
     assert TargetCache(tmp_path / "cut", KEY).build(rows, fake_outputs) == 0  # nothing left to compute
     again = TargetCache(tmp_path / "cut", KEY)
     for row in rows:

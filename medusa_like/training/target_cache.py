@@ -21,7 +21,7 @@ and every row read must match its checksum, so a cache is never reused for anoth
 import hashlib
 import json
 import zlib
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -88,21 +88,19 @@ class TargetCache:
         self._open: dict[str, object] = {}
 
     # ---- building ---------------------------------------------------------------------------------------------
-    def missing(self, indices: Iterable[int]) -> list[int]:
-        return [i for i in indices if i not in self.rows]
-
     @torch.no_grad()
     def build(
         self,
         rows: list[dict],
         compute: Callable[[dict], dict[str, torch.Tensor]],
         batch_tokens: int = BATCH_TOKENS,
-        shard_rows: int = 256,
+        shard_tokens: int = 32_768,
     ) -> int:
         """Compute and store every row of `rows` (dicts with `index`, `input_ids`, `loss_mask`; cut here to the key's
-        `max_length`, as the training loader cuts them) not yet in the cache; returns how many were computed. `compute(batch)` takes a right-padded
-        batch (as `data.datamodule.PadCollator` makes) and returns the FIELDS as [B, T, ...] tensors. Rows run in
-        length order, batched up to `batch_tokens` padded tokens, so little is spent on padding."""
+        `max_length`, as the training loader cuts them) not yet in the cache; returns how many were computed.
+        `compute(batch)` takes a right-padded batch (as `data.datamodule.PadCollator` makes) and returns the FIELDS
+        as [B, T, ...] tensors. Rows run in length order, batched up to `batch_tokens` padded tokens, so little is
+        spent on padding; a shard is written every `shard_tokens` tokens, all that a kill can lose."""
         from medusa_like.data.datamodule import PadCollator
 
         cut = self.key["max_length"]  # a row is cached as the loader serves it: cut to the longest row
@@ -124,7 +122,7 @@ class TargetCache:
                     fields = {name: out[name][b, :n].contiguous().cpu() for name in FIELDS}
                     pending[row["index"]] = (fields, row_checksum(row["input_ids"]))
                     bar.update(n)
-                if len(pending) >= shard_rows:
+                if sum(fields["aux"].shape[0] for fields, _ in pending.values()) >= shard_tokens:
                     self._write_shard(pending)
                 start = end
             if pending:
