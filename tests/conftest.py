@@ -136,6 +136,20 @@ def greedy_reference(target, input_ids: torch.Tensor, max_new_tokens: int) -> to
     return out[0, input_ids.shape[1] :]
 
 
+def greedy_rows(target, count: int, seed: int, width: int = 48) -> list[dict]:
+    """Training rows: random 4-token prompts and the target's greedy continuation (the loss on the continuation)."""
+    rows = []
+    for index, prompt in enumerate(random_prompts(count, seed=seed, min_len=4, max_len=4)):
+        ids = torch.cat([prompt[0], greedy_reference(target, prompt, width - 4)])
+        loss_mask = torch.ones(width, dtype=torch.long)
+        loss_mask[:4] = 0
+        rows.append(
+            {"input_ids": ids, "attention_mask": torch.ones(width, dtype=torch.long), "loss_mask": loss_mask,
+             "index": torch.tensor(index)}
+        )  # fmt: skip
+    return rows
+
+
 @pytest.fixture(params=FAMILIES)
 def family(request) -> str:
     return request.param

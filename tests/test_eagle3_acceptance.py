@@ -16,7 +16,7 @@ from medusa_like.drafters.vocab import DraftVocab
 from medusa_like.tiny import tiny_model
 from medusa_like.training.eagle3_module import Eagle3Module
 
-from .conftest import VOCAB, greedy_reference, random_prompts, tiny_target
+from .conftest import VOCAB, greedy_reference, greedy_rows, random_prompts, tiny_target
 
 # ---------------------------------------------------------------------------------------------------------------------
 # (a) A copy task: the target's next token is the one PERIOD - 1 positions back, so its text repeats with period
@@ -144,20 +144,6 @@ def sharp_target():
     with torch.no_grad():
         target.get_output_embeddings().weight.mul_(20)
     return target
-
-
-def greedy_rows(target, count: int, seed: int, width: int = 48) -> list[dict]:
-    """Training rows: random 4-token prompts and the target's greedy continuation (the loss on the continuation)."""
-    rows = []
-    for index, prompt in enumerate(random_prompts(count, seed=seed, min_len=4, max_len=4)):
-        ids = torch.cat([prompt[0], greedy_reference(target, prompt, width - 4)])
-        loss_mask = torch.ones(width, dtype=torch.long)
-        loss_mask[:4] = 0
-        rows.append(
-            {"input_ids": ids, "attention_mask": torch.ones(width, dtype=torch.long), "loss_mask": loss_mask,
-             "index": torch.tensor(index)}
-        )  # fmt: skip
-    return rows
 
 
 @pytest.fixture(scope="module")

@@ -31,7 +31,7 @@ def drafter_for(target, seed: int = 0) -> Eagle3Drafter:
 
 @pytest.fixture(scope="module")
 def target():
-    return tiny_target("llama")
+    return tiny_target("llama", num_hidden_layers=8)  # aux layers 2, 4, 5: strictly increasing, as vLLM reads them
 
 
 @pytest.fixture
@@ -75,7 +75,7 @@ def test_layout_and_config_match_the_engines(exported, target):
         assert key in config, key
     assert config["vocab_size"] == VOCAB and config["draft_vocab_size"] == DRAFT
     assert config["target_hidden_size"] == HIDDEN and config["num_hidden_layers"] == 1
-    assert config["eagle_config"] == {"use_aux_hidden_state": True, "eagle_aux_hidden_state_layer_ids": [1, 1, 0]}
+    assert config["eagle_config"] == {"use_aux_hidden_state": True, "eagle_aux_hidden_state_layer_ids": [2, 4, 5]}
 
 
 def test_round_trip_gives_identical_draft_logits(exported, target):
@@ -154,7 +154,7 @@ def test_broken_files_and_other_targets_are_refused(exported, target):
     config["eagle_config"]["eagle_aux_hidden_state_layer_ids"] = [1, 5, 9]
     config.pop("medusa_like")
     (out / "config.json").write_text(json.dumps(config))
-    with pytest.raises(FormatError, match="outside the target's 2 layers"):
+    with pytest.raises(FormatError, match="outside the target's 8 layers"):
         load_drafter(out, target)
 
 
@@ -190,3 +190,34 @@ def test_sglang_names_layer_outputs(target, tmp_path):
     ]
     assert ids == [[2, 4, 5], [1, 3, 4]]  # vLLM: the stream entering layer i; SGLang: the output of layer i
     assert load_file(vllm / "model.safetensors").keys() == load_file(sglang / "model.safetensors").keys()
+
+
+def test_a_full_draft_vocabulary_is_written_without_maps_as_vllm_loads_it(target, tmp_path):
+    """vLLM builds no draft_id_to_target_id when the draft vocabulary is the target's whole vocabulary, and refuses a
+    d2t then: the vLLM export leaves both maps out, and reads back as the identity."""
+    drafter = Eagle3Drafter(Eagle3Config.for_target(target.config, VOCAB), DraftVocab.full(VOCAB)).eval()
+    out = export_drafter(drafter, tmp_path / "vllm", "eagle3", target, "tiny/llama")
+    assert not {"d2t", "t2d"} & set(load_file(out / "model.safetensors"))
+    loaded = load_drafter(out, target)
+    assert torch.equal(loaded.vocab.token_ids, torch.arange(VOCAB))
+    for name, tensor in drafter.state_dict().items():
+        assert torch.equal(loaded.state_dict()[name], tensor), name
+
+
+def test_a_partial_draft_vocabulary_without_its_maps_is_refused(exported, target):
+    _, out = exported
+    rewrite(out, lambda t: (t.pop("d2t"), t.pop("t2d")))
+    with pytest.raises(FormatError, match="no d2t"):
+        load_drafter(out, target)
+
+
+def test_aux_layers_vllm_would_reorder_are_refused_for_vllm(tmp_path):
+    """vLLM captures each aux layer once, in layer order: a drafter reading [2, 2, 1] would get other features."""
+    target = tiny_target("llama", num_hidden_layers=4)
+    config = Eagle3Config.for_target(target.config, DRAFT)
+    drafter = Eagle3Drafter(
+        Eagle3Config(**{**config.__dict__, "aux_layer_ids": (2, 2, 1)}), DraftVocab(torch.arange(DRAFT), VOCAB)
+    )
+    with pytest.raises(FormatError, match="layer order"):
+        export_drafter(drafter, tmp_path / "vllm", "eagle3", target, "tiny/llama")
+    export_drafter(drafter, tmp_path / "native", "native", target, "tiny/llama")  # usable here

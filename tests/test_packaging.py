@@ -167,6 +167,7 @@ def test_installed_wheel_names_its_extra_then_trains_exports_and_evaluates_outsi
         scripts / "medusa-train",
         "debug=fdr",
         *tiny,
+        "drafter.module.aux_layer_ids=[0,1,2]",  # strictly increasing, as vLLM reads them (2 layers: default 1, 1, 0)
         "data=local",
         f"data.source={inputs['chats']}",
         "data.recipe=original",

@@ -4,11 +4,16 @@ Drafters learn what the target will say, so they can be trained on the target's 
 original ones (Medusa-2's self-distillation). The work is cut into chunks of `chunk_size` conversations; each chunk
 samples from its own seed and is stored atomically (`storage.py`), so an interrupted and resumed run writes exactly what
 an uninterrupted one writes. `shard` / `num_shards` give every process a disjoint set of chunks.
+
+The answers come from an engine: transformers' `generate` on the loaded target (the default), or vLLM
+(`vllm_generator`, `distill.engine=vllm`), which batches and schedules the prompts itself. Both get the same prompt ids
+and sampling settings and return new token ids; what is stored is built from them the same way.
 """
 
 import hashlib
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -58,6 +63,11 @@ def select_conversations(source: str, num_conversations: int | None, tokenizer, 
     return selected
 
 
+# An engine: (prompt ids, sampling settings, EOS ids, seed) -> the new token ids of each prompt
+Generator = Callable[[list[list[int]], GenerationConfig, list[int], int], list[list[int]]]
+ENGINES = ("transformers", "vllm")
+
+
 def run(
     model,
     tokenizer,
@@ -72,24 +82,30 @@ def run(
     target_name: str = "",
     source: str = "",
     progress: bool = True,
+    generator: Generator | None = None,  # None: transformers' generate on `model`
+    engine: str = "transformers",  # the name of `generator`'s engine, recorded in the data's recipe
 ) -> Path | None:
     """Distil this shard's missing chunks; combine when every chunk exists. Returns the dataset path or None."""
-    made_of = recipe(model, conversations, "distilled", source, asdict(gen), chunk_size, target_name)
+    settings = asdict(gen) if engine == "transformers" else {**asdict(gen), "engine": engine}
+    made_of = recipe(model, conversations, "distilled", source, settings, chunk_size, target_name)
     turns = {conv["id"]: _num_turns(conv, gen) for conv in conversations}
+    generator = generator or transformers_generator(model, tokenizer)
 
     def rows(chunk: list[dict], index: int, bar) -> list[dict]:
-        return distil_chunk(model, tokenizer, chunk, gen, batch_size, index, bar)
+        return distil_chunk(generator, tokenizer, chunk, gen, batch_size, index, bar, eos_token_ids(model, tokenizer))
 
     return build_chunks(
         out_dir, conversations, chunk_size, made_of, rows, shard, num_shards, max_chunks, progress, "answer", turns
     )
 
 
-def distil_chunk(model, tokenizer, conversations, gen: GenerationConfig, batch_size: int, chunk_index: int, bar=None):
+def distil_chunk(
+    generator: Generator, tokenizer, conversations, gen: GenerationConfig, batch_size: int, chunk_index: int, bar,
+    eos_ids: list[int],
+):  # fmt: skip
     """Answer the conversations of one chunk, turn by turn; returns the dataset rows."""
-    torch.manual_seed(_chunk_seed(gen.seed, chunk_index))
-    eos_ids = eos_token_ids(model, tokenizer)
-    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos_ids[0]
+    chunk_seed = _chunk_seed(gen.seed, chunk_index)
+    torch.manual_seed(chunk_seed)
     states = []
     for conv in conversations:
         system, users = user_turns(conv)
@@ -110,7 +126,9 @@ def distil_chunk(model, tokenizer, conversations, gen: GenerationConfig, batch_s
         prompts.sort(key=lambda p: p[0])  # similar lengths per batch: less padding
         for b in range(0, len(prompts), batch_size):
             batch = prompts[b : b + batch_size]
-            answers = _generate(model, tokenizer, [text for _, text, _ in batch], gen, eos_ids, pad_id)
+            ids = [tokenizer(text, add_special_tokens=False)["input_ids"] for _, text, _ in batch]
+            seed = chunk_seed + turn * _TURN_SEEDS + b  # per batch, so a resumed chunk samples what it did
+            answers = _answers(generator(ids, gen, eos_ids, seed), tokenizer, eos_ids)
             for (_, _, s), (text, finished, n_tokens) in zip(batch, answers, strict=True):
                 s["messages"] += [{"role": "user", "content": s["users"][turn]}, {"role": "assistant", "content": text}]
                 s["finished"].append(finished)
@@ -130,22 +148,48 @@ def distil_chunk(model, tokenizer, conversations, gen: GenerationConfig, batch_s
     return rows
 
 
-def _generate(model, tokenizer, prompts: list[str], gen: GenerationConfig, eos_ids: list[int], pad_id: int):
-    enc = tokenizer(prompts, add_special_tokens=False, padding=True, padding_side="left", return_tensors="pt")
-    sampling = {"do_sample": False}
-    if gen.temperature > 0:
-        sampling = {"do_sample": True, "temperature": gen.temperature, "top_p": gen.top_p, "top_k": gen.top_k}
-    with torch.no_grad():
-        out = model.generate(
-            input_ids=enc["input_ids"].to(model.device),  # [B, P]
-            attention_mask=enc["attention_mask"].to(model.device),  # [B, P]
-            max_new_tokens=gen.max_new_tokens,
-            eos_token_id=eos_ids,
-            pad_token_id=pad_id,
-            **sampling,
-        )
+def transformers_generator(model, tokenizer) -> Generator:
+    """transformers' `generate` on `model`, a batch of left-padded prompts at a time (its RNG seeded per chunk)."""
+
+    def generate(prompt_ids: list[list[int]], gen: GenerationConfig, eos_ids: list[int], seed: int) -> list[list[int]]:
+        pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos_ids[0]
+        enc = tokenizer.pad({"input_ids": prompt_ids}, padding=True, padding_side="left", return_tensors="pt")
+        sampling = {"do_sample": False}
+        if gen.temperature > 0:
+            sampling = {"do_sample": True, "temperature": gen.temperature, "top_p": gen.top_p, "top_k": gen.top_k}
+        with torch.no_grad():
+            out = model.generate(
+                input_ids=enc["input_ids"].to(model.device),  # [B, P]
+                attention_mask=enc["attention_mask"].to(model.device),  # [B, P]
+                max_new_tokens=gen.max_new_tokens,
+                eos_token_id=eos_ids,
+                pad_token_id=pad_id,
+                **sampling,
+            )
+        return out[:, enc["input_ids"].shape[1] :].tolist()  # [B, new]
+
+    return generate
+
+
+def vllm_generator(engine) -> Generator:
+    """vLLM (an `engines.vllm_engine.VllmEngine` on the same target) answering a batch at once; prompt i of a call
+    samples from seed + i."""
+
+    def generate(prompt_ids: list[list[int]], gen: GenerationConfig, eos_ids: list[int], seed: int) -> list[list[int]]:
+        out = engine.generate(
+            prompt_ids, gen.max_new_tokens, temperature=gen.temperature, top_p=gen.top_p, top_k=gen.top_k,
+            stop_token_ids=eos_ids, seed=seed,
+        )  # fmt: skip
+        return [o["token_ids"] for o in out.outputs]
+
+    return generate
+
+
+def _answers(rows: list[list[int]], tokenizer, eos_ids: list[int]) -> list[tuple[str, bool, int]]:
+    """(text, ended with EOS, tokens generated) of each row of new token ids (anything after its first EOS is
+    padding)."""
     answers = []
-    for row in out[:, enc["input_ids"].shape[1] :].tolist():  # [B, new]
+    for row in rows:
         stop = next((i for i, t in enumerate(row) if t in eos_ids), None)
         content = row if stop is None else row[:stop]
         text = tokenizer.decode(content, skip_special_tokens=True)
@@ -161,6 +205,9 @@ def _stop(state: dict, next_turn: int, gen: GenerationConfig, bar) -> None:
 
 def _num_turns(conv: dict, gen: GenerationConfig) -> int:
     return len(user_turns(conv)[1]) if gen.turns == "all" else 1
+
+
+_TURN_SEEDS = 1 << 20  # seeds per turn of a chunk: batch offsets stay below it
 
 
 def _chunk_seed(seed: int, chunk_index: int) -> int:

@@ -8,6 +8,8 @@ shard), so two runs that need the same rows at once build them once: the second 
 """
 
 import logging
+import tempfile
+from contextlib import contextmanager
 from dataclasses import asdict
 from pathlib import Path
 
@@ -59,17 +61,39 @@ def _build_dataset(cfg: DictConfig, target, tokenizer, shard: int, num_shards: i
     if data.recipe != "distilled":
         raise ValueError(f"data.recipe must be 'distilled' or 'original', got {data.recipe!r}")
     gen = _generation_config(data)
+    engine = cfg.distill.get("engine") or "transformers"
+    if engine not in generation.ENGINES:
+        raise ValueError(f"distill.engine must be one of {generation.ENGINES}, got {engine!r}")
     conversations = generation.select_conversations(data.source, data.num_conversations, tokenizer, gen, data.split)
-    log.info("distilling %d conversations from %s into %s", len(conversations), data.source, data.dir)
-    return generation.run(
-        conversations=conversations,
-        gen=gen,
-        batch_size=cfg.distill.batch_size,
-        shard=shard,
-        num_shards=num_shards,
-        max_chunks=max_chunks,
-        **common,
-    )
+    log.info("distilling %d conversations from %s into %s with %s", len(conversations), data.source, data.dir, engine)
+    with _generator(engine, target, tokenizer, gen) as generator:
+        return generation.run(
+            conversations=conversations,
+            gen=gen,
+            batch_size=cfg.distill.batch_size,
+            shard=shard,
+            num_shards=num_shards,
+            max_chunks=max_chunks,
+            generator=generator,
+            engine=engine,
+            **common,
+        )
+
+
+@contextmanager
+def _generator(engine: str, target, tokenizer, gen: generation.GenerationConfig):
+    """The answers' engine for a whole build: None (transformers on `target`), or vLLM started once on the same
+    weights (a model built in memory is saved for it to a temporary directory first)."""
+    if engine == "transformers":
+        yield None
+        return
+    from medusa_like.engines.vllm_engine import VllmEngine, target_directory
+
+    with tempfile.TemporaryDirectory(prefix="medusa_like_vllm_") as scratch:
+        model_dir = target_directory(target, tokenizer, scratch)
+        dtype = str(target.dtype).removeprefix("torch.")
+        with VllmEngine(model_dir, dtype=dtype, max_model_len=gen.max_length) as vllm:
+            yield generation.vllm_generator(vllm)
 
 
 def ensure_dataset(cfg: DictConfig, target, tokenizer) -> Path:

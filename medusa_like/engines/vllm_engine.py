@@ -131,7 +131,7 @@ class VllmEngine:
         model: str | Path,
         speculative: dict | None = None,
         dtype: str = "float32",
-        max_model_len: int = 2048,
+        max_model_len: int | None = None,  # None: the model's own (max_position_embeddings)
         seed: int = 0,
         kv_cache_gib: int = 1,
         memory_fraction: float = 0.15,  # vLLM's gpu_memory_utilization: on the CPU, the share of memory it may take
@@ -146,13 +146,14 @@ class VllmEngine:
         self.settings = dict(
             model=str(model),
             dtype=dtype,
-            max_model_len=max_model_len,
             seed=seed,
             enforce_eager=enforce_eager,
             gpu_memory_utilization=memory_fraction,
             disable_log_stats=False,  # the speculative-decoding counters
             skip_tokenizer_init=not tokenizer,
         )
+        if max_model_len is not None:
+            self.settings["max_model_len"] = max_model_len
         if speculative:
             self.settings["speculative_config"] = speculative
         self.kv_cache_gib = kv_cache_gib

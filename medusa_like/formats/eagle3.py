@@ -120,8 +120,19 @@ def write_eagle3(
             f"cannot export this drafter as format={fmt} for vLLM/SGLang: {reason}; format=native keeps it usable "
             "with this framework"
         )
+    aux = list(drafter.config.aux_layer_ids)
+    if fmt == "eagle3" and aux != sorted(set(aux)):
+        raise FormatError(
+            f"cannot export this drafter as format=eagle3 for vLLM: it reads aux layers {aux}, but vLLM captures each "
+            f"layer once, in layer order ({sorted(set(aux))}), and would feed it other features; train it with "
+            "strictly increasing drafter.module.aux_layer_ids"
+        )
     dtype = dtype or next(drafter.parameters()).dtype
     tensors = eagle3_tensors(drafter, dtype)
+    if fmt == "eagle3" and drafter.vocab.size == drafter.config.vocab_size:
+        # a draft vocabulary that is the whole target vocabulary maps every id to itself; vLLM then builds no
+        # draft_id_to_target_id and refuses to load a d2t
+        del tensors["d2t"], tensors["t2d"]
     if fmt == "native":
         config = {"architectures": [ARCHITECTURE]}
     else:
@@ -164,13 +175,7 @@ def read_eagle3(directory: str | Path, target) -> tuple[Eagle3Drafter, dict]:
         )
     if "lm_head.weight" not in tensors:
         raise FormatError(f"{file} has no lm_head.weight: the drafter could propose nothing (acceptance would be 1.0)")
-    for name in ("d2t", "t2d"):
-        if name not in tensors:
-            raise FormatError(f"{file} has no {name}: the draft vocabulary cannot be mapped to the target's")
-    try:
-        vocab = DraftVocab.from_maps(tensors.pop("d2t"), tensors.pop("t2d"))
-    except DraftVocabError as err:
-        raise FormatError(f"{file}: {err}") from err
+    vocab = _draft_vocab(tensors, eagle, file)
     _check_embeddings(tensors, target, file)
     drafter = build_drafter(eagle, vocab, directory / "config.json")
     expected = {_engine_name(name): t for name, t in drafter.state_dict().items()}
@@ -192,6 +197,20 @@ def read_eagle3(directory: str | Path, target) -> tuple[Eagle3Drafter, dict]:
     drafter.load_state_dict(state, strict=True)
     meta = {"format": "native" if "config" in ours else "eagle3", "target": ours.get("target")}
     return drafter.eval(), meta
+
+
+def _draft_vocab(tensors: dict, config: Eagle3Config, file: Path) -> DraftVocab:
+    """The draft vocabulary from d2t/t2d (popped from `tensors`); without them only a full draft vocabulary, which
+    maps every id to itself (vLLM's layout for it)."""
+    if "d2t" not in tensors and "t2d" not in tensors and config.draft_vocab_size == config.vocab_size:
+        return DraftVocab.full(config.vocab_size)
+    for name in ("d2t", "t2d"):
+        if name not in tensors:
+            raise FormatError(f"{file} has no {name}: the draft vocabulary cannot be mapped to the target's")
+    try:
+        return DraftVocab.from_maps(tensors.pop("d2t"), tensors.pop("t2d"))
+    except DraftVocabError as err:
+        raise FormatError(f"{file}: {err}") from err
 
 
 def build_drafter(config: Eagle3Config, vocab: DraftVocab, source) -> Eagle3Drafter:

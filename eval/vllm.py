@@ -1,0 +1,25 @@
+"""vLLM's CPU build serving our EAGLE-3 export, beside this framework and llama.cpp (opt-in, not in tests).
+
+    python -m eval.vllm drafter.path=runs/make_run/train/drafter [join.evaluation=.../report.json]
+    make vllm      # the evaluation, llama.cpp and this in a row: one table
+
+Needs the vLLM environment (`make vllm-install`). Exports the drafter with format=eagle3, starts vLLM on the default
+target for each setting (plain, EAGLE-3 with 1-4 speculative tokens, n-gram), measures batch 1, 8 and 32, and writes
+vllm.json and vllm.md into the run directory. The work is `medusa_like.evaluation.vllm_bench`.
+"""
+
+import hydra
+from omegaconf import DictConfig
+
+from medusa_like.cli import one_line_errors
+from medusa_like.evaluation.vllm_bench import measure
+
+
+@hydra.main(version_base="1.3", config_path="../conf", config_name="vllm")
+def main(cfg: DictConfig) -> None:
+    with one_line_errors():
+        measure(cfg)
+
+
+if __name__ == "__main__":
+    main()

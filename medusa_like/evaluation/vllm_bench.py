@@ -1,0 +1,204 @@
+"""vLLM on this CPU beside this framework and llama.cpp: the same target, drafter and prompts, one table.
+
+    make vllm     # this framework's methods (eval.evaluate), llama.cpp (eval.llamacpp), then vLLM (eval.vllm)
+
+For each vLLM setting (plain, our EAGLE-3 export drafting 1-4 tokens, vLLM's n-gram speculation) one engine is started
+and measured at three batch sizes: batch 1 is the first `batch1_prompts` prompts one at a time (tokens/s = new tokens
+/ generate's wall time, summed over prompts); batch 8 and 32 give vLLM all the prompts in calls of 8 or 32 at once
+(throughput = new tokens / wall time). Acceptance per draft position is vLLM's own counter (accepted at position i /
+drafts) over the batch-1 run; this framework's for the same drafter and chain is measured on the same prompts. Every
+speculative setting's greedy outputs are compared with vLLM's plain ones, and vLLM's plain ones with transformers'
+greedy on the same fp32 target. The reports of the evaluation and of llama.cpp, when given, join the table.
+"""
+
+import json
+import logging
+import os
+from pathlib import Path
+
+import torch
+
+from medusa_like.engines.vllm_engine import VllmEngine, check_export, eagle3, ngram, target_directory
+from medusa_like.io import write_json, write_text
+
+log = logging.getLogger(__name__)
+
+
+def settings(export_dir: Path, run) -> list[tuple[str, dict | None]]:
+    """(name, speculative_config) for each vLLM setting of `run` (cfg.vllm), drafting from the export in
+    `export_dir`."""
+    out = [("vllm plain", None)]
+    out += [(f"vllm eagle3 k={k}", eagle3(export_dir, k)) for k in run.eagle3_tokens]
+    out += [(f"vllm ngram k={k}", ngram(k)) for k in run.ngram_tokens]
+    return out
+
+
+def measure_engine(engine: VllmEngine, prompts: list[list[int]], batch1: int, batches: list[int], eos, max_tokens):
+    """Batch 1 over the first `batch1` prompts (outputs and speculative counters kept), then each batch size over
+    all prompts."""
+    row = {"startup_seconds": engine.startup_seconds, "outputs": [], "spec": None}
+    tokens = seconds = 0.0
+    spec = {}
+    for ids in prompts[:batch1]:
+        out = engine.generate([ids], max_tokens, stop_token_ids=eos)
+        row["outputs"].append(out.outputs[0]["token_ids"])
+        tokens, seconds = tokens + out.new_tokens, seconds + out.seconds
+        spec = {k: _add(spec.get(k), v) for k, v in out.spec.items()}
+    row["batch"] = {1: {"tokens": tokens, "seconds": seconds, "tokens_per_second": tokens / seconds}}
+    drafts = spec.get("drafts", 0)
+    row["spec"] = spec
+    row["acceptance_per_position"] = [a / drafts for a in spec["accepted_per_pos"]] if drafts else []
+    for size in batches:
+        tokens = seconds = 0.0
+        for start in range(0, len(prompts), size):
+            out = engine.generate(prompts[start : start + size], max_tokens, stop_token_ids=eos)
+            tokens, seconds = tokens + out.new_tokens, seconds + out.seconds
+        row["batch"][size] = {"tokens": tokens, "seconds": seconds, "tokens_per_second": tokens / seconds}
+    return row
+
+
+def _add(a, b):
+    if a is None:
+        return b
+    if isinstance(b, list):
+        return [x + y for x, y in zip(a or [0] * len(b), b, strict=True)]
+    return a + b
+
+
+def framework_chain_acceptance(model, prompt_ids, depths: list[int], max_new_tokens: int) -> dict[int, list[float]]:
+    """This framework's acceptance per draft position with the learned drafter drafting a chain of each depth, counted
+    as vLLM counts it: steps that accepted at least i draft tokens / steps."""
+    out = {}
+    for depth in depths:
+        chain = [[0] * (i + 1) for i in range(depth)]
+        accepted = [0] * depth
+        steps = 0
+        for ids in prompt_ids:
+            stats = model.generate(ids, max_new_tokens=max_new_tokens, tree=chain, remember=False).stats
+            steps += len(stats.accepted_draft)
+            for n in stats.accepted_draft:
+                for i in range(n):
+                    accepted[i] += 1
+        out[depth] = [a / max(steps, 1) for a in accepted]
+        log.info("framework chain %d: acceptance per position %s", depth, [f"{a:.3f}" for a in out[depth]])
+    return out
+
+
+def transformers_greedy(target, prompt_ids, eos: list[int], max_new_tokens: int) -> list[list[int]]:
+    outs = []
+    for ids in prompt_ids:
+        with torch.no_grad():
+            out = target.generate(ids, max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=eos,
+                                  pad_token_id=eos[0])  # fmt: skip
+        row = out[0, ids.shape[1] :].tolist()
+        outs.append(row)
+    return outs
+
+
+def measure(cfg) -> dict:
+    from medusa_like.evaluation.llamacpp import machine, stamp
+    from medusa_like.evaluation.setup import question_set, run_dir
+    from medusa_like.formats import export_drafter, load_drafter
+    from medusa_like.model import MedusaLikeModel
+    from medusa_like.targets import load_target
+
+    out_dir = run_dir(cfg)
+    target, tokenizer = load_target(cfg.model.name_or_path, dtype="float32", device="cpu")
+    drafter = load_drafter(cfg.drafter.path, target)
+    export = export_drafter(drafter, out_dir / "eagle3", "eagle3", target, cfg.model.name_or_path, overwrite=True)
+    check_export(export, target)
+    model = MedusaLikeModel(target, tokenizer, drafter)
+    questions = question_set(cfg.data, cfg.validation)
+    prompt_ids = [model.chat_ids([{"role": "user", "content": q.turns[0]}]) for q in questions]
+    prompts = [ids[0].tolist() for ids in prompt_ids]
+    eos = model.eos_token_ids()
+    run = cfg.vllm
+    batch1 = min(run.batch1_prompts, len(prompts))
+    model_dir = target_directory(target, tokenizer, out_dir)
+    load_before = os.getloadavg()
+    rows = {}
+    for name, spec in settings(export, run):
+        engine = VllmEngine(model_dir, speculative=spec, kv_cache_gib=run.kv_cache_gib, seed=cfg.seed)
+        with engine:
+            rows[name] = measure_engine(engine, prompts, batch1, list(run.batch_sizes), eos, run.max_new_tokens)
+        log.info("%s: %s", name, {k: round(v["tokens_per_second"], 1) for k, v in rows[name]["batch"].items()})
+        write_json(out_dir / "vllm_partial.json", rows)
+    load_after = os.getloadavg()
+    plain = rows["vllm plain"]["outputs"]
+    for row in rows.values():
+        row["equal_to_vllm_plain"] = sum(a == b for a, b in zip(row["outputs"], plain, strict=True))
+    torch.set_num_threads(run.threads)
+    reference = transformers_greedy(target, prompt_ids[:batch1], eos, run.max_new_tokens)
+    framework = framework_chain_acceptance(model, prompt_ids[:batch1], list(run.eagle3_tokens), run.max_new_tokens)
+    report = {
+        "date": stamp(),
+        "machine": machine(),
+        "vllm_version": run.version,
+        "drafter": str(cfg.drafter.path),
+        "prompts": len(prompts),
+        "batch1_prompts": batch1,
+        "max_new_tokens": run.max_new_tokens,
+        "load_average": {"before": load_before, "after": load_after},
+        "vllm": {name: {k: v for k, v in row.items() if k != "outputs"} for name, row in rows.items()},
+        "vllm_plain_equal_to_transformers_greedy": sum(a == b for a, b in zip(plain, reference, strict=True)),
+        "framework_chain_acceptance": framework,
+        "evaluation": _joined(cfg.join.evaluation),
+        "llamacpp": _joined(cfg.join.llamacpp),
+    }
+    write_json(out_dir / "vllm.json", report)
+    write_text(out_dir / "vllm.md", markdown(report))
+    print(markdown(report))
+    return report
+
+
+def _joined(path) -> dict | None:
+    if path and Path(path).is_file():
+        return json.loads(Path(path).read_text())
+    if path:
+        log.warning("%s not found: its rows are left out of the table", path)
+    return None
+
+
+def markdown(report: dict) -> str:
+    """One table: every engine and method, tokens/s at batch 1 (8 and 32 for the engines), acceptance per position."""
+    b1 = report["batch1_prompts"]
+    lines = [
+        f"{report['machine']}, {report['date']}; {b1} prompts at batch 1, {report['prompts']} at batch 8 and 32, "
+        f"{report['max_new_tokens']} new tokens, greedy, fp32 (llama.cpp: its Q4_1 GGUF target); load average "
+        f"{report['load_average']['before'][1]:.1f} to {report['load_average']['after'][1]:.1f}",
+        "",
+        "| engine / method | tokens/s batch 1 | batch 8 | batch 32 | acceptance per position | greedy = plain |",
+        "|---|---:|---:|---:|---|---:|",
+    ]
+    for name, row in report["vllm"].items():
+        b = row["batch"]
+        acc = " / ".join(f"{a:.2f}" for a in row["acceptance_per_position"])
+        lines.append(
+            f"| {name} | {_tps(b, 1)} | {_tps(b, 8)} | {_tps(b, 32)} | {acc} | {row['equal_to_vllm_plain']}/{b1} |"
+        )
+    for row in (report.get("llamacpp") or {}).get("llamacpp", []):
+        acc = "" if row["acceptance"] is None else f"{row['acceptance']:.2f} (all positions)"
+        lines.append(f"| llama.cpp {row['name']} | {row['tokens_per_second']:.1f} | | | {acc} | |")
+    evaluation = report.get("evaluation")
+    for name, tps in _framework_speeds(evaluation).items():
+        lines.append(f"| medusa_like {name} | {tps:.1f} | | | | |")
+    lines += ["", "This framework's acceptance per position, learned drafter drafting the same chains:", ""]
+    for depth, acc in report["framework_chain_acceptance"].items():
+        lines.append(f"- chain {depth}: " + " / ".join(f"{a:.2f}" for a in acc))
+    lines.append(
+        f"\nvLLM plain greedy equals transformers' greedy (fp32, same prompts) on "
+        f"{report['vllm_plain_equal_to_transformers_greedy']} of {b1} prompts."
+    )
+    return "\n".join(lines) + "\n"
+
+
+def _tps(batch: dict, size: int) -> str:
+    entry = batch.get(size) or batch.get(str(size))
+    return f"{entry['tokens_per_second']:.1f}" if entry else ""
+
+
+def _framework_speeds(evaluation: dict | None) -> dict[str, float]:
+    """Median tokens/s of each method in an evaluation report (`eval.evaluate`'s report.json)."""
+    if not evaluation:
+        return {}
+    return dict(evaluation["speed"]["median_tokens_per_second"])

@@ -1,0 +1,161 @@
+"""vLLM serves our EAGLE-3 export: a tiny target and a drafter trained here, exported with `format=eagle3`, loaded and
+run by vLLM's CPU build in its own environment (`make vllm-install`). Greedy with the drafter equals vLLM's greedy
+without it (and transformers' greedy), some drafts are accepted, and a drafter exported for another target is refused
+before vLLM sees it. The vLLM tests skip, with the reason, where vLLM is not installed; the refusal runs everywhere."""
+
+import lightning as L
+import pytest
+import torch
+from torch.utils.data import DataLoader
+
+from medusa_like.data import generation, storage
+from medusa_like.decoding.generate import speculative_generate
+from medusa_like.decoding.tree import resolve_tree
+from medusa_like.drafters.base import DrafterMismatchError
+from medusa_like.drafters.eagle3 import Eagle3Proposer
+from medusa_like.drafters.vocab import DraftVocab
+from medusa_like.engines.vllm_engine import VllmEngine, check_export, eagle3, ngram, unavailable_reason
+from medusa_like.formats.common import FormatError
+from medusa_like.formats.eagle3 import write_eagle3
+from medusa_like.tiny import tiny_chat_target, tiny_model
+from medusa_like.training.eagle3_module import Eagle3Module
+
+from .conftest import VOCAB, greedy_reference, greedy_rows, random_prompts
+from .test_distill import conversations
+
+NEW_TOKENS = 24
+needs_vllm = pytest.mark.skipif(unavailable_reason() is not None, reason=f"vLLM: {unavailable_reason()}")
+
+
+def vllm_target(num_layers: int = 8, seed: int = 0):
+    """A tiny llama in shapes vLLM's CPU attention takes (head size 32), its logits scaled x20: nearly deterministic
+    (no near-ties between two engines' arithmetic), its greedy text falls into loops a drafter can learn."""
+    target = tiny_model(
+        "llama", VOCAB, seed, hidden_size=64, num_hidden_layers=num_layers, num_attention_heads=2,
+        num_key_value_heads=1, head_dim=32, intermediate_size=128, tie_word_embeddings=False,
+    )  # fmt: skip
+    with torch.no_grad():
+        target.get_output_embeddings().weight.mul_(20)
+    return target
+
+
+def trained_drafter(target, steps: int = 80):
+    """An EAGLE-3 drafter trained for `steps` AdamW steps on the target's greedy continuations of random prompts."""
+    torch.manual_seed(0)
+    module = Eagle3Module(
+        target, DraftVocab.full(VOCAB), "tiny_llama", optimizer=lambda p: torch.optim.AdamW(p, lr=1e-2), ttt_steps=3
+    )
+    trainer = L.Trainer(
+        max_steps=steps, accelerator="cpu", logger=False, enable_checkpointing=False, enable_progress_bar=False,
+        enable_model_summary=False,
+    )  # fmt: skip
+    trainer.fit(module, DataLoader(greedy_rows(target, 32, seed=0), batch_size=8, shuffle=True))
+    return module.drafter.eval()
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    """(target, drafter, target directory, export directory)."""
+    root = tmp_path_factory.mktemp("vllm")
+    target = vllm_target()
+    drafter = trained_drafter(target)
+    target.save_pretrained(root / "target", safe_serialization=True)
+    export = write_eagle3(drafter, root / "eagle3", "eagle3", target, "tiny_llama")
+    return target, drafter, root / "target", export
+
+
+def framework_chain_acceptance(target, drafter, prompts, depth: int) -> list[float]:
+    """This framework's acceptance per draft position with a chain of `depth`, as vLLM counts it (accepted at
+    position i / drafts)."""
+    chain = resolve_tree([[0] * (i + 1) for i in range(depth)], None)
+    accepted = [0] * depth
+    drafts = 0
+    for prompt in prompts:
+        out = speculative_generate(target, Eagle3Proposer(drafter, target), prompt, chain, NEW_TOKENS)
+        for n in out.stats.accepted_draft:
+            drafts += 1
+            for i in range(n):
+                accepted[i] += 1
+    return [a / drafts for a in accepted]
+
+
+@pytest.mark.slow
+@needs_vllm
+def test_vllm_serves_the_export_losslessly_and_accepts_its_drafts(served):
+    target, drafter, target_dir, export = served
+    check_export(export, target)
+    prompts = random_prompts(8, seed=123, min_len=4, max_len=12)  # not the training prompts
+    ids = [p[0].tolist() for p in prompts]
+    expected = [greedy_reference(target, p, NEW_TOKENS).tolist() for p in prompts]  # transformers' greedy
+
+    with VllmEngine(target_dir, tokenizer=False) as engine:
+        plain = engine.generate(ids, NEW_TOKENS, ignore_eos=True)
+    with VllmEngine(target_dir, speculative=eagle3(export, 2), tokenizer=False) as engine:
+        spec = engine.generate(ids, NEW_TOKENS, ignore_eos=True)
+
+    plain_tokens = [o["token_ids"] for o in plain.outputs]
+    assert [o["token_ids"] for o in spec.outputs] == plain_tokens  # lossless in vLLM
+    assert plain_tokens == expected  # and the same text as transformers' greedy
+    assert spec.spec["drafts"] > 0 and spec.spec["accepted"] > 0, spec.spec
+    assert plain.spec["drafts"] == 0
+    ours = framework_chain_acceptance(target, drafter, prompts, 2)
+    theirs = spec.acceptance_per_position()
+    assert theirs[0] > 0.5 * ours[0], (theirs, ours)  # the same drafter drafts the same chains in both engines
+
+
+@pytest.mark.slow
+@needs_vllm
+def test_vllm_ngram_speculation_is_lossless_on_the_same_target(served):
+    target, _, target_dir, _ = served
+    prompts = random_prompts(4, seed=7, min_len=4, max_len=12)
+    with VllmEngine(target_dir, speculative=ngram(3), tokenizer=False) as engine:
+        out = engine.generate([p[0].tolist() for p in prompts], NEW_TOKENS, ignore_eos=True)
+    assert [o["token_ids"] for o in out.outputs] == [greedy_reference(target, p, NEW_TOKENS).tolist() for p in prompts]
+
+
+def test_a_drafter_exported_for_another_target_is_refused_before_vllm_sees_it(tmp_path):
+    target, other = vllm_target(num_layers=8), vllm_target(num_layers=10)  # same widths and vocabulary
+    drafter = trained_drafter(target, steps=1)
+    export = write_eagle3(drafter, tmp_path / "eagle3", "eagle3", target, "tiny_llama")
+    check_export(export, target)
+    with pytest.raises(DrafterMismatchError, match="fingerprint"):
+        check_export(export, other)
+    native = write_eagle3(drafter, tmp_path / "native", "native", target, "tiny_llama")
+    with pytest.raises(FormatError, match="format=eagle3"):
+        check_export(native, target)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# vLLM as the data engine (`distill.engine=vllm`)
+
+GREEDY = generation.GenerationConfig(temperature=0.0, max_new_tokens=12, max_prompt_tokens=64, max_length=256)
+
+
+@pytest.mark.slow
+@needs_vllm
+def test_distilling_through_vllm_stores_transformers_greedy_answers_and_resumes(tmp_path):
+    model, tokenizer = tiny_chat_target(
+        "llama", hidden_size=64, num_attention_heads=2, num_key_value_heads=1, tie_word_embeddings=False
+    )
+    with torch.no_grad():
+        model.get_output_embeddings().weight.mul_(20)  # no near-ties between the two engines' arithmetic
+    convs = conversations(6)
+    common = dict(batch_size=4, chunk_size=4, progress=False)
+    generation.run(model, tokenizer, convs, tmp_path / "hf", GREEDY, **common)
+    sampled = generation.GenerationConfig(temperature=0.8, max_new_tokens=12, max_prompt_tokens=64, max_length=256)
+    model.save_pretrained(tmp_path / "target")
+    tokenizer.save_pretrained(tmp_path / "target")
+    with VllmEngine(tmp_path / "target", max_model_len=256) as engine:
+        vllm = dict(generator=generation.vllm_generator(engine), engine="vllm", **common)
+        assert generation.run(model, tokenizer, convs, tmp_path / "v", GREEDY, max_chunks=1, **vllm) is None
+        assert generation.run(model, tokenizer, convs, tmp_path / "v", GREEDY, **vllm) == tmp_path / "v" / "dataset"
+        for name in ("s1", "s2"):  # seeded per chunk and batch: a resumed chunk samples what it did
+            generation.run(model, tokenizer, convs, tmp_path / name, sampled, **vllm)
+    hf, vl = storage.load_distilled(tmp_path / "hf"), storage.load_distilled(tmp_path / "v")
+    assert vl["input_ids"] == hf["input_ids"] and vl["loss_mask"] == hf["loss_mask"]
+    s1, s2 = storage.load_distilled(tmp_path / "s1"), storage.load_distilled(tmp_path / "s2")
+    assert s1["input_ids"] == s2["input_ids"] and s1["input_ids"] != hf["input_ids"]
+    with pytest.raises(ValueError, match="recipe"):  # one directory, one engine
+        generation.run(
+            model, tokenizer, convs, tmp_path / "hf", GREEDY, generator=lambda *a: [], engine="vllm", **common
+        )
