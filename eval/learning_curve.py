@@ -1,7 +1,8 @@
 """Learning curve of an EAGLE-3 drafter: held-out acceptance and the drafter's own tau against supervised tokens seen.
 
     python -m train.train experiment=smollm2_eagle3_curve hydra.run.dir=runs/curve/train   # checkpoints at milestones
-    python -m eval.learning_curve runs/curve/train --prompts 16 --max-new-tokens 96        # curve.json, curve.png
+    python -m train.train experiment=smollm2_eagle3_long hydra.run.dir=runs/long/train     # several epochs
+    python -m eval.learning_curve runs/curve/train --epochs-run runs/long/train            # curve.json, curve.png
 
 The training run saves `checkpoints/tokens-<n>.ckpt` when the supervised tokens it trained on reach each milestone
 (`training.checkpoints.TokenMilestones`). For each, this script measures on the run's own validation rows the per-depth
@@ -9,9 +10,15 @@ top-1 acceptance of the training-time test and the chain tau they imply (what `v
 drafter's tau alone when it decodes validation prompts (first turns, the target's chat template, greedy, a dynamic
 tree): generated tokens per target forward, bonus token included. It prints a table, writes `curve.json` and draws
 `curve.png` in the run directory. Decoding is lossless by construction; tau, not speed, is measured here.
+
+`--epochs-run` adds a run of several epochs over the same data (the long recipe): its validation at each epoch's end,
+read from its CSV log, at the supervised tokens seen by then (epochs x the epoch's supervised tokens, counted from the
+data as TokenMilestones counts them), and the tau alone of the drafter it exported (its best checkpoint). Every point
+is written to curve.json as soon as it is measured, and a rerun with the same settings measures only what is missing.
 """
 
 import argparse
+import csv
 import json
 import logging
 from pathlib import Path
@@ -60,12 +67,38 @@ def decoding_tau(target, tokenizer, drafter, prompts, max_new_tokens: int, tree:
     return tokens / max(forwards, 1)
 
 
+def epoch_points(run_dir: Path, datamodule) -> list[dict]:
+    """The validation rows of a several-epoch run's CSV log, at the supervised tokens seen by each; the row of the
+    step whose checkpoint the run exported (its best) is marked `exported`."""
+    per_epoch = sum(int(batch["loss_mask"].sum()) for batch in datamodule.train_dataloader())
+    steps_per_epoch = len(datamodule.train_dataloader())
+    best = [int(p.stem.rsplit("step", 1)[1]) for p in (run_dir / "checkpoints").glob("best-*step*.ckpt")]
+    points = []
+    for log_file in sorted(run_dir.glob("csv/*/metrics.csv")):
+        with log_file.open() as f:
+            for row in csv.DictReader(f):
+                if not row.get("val/acc_top1_depth1"):
+                    continue
+                step = int(row["step"]) + 1  # Lightning logs validation at the last finished step's index
+                point = {k: float(v) for k, v in row.items() if k.startswith("val/") and v}
+                point.update(tokens=round(step * per_epoch / steps_per_epoch), step=step, run="epochs")
+                point["source"] = f"{run_dir}@step{step}"
+                point["exported"] = step in best
+                points.append(point)
+    return points
+
+
+def _cell(value) -> str:
+    return "" if value is None else f"{value:.3f}" if isinstance(value, float) else str(value)
+
+
 def plot(points: list[dict], path: Path, depths: int) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    points = sorted(points, key=lambda p: p["tokens"])  # one line per depth across both runs' points
     tokens = [p["tokens"] for p in points]
     fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
     for d in range(1, depths + 1):
@@ -73,7 +106,11 @@ def plot(points: list[dict], path: Path, depths: int) -> None:
     left.set(xscale="log", xlabel="supervised tokens seen", ylabel="held-out top-1 acceptance", ylim=(0, 1))
     left.legend()
     right.plot(tokens, [p["val/sim_tau_chain"] for p in points], marker="o", label="chain tau from acceptance")
-    right.plot(tokens, [p["tau_alone"] for p in points], marker="s", label="tau decoding alone (dynamic tree)")
+    decoded = [p for p in points if p.get("tau_alone") is not None]
+    right.plot(
+        [p["tokens"] for p in decoded], [p["tau_alone"] for p in decoded], marker="s",
+        label="tau decoding alone (dynamic tree)",
+    )  # fmt: skip
     right.set(xscale="log", xlabel="supervised tokens seen", ylabel="tokens per target forward")
     right.legend()
     fig.tight_layout()
@@ -86,6 +123,9 @@ def main() -> None:
     parser.add_argument("--prompts", type=int, default=16, help="validation prompts decoded per point")
     parser.add_argument("--max-new-tokens", type=int, default=96)
     parser.add_argument("--tree", default="dynamic", help="the tree the drafter decodes with alone")
+    parser.add_argument(
+        "--epochs-run", type=Path, action="append", default=[], help="a run of several epochs on the same data"
+    )
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     milestones_file = args.run_dir / "checkpoints" / "milestones.json"
@@ -108,26 +148,46 @@ def main() -> None:
     prompts = [chat_input_ids(tokenizer, [{"role": "user", "content": q.turns[0]}]) for q in questions]
     datamodule = instantiate(cfg.data.module)
     datamodule.setup("fit")
+    settings = {"prompts": len(prompts), "max_new_tokens": args.max_new_tokens, "tree": args.tree}
+    out_file = args.run_dir / "curve.json"
+    earlier = json.loads(out_file.read_text()) if out_file.is_file() else {}
+    done = (
+        {p["source"]: p for p in earlier.get("points", []) if "source" in p}
+        if earlier.get("settings") == settings
+        else {}
+    )
     points = []
+
+    def record(point: dict) -> None:
+        points.append(point)
+        write_json(out_file, {"settings": settings, "points": points})
+
     for entry in json.loads(milestones_file.read_text()):
         checkpoint = args.run_dir / "checkpoints" / entry["path"]
+        if str(checkpoint) in done:
+            record(done[str(checkpoint)])
+            continue
         metrics = held_out(cfg, target, datamodule, checkpoint)
         drafter = load_drafter(checkpoint, target)
         tau = decoding_tau(target, tokenizer, drafter, prompts, args.max_new_tokens, args.tree)
-        points.append({**entry, **metrics, "tau_alone": tau})
+        record({**entry, **metrics, "tau_alone": tau, "run": "milestones", "source": str(checkpoint)})
         log.info("%d tokens: %s, tau alone %.3f", entry["tokens"], metrics, tau)
+    for run in args.epochs_run:
+        for point in epoch_points(run, datamodule):
+            if point["source"] in done:
+                record(done[point["source"]])
+                continue
+            if point.pop("exported", False):
+                drafter = load_drafter(run / "drafter", target)
+                point["tau_alone"] = decoding_tau(target, tokenizer, drafter, prompts, args.max_new_tokens, args.tree)
+            record(point)
+            log.info("%s", point)
     depths = int(cfg.drafter.module.ttt_steps)
     header = ["tokens", "step", *[f"val/acc_top1_depth{d}" for d in range(1, depths + 1)], "val/sim_tau_chain"]
     print("| " + " | ".join([*header, "tau_alone"]) + " |")
     print("|" + "---|" * (len(header) + 1))
     for p in points:
-        print(
-            "| "
-            + " | ".join(f"{p[k]:.3f}" if isinstance(p[k], float) else str(p[k]) for k in [*header, "tau_alone"])
-            + " |"
-        )
-    settings = {"prompts": len(prompts), "max_new_tokens": args.max_new_tokens, "tree": args.tree}
-    write_json(args.run_dir / "curve.json", {"settings": settings, "points": points})
+        print("| " + " | ".join(_cell(p.get(k)) for k in [*header, "tau_alone"]) + " |")
     plot(points, args.run_dir / "curve.png", depths)
 
 
