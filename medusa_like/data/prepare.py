@@ -66,7 +66,7 @@ def _build_dataset(cfg: DictConfig, target, tokenizer, shard: int, num_shards: i
         raise ValueError(f"distill.engine must be one of {generation.ENGINES}, got {engine!r}")
     conversations = generation.select_conversations(data.source, data.num_conversations, tokenizer, gen, data.split)
     log.info("distilling %d conversations from %s into %s with %s", len(conversations), data.source, data.dir, engine)
-    with _generator(engine, target, tokenizer, gen) as generator:
+    with _generator(engine, target, tokenizer, gen, cfg.distill.get("vllm_args")) as generator:
         return generation.run(
             conversations=conversations,
             gen=gen,
@@ -81,9 +81,10 @@ def _build_dataset(cfg: DictConfig, target, tokenizer, shard: int, num_shards: i
 
 
 @contextmanager
-def _generator(engine: str, target, tokenizer, gen: generation.GenerationConfig):
+def _generator(engine: str, target, tokenizer, gen: generation.GenerationConfig, vllm_args=None):
     """The answers' engine for a whole build: None (transformers on `target`), or vLLM started once on the same
-    weights (a model built in memory is saved for it to a temporary directory first)."""
+    weights (a model built in memory is saved for it to a temporary directory first), with `vllm_args` passed to
+    vLLM's `LLM`."""
     if engine == "transformers":
         yield None
         return
@@ -92,7 +93,8 @@ def _generator(engine: str, target, tokenizer, gen: generation.GenerationConfig)
     with tempfile.TemporaryDirectory(prefix="medusa_like_vllm_") as scratch:
         model_dir = target_directory(target, tokenizer, scratch)
         dtype = str(target.dtype).removeprefix("torch.")
-        with VllmEngine(model_dir, dtype=dtype, max_model_len=gen.max_length) as vllm:
+        args = dict(vllm_args or {})
+        with VllmEngine(model_dir, dtype=dtype, max_model_len=gen.max_length, **args) as vllm:
             yield generation.vllm_generator(vllm)
 
 

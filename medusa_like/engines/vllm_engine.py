@@ -138,6 +138,7 @@ class VllmEngine:
         enforce_eager: bool = True,
         tokenizer: bool = True,  # False: the directory has no tokenizer (token ids only)
         python: str | Path | None = None,
+        **llm_args,  # any other argument of vLLM's `LLM` (e.g. tensor_parallel_size on GPUs)
     ):
         reason = None if python else unavailable_reason()
         if reason:
@@ -152,6 +153,7 @@ class VllmEngine:
             disable_log_stats=False,  # the speculative-decoding counters
             skip_tokenizer_init=not tokenizer,
         )
+        self.settings.update(llm_args)  # overrides the defaults above (e.g. gpu_memory_utilization on a GPU)
         if max_model_len is not None:
             self.settings["max_model_len"] = max_model_len
         if speculative:
