@@ -30,6 +30,7 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 
+from medusa_like.data.generation import check_engine
 from medusa_like.data.naming import source_name
 
 log = logging.getLogger(__name__)
@@ -147,6 +148,7 @@ TRAIN_CHECKS = {
     "trainer.log_every_n_steps": Number(min=1),
     "module.optimizer.lr": Number(float, min=0.0),
     "distill.batch_size": Number(min=1),
+    "distill.engine": Accepted(check_engine),
     "drafter.heads.num_heads": Number(min=1, when=("drafter.kind", "medusa")),
     "drafter.draft_vocab_size": Number(min=1, when=("drafter.kind", "eagle3")),
     "drafter.module.ttt_steps": Number(min=1, when=("drafter.kind", "eagle3")),
@@ -155,6 +157,7 @@ TRAIN_CHECKS = {
 DISTILL_CHECKS = {
     "seed": Number(),
     "distill.batch_size": Number(min=1),
+    "distill.engine": Accepted(check_engine),
     "distill.shard": Number(min=0),
     "distill.num_shards": Number(min=1),
     "distill.max_chunks": Number(min=1, optional=True),

@@ -68,6 +68,13 @@ Generator = Callable[[list[list[int]], GenerationConfig, list[int], int], list[l
 ENGINES = ("transformers", "vllm")
 
 
+def check_engine(name) -> str:
+    """`name` if it names an engine of ENGINES, else a ValueError saying which ones there are."""
+    if name not in ENGINES:
+        raise ValueError(f"expected one of {list(ENGINES)}, got {name!r}")
+    return name
+
+
 def run(
     model,
     tokenizer,

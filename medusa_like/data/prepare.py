@@ -61,9 +61,7 @@ def _build_dataset(cfg: DictConfig, target, tokenizer, shard: int, num_shards: i
     if data.recipe != "distilled":
         raise ValueError(f"data.recipe must be 'distilled' or 'original', got {data.recipe!r}")
     gen = _generation_config(data)
-    engine = cfg.distill.get("engine") or "transformers"
-    if engine not in generation.ENGINES:
-        raise ValueError(f"distill.engine must be one of {generation.ENGINES}, got {engine!r}")
+    engine = generation.check_engine(cfg.distill.get("engine") or "transformers")
     conversations = generation.select_conversations(data.source, data.num_conversations, tokenizer, gen, data.split)
     log.info("distilling %d conversations from %s into %s with %s", len(conversations), data.source, data.dir, engine)
     with _generator(engine, target, tokenizer, gen, cfg.distill.get("vllm_args")) as generator:
