@@ -9,6 +9,10 @@ and measured at three batch sizes: batch 1 is the first `batch1_prompts` prompts
 drafts) over the batch-1 run; this framework's for the same drafter and chain is measured on the same prompts. Every
 speculative setting's greedy outputs are compared with vLLM's plain ones, and vLLM's plain ones with transformers'
 greedy on the same fp32 target. The reports of the evaluation and of llama.cpp, when given, join the table.
+
+Where the time of a speculative step goes, from the same run: tokens per step = 1 + the sum of the acceptance per
+position (the bonus token and the accepted drafts), ms per step = tokens per step / tokens/s at batch 1. Against plain
+decoding's ms per token, the difference is what drafting k tokens and verifying k + 1 costs.
 """
 
 import json
@@ -167,21 +171,27 @@ def markdown(report: dict) -> str:
         f"{report['max_new_tokens']} new tokens, greedy, fp32 (llama.cpp: its Q4_1 GGUF target); load average "
         f"{report['load_average']['before'][1]:.1f} to {report['load_average']['after'][1]:.1f}",
         "",
-        "| engine / method | tokens/s batch 1 | batch 8 | batch 32 | acceptance per position | greedy = plain |",
-        "|---|---:|---:|---:|---|---:|",
+        "| engine / method | tokens/s batch 1 | batch 8 | batch 32 | acceptance per position | tokens / step | "
+        "ms / step | greedy = plain |",
+        "|---|---:|---:|---:|---|---:|---:|---:|",
     ]
     for name, row in report["vllm"].items():
         b = row["batch"]
         acc = " / ".join(f"{a:.2f}" for a in row["acceptance_per_position"])
+        per_step = 1 + sum(row["acceptance_per_position"])  # the bonus token and the accepted drafts
+        ms = 1000 * per_step / _entry(b, 1)["tokens_per_second"]
         lines.append(
-            f"| {name} | {_tps(b, 1)} | {_tps(b, 8)} | {_tps(b, 32)} | {acc} | {row['equal_to_vllm_plain']}/{b1} |"
+            f"| {name} | {_tps(b, 1)} | {_tps(b, 8)} | {_tps(b, 32)} | {acc} | {per_step:.2f} | {ms:.1f} | "
+            f"{row['equal_to_vllm_plain']}/{b1} |"
         )
     for row in (report.get("llamacpp") or {}).get("llamacpp", []):
         acc = "" if row["acceptance"] is None else f"{row['acceptance']:.2f} (all positions)"
-        lines.append(f"| llama.cpp {row['name']} | {row['tokens_per_second']:.1f} | | | {acc} | |")
+        lines.append(f"| llama.cpp {row['name']} | {row['tokens_per_second']:.1f} | | | {acc} | | | |")
     evaluation = report.get("evaluation")
     for name, tps in _framework_speeds(evaluation).items():
-        lines.append(f"| medusa_like {name} | {tps:.1f} | | | | |")
+        tau = (evaluation.get("methods", {}).get(name) or {}).get("tau")
+        steps = "" if tau is None else f"{tau:.2f}"
+        lines.append(f"| medusa_like {name} | {tps:.1f} | | | | {steps} | | |")
     lines += ["", "This framework's acceptance per position, learned drafter drafting the same chains:", ""]
     for depth, acc in report["framework_chain_acceptance"].items():
         lines.append(f"- chain {depth}: " + " / ".join(f"{a:.2f}" for a in acc))
@@ -192,8 +202,12 @@ def markdown(report: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _entry(batch: dict, size: int) -> dict | None:
+    return batch.get(size) or batch.get(str(size))  # int keys become strings in JSON
+
+
 def _tps(batch: dict, size: int) -> str:
-    entry = batch.get(size) or batch.get(str(size))
+    entry = _entry(batch, size)
     return f"{entry['tokens_per_second']:.1f}" if entry else ""
 
 
