@@ -99,7 +99,23 @@ def transformers_greedy(target, prompt_ids, eos: list[int], max_new_tokens: int)
     return outs
 
 
+def rejoin(cfg) -> dict:
+    """The table again from the run directory's vllm.json, joined with the reports `cfg.join` names now (e.g. a
+    llama.cpp run made after the vLLM one)."""
+    from medusa_like.evaluation.setup import run_dir
+
+    out_dir = run_dir(cfg)
+    report = json.loads((out_dir / "vllm.json").read_text())
+    report["evaluation"], report["llamacpp"] = _joined(cfg.join.evaluation), _joined(cfg.join.llamacpp)
+    write_json(out_dir / "vllm.json", report)
+    write_text(out_dir / "vllm.md", markdown(report))
+    print(markdown(report))
+    return report
+
+
 def measure(cfg) -> dict:
+    if not cfg.vllm.get("measure", True):
+        return rejoin(cfg)
     from medusa_like.evaluation.llamacpp import machine, stamp
     from medusa_like.evaluation.setup import question_set, run_dir
     from medusa_like.formats import export_drafter, load_drafter
