@@ -191,7 +191,8 @@ def test_model_dtype_reaches_the_loaded_target(tmp_path, train_cfg):
 def test_distill_settings_are_defined_once_and_shared(tmp_path, train_cfg):
     train = train_cfg().distill
     distill = compose_config("distill", tmp_path, "model=tiny_llama", "data=tiny", "distill.progress=false").distill
-    assert train == distill and set(train) == {"batch_size", "shard", "num_shards", "max_chunks", "progress"}
+    assert train == distill
+    assert set(train) == {"batch_size", "engine", "vllm_args", "shard", "num_shards", "max_chunks", "progress"}
     full = compose_config("distill", tmp_path, "experiment=smollm2_medusa_full")
     assert full.distill.batch_size == 64 and full.distill.num_shards == 1  # an experiment changes one key
 
