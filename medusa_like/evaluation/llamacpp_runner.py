@@ -10,7 +10,8 @@ decoding": it builds no drafter), and `llama-simple` takes no thread count, so p
 tokens (`ctx_size` stays at most 2,048), and each step verifies one token, exactly plain decoding.
 
 Every run is one process per prompt, greedy (`--temp 0`), the same number of threads for the target and the
-drafter, holding the lock `flock /tmp/medusa_bench.lock` takes, so no two benchmarks overlap. What it prints at the
+drafter, every thread pool told not to busy-wait (`NO_POLLING`), holding the lock `flock /tmp/medusa_bench.lock`
+takes, so no two benchmarks overlap. What it prints at the
 end (`decoded N tokens in S seconds`, `n_drafted`, `n_accept`) is summed over the prompts per `Setting`.
 """
 
@@ -180,6 +181,25 @@ class Result:
         return {**asdict(self), "tokens_per_second": self.tokens_per_second, "acceptance": self.acceptance}
 
 
+# ggml's CPU thread pools busy-wait for their next graph by default (`--poll 50`). The target's pool then spins
+# through the drafter's whole turn, holding cores the drafter's threads need, and the drafter's per-op barriers
+# wait on threads that cannot run. `--poll` alone does not reach the batch pool that verifies drafts (several
+# tokens) once `-tb` is given, so each pool is named; the draft pools are named for builds that give the drafter one.
+NO_POLLING = ("--poll", "0", "--poll-batch", "0", "--poll-draft", "0", "--poll-batch-draft", "0")
+
+
+def prompt_command(
+    binary: Path, target_gguf: Path, prompt: str, setting: Setting, threads: int, max_new_tokens: int, ctx_size: int
+) -> list[str]:
+    """The `llama-speculative-simple` command line for one greedy generation of `prompt` under `setting`."""
+    return [
+        str(binary), "-m", str(target_gguf), "-p", prompt, "-n", str(max_new_tokens),
+        "-c", str(ctx_size), "--temp", "0", "--seed", "0",
+        "-t", str(threads), "-tb", str(threads), "-td", str(threads), "-tbd", str(threads), *NO_POLLING,
+        *setting.arguments(),
+    ]  # fmt: skip
+
+
 def run_prompt(
     binary: Path,
     target_gguf: Path,
@@ -193,12 +213,7 @@ def run_prompt(
 ) -> dict:
     """One greedy generation of `prompt` under `setting`, run holding the benchmark lock (the wait for it is not
     part of `timeout`); its parsed figures."""
-    command = [
-        str(binary), "-m", str(target_gguf), "-p", prompt, "-n", str(max_new_tokens),
-        "-c", str(ctx_size), "--temp", "0", "--seed", "0",
-        "-t", str(threads), "-tb", str(threads), "-td", str(threads), "-tbd", str(threads),
-        *setting.arguments(),
-    ]  # fmt: skip
+    command = prompt_command(binary, target_gguf, prompt, setting, threads, max_new_tokens, ctx_size)
     with bench_lock(lock):
         done = subprocess.run(command, capture_output=True, text=True, timeout=timeout)
     text = done.stdout + done.stderr
