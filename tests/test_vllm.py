@@ -15,6 +15,7 @@ from medusa_like.drafters.base import DrafterMismatchError
 from medusa_like.drafters.eagle3 import Eagle3Proposer
 from medusa_like.drafters.vocab import DraftVocab
 from medusa_like.engines.vllm_engine import VllmEngine, check_export, eagle3, ngram, unavailable_reason
+from medusa_like.evaluation.vllm_bench import acceptance_per_position
 from medusa_like.formats.common import FormatError
 from medusa_like.formats.eagle3 import write_eagle3
 from medusa_like.tiny import tiny_chat_target, tiny_model
@@ -65,18 +66,14 @@ def served(tmp_path_factory):
 
 
 def framework_chain_acceptance(target, drafter, prompts, depth: int) -> list[float]:
-    """This framework's acceptance per draft position with a chain of `depth`, as vLLM counts it (accepted at
-    position i / drafts)."""
+    """This framework's acceptance per draft position with a chain of `depth`, counted as vLLM counts it."""
     chain = resolve_tree([[0] * (i + 1) for i in range(depth)], None)
-    accepted = [0] * depth
-    drafts = 0
+    accepted = []
     for prompt in prompts:
-        out = speculative_generate(target, Eagle3Proposer(drafter, target), prompt, chain, NEW_TOKENS)
-        for n in out.stats.accepted_draft:
-            drafts += 1
-            for i in range(n):
-                accepted[i] += 1
-    return [a / drafts for a in accepted]
+        accepted += speculative_generate(
+            target, Eagle3Proposer(drafter, target), prompt, chain, NEW_TOKENS
+        ).stats.accepted_draft
+    return acceptance_per_position(accepted, depth)
 
 
 @pytest.mark.slow

@@ -69,21 +69,25 @@ def _add(a, b):
     return a + b
 
 
+def acceptance_per_position(accepted_draft: list[int], depth: int) -> list[float]:
+    """Per draft position i of a chain of `depth`, as vLLM counts it: the share of steps that accepted at least i + 1
+    draft tokens (`accepted_draft`: the draft tokens each step accepted)."""
+    steps = max(len(accepted_draft), 1)
+    return [sum(n > i for n in accepted_draft) / steps for i in range(depth)]
+
+
 def framework_chain_acceptance(model, prompt_ids, depths: list[int], max_new_tokens: int) -> dict[int, list[float]]:
-    """This framework's acceptance per draft position with the learned drafter drafting a chain of each depth, counted
-    as vLLM counts it: steps that accepted at least i draft tokens / steps."""
+    """This framework's acceptance per draft position with the learned drafter drafting a chain of each depth, pooled
+    over the prompts (`acceptance_per_position`)."""
     out = {}
     for depth in depths:
         chain = [[0] * (i + 1) for i in range(depth)]
-        accepted = [0] * depth
-        steps = 0
+        accepted = []
         for ids in prompt_ids:
-            stats = model.generate(ids, max_new_tokens=max_new_tokens, tree=chain, remember=False).stats
-            steps += len(stats.accepted_draft)
-            for n in stats.accepted_draft:
-                for i in range(n):
-                    accepted[i] += 1
-        out[depth] = [a / max(steps, 1) for a in accepted]
+            accepted += model.generate(
+                ids, max_new_tokens=max_new_tokens, tree=chain, remember=False
+            ).stats.accepted_draft
+        out[depth] = acceptance_per_position(accepted, depth)
         log.info("framework chain %d: acceptance per position %s", depth, [f"{a:.3f}" for a in out[depth]])
     return out
 
