@@ -21,7 +21,7 @@ import torch
 from rich.console import Console
 
 from medusa_like.cpu.few_row_linear import KERNEL_ROWS, use_few_row_linears
-from medusa_like.decoding.cost_model import measure_cost_model
+from medusa_like.decoding.cost_measure import measure_cost_model
 from medusa_like.evaluation.timing import alternating_medians, ms_table
 from medusa_like.io import write_json
 from medusa_like.targets import DEFAULT_TARGET, load_target

@@ -10,17 +10,12 @@ data (datasets) and configs (Hydra) are imported by their own modules when used.
 protocols' internals (`Proposer`, `DraftTree`, the kinds' registry) stay importable from their modules.
 """
 
-from medusa_like.decoding.cost_model import CostModel, measure_cost_model
+from medusa_like.decoding.cost_measure import measure_cost_model
+from medusa_like.decoding.cost_model import CostModel
 from medusa_like.decoding.generate import DecodeStats, GenerateOutput, speculative_generate
 from medusa_like.decoding.kv_cache import CacheOverflowError
-from medusa_like.decoding.tree import (
-    BudgetedTreeSpec,
-    DynamicTreeSpec,
-    InvalidTreeError,
-    TokenTree,
-    load_tree,
-    save_tree,
-)
+from medusa_like.decoding.tree import BudgetedTreeSpec, DynamicTreeSpec, InvalidTreeError, TokenTree
+from medusa_like.decoding.tree_files import load_tree, save_tree
 from medusa_like.drafters.base import DrafterMismatchError
 from medusa_like.drafters.combined import CombinedDrafter
 from medusa_like.drafters.eagle3 import Eagle3Config, Eagle3Drafter

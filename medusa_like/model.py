@@ -32,7 +32,8 @@ from medusa_like.decoding.checks import (
 from medusa_like.decoding.cost_cache import activate, active_cost_model, cost_model_from_file, measure_and_cache
 from medusa_like.decoding.cost_model import CostModel
 from medusa_like.decoding.generate import GenerateOutput, StopChecker, speculative_generate
-from medusa_like.decoding.tree import TreeSpec, resolve_tree
+from medusa_like.decoding.tree import TreeSpec
+from medusa_like.decoding.tree_files import resolve_tree
 from medusa_like.drafters.merge import session_cost_model, use_cost_model
 from medusa_like.drafters.protocol import Drafter, Proposer
 from medusa_like.formats import resolve_drafter
@@ -188,7 +189,7 @@ class MedusaLikeModel:
         """Measure this machine's full cost model for the target (every tree size, the fastest kernels chosen and
         set, the row plans measured where missing) and use it from now on: it replaces the quick first estimate
         measured on first use, on disk too, for every later process. Takes a while: it times many forwards.
-        `options`: `cost_model.measure_cost_model`'s."""
+        `options`: `cost_measure.measure_cost_model`'s."""
         self.measure_row_plans()
         with self._one_generation():
             return self._use(measure_and_cache(self.target, **options))

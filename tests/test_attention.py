@@ -14,7 +14,8 @@ from medusa_like.decoding.attention import (
     sdpa_tree_attention,
     visible_keys,
 )
-from medusa_like.decoding.tree import TokenTree, resolve_tree
+from medusa_like.decoding.tree import TokenTree
+from medusa_like.decoding.tree_files import resolve_tree
 
 
 def qkv(q_len: int, kv_len: int, heads: int = 4, kv_heads: int = 2, dim: int = 8, seed: int = 0, **kw):

@@ -16,15 +16,10 @@ from medusa_like.cpu.few_row_linear import FewRowLinear
 from medusa_like.cpu.kernel_choice import current_kernels
 from medusa_like.cpu.machine import machine_identity
 from medusa_like.decoding.cost_cache import cache_key, cache_path
-from medusa_like.decoding.cost_model import (
-    QUICK_SIZES,
-    CostModel,
-    CostModelError,
-    CostModelMismatchError,
-    InvalidCostModelError,
-    measure_cost_model,
-)
-from medusa_like.decoding.tree import BudgetedTreeSpec, save_tree
+from medusa_like.decoding.cost_measure import QUICK_SIZES, measure_cost_model
+from medusa_like.decoding.cost_model import CostModel, CostModelError, CostModelMismatchError, InvalidCostModelError
+from medusa_like.decoding.tree import BudgetedTreeSpec
+from medusa_like.decoding.tree_files import save_tree
 from medusa_like.drafters.eagle3 import EAGLE3
 from medusa_like.drafters.lookup import LookupDrafter
 from medusa_like.evaluation.report import markdown

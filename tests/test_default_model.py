@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from medusa_like.decoding.generate import speculative_generate
-from medusa_like.decoding.tree import resolve_tree
+from medusa_like.decoding.tree_files import resolve_tree
 from medusa_like.model import MedusaLikeModel
 from medusa_like.targets import load_target, target_fingerprint
 

@@ -4,7 +4,8 @@ import pytest
 import torch
 
 from medusa_like.decoding.draft_tree import DraftTree, grow_dynamic, grow_static
-from medusa_like.decoding.tree import DynamicTreeSpec, TokenTree, resolve_tree
+from medusa_like.decoding.tree import DynamicTreeSpec, TokenTree
+from medusa_like.decoding.tree_files import resolve_tree
 
 
 def random_expand(vocab: int = 50, seed: int = 0):

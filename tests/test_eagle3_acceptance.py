@@ -10,7 +10,8 @@ import torch
 from torch.utils.data import DataLoader
 
 from medusa_like.decoding.generate import speculative_generate
-from medusa_like.decoding.tree import DynamicTreeSpec, TokenTree, resolve_tree
+from medusa_like.decoding.tree import DynamicTreeSpec, TokenTree
+from medusa_like.decoding.tree_files import resolve_tree
 from medusa_like.drafters.eagle3 import Eagle3Config, Eagle3Drafter, Eagle3Proposer
 from medusa_like.drafters.vocab import DraftVocab
 from medusa_like.tiny import tiny_model

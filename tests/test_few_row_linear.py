@@ -38,12 +38,8 @@ from medusa_like.cpu.few_row_linear import (
 )
 from medusa_like.cpu.kernel_choice import pick_row_kernels
 from medusa_like.cpu.row_plans import PLANNED_ROWS, measure_row_plan, row_plan, valid_plan
-from medusa_like.decoding.cost_model import (
-    CostModel,
-    CostModelMismatchError,
-    InvalidCostModelError,
-    measure_cost_model,
-)
+from medusa_like.decoding.cost_measure import measure_cost_model
+from medusa_like.decoding.cost_model import CostModel, CostModelMismatchError, InvalidCostModelError
 from medusa_like.decoding.projection import VocabProjection
 from medusa_like.drafters.registry import kind_named
 from medusa_like.model import MedusaLikeModel

@@ -11,7 +11,8 @@ from medusa_like.decoding.attention import tree_attention
 from medusa_like.decoding.generate import StopChecker, accept_greedy, speculative_generate, target_forward
 from medusa_like.decoding.kv_cache import CacheOverflowError, TreeKVCache
 from medusa_like.decoding.projection import VocabProjection
-from medusa_like.decoding.tree import DynamicTreeSpec, TokenTree, resolve_tree
+from medusa_like.decoding.tree import DynamicTreeSpec, TokenTree
+from medusa_like.decoding.tree_files import resolve_tree
 from medusa_like.drafters.base import DrafterMismatchError
 from medusa_like.drafters.vocab import DraftVocab
 from medusa_like.model import MedusaLikeModel

@@ -16,7 +16,7 @@ from gguf import GGMLQuantizationType as Q
 from gguf import GGUFValueType as V
 from gguf import GGUFWriter
 
-from medusa_like.decoding.tree import resolve_tree
+from medusa_like.decoding.tree_files import resolve_tree
 from medusa_like.drafters.eagle3 import Eagle3Config, Eagle3Drafter, Eagle3Proposer
 from medusa_like.drafters.vocab import DraftVocab
 from medusa_like.formats import export_drafter

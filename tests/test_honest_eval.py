@@ -19,8 +19,8 @@ import torch
 
 from medusa_like.apps import evaluate as app
 from medusa_like.cpu.few_row_linear import FewRowLinear, with_stock_linears
-from medusa_like.decoding.cost_model import measure_cost_model
-from medusa_like.decoding.tree import save_tree
+from medusa_like.decoding.cost_measure import measure_cost_model
+from medusa_like.decoding.tree_files import save_tree
 from medusa_like.drafters.merge import session_cost_model
 from medusa_like.evaluation.methods import REFERENCE, SPECULATIVE, STOCK
 from medusa_like.evaluation.report import markdown

@@ -7,10 +7,12 @@ import pytest
 import torch
 
 from medusa_like.cpu.few_row_linear import linear_kernel
-from medusa_like.decoding.cost_model import CostModel, CostModelMismatchError, measure_cost_model, non_decreasing_fit
+from medusa_like.decoding.cost_measure import measure_cost_model
+from medusa_like.decoding.cost_model import CostModel, CostModelMismatchError, non_decreasing_fit
 from medusa_like.decoding.generate import speculative_generate
 from medusa_like.decoding.sampling import warp_logits
-from medusa_like.decoding.tree import BudgetedTreeSpec, DynamicTreeSpec, TokenTree, load_tree, save_tree, spec_from_json
+from medusa_like.decoding.tree import BudgetedTreeSpec, DynamicTreeSpec, TokenTree
+from medusa_like.decoding.tree_files import load_tree, save_tree, spec_from_json
 from medusa_like.drafters.base import DrafterMismatchError
 from medusa_like.drafters.combined import CombinedDrafter
 from medusa_like.drafters.eagle3 import EAGLE3

@@ -3,16 +3,8 @@
 import pytest
 import torch
 
-from medusa_like.decoding.tree import (
-    BudgetedTreeSpec,
-    DynamicTreeSpec,
-    InvalidTreeError,
-    TokenTree,
-    check_drafter,
-    load_tree,
-    resolve_tree,
-    save_tree,
-)
+from medusa_like.decoding.tree import BudgetedTreeSpec, DynamicTreeSpec, InvalidTreeError, TokenTree, check_drafter
+from medusa_like.decoding.tree_files import load_tree, resolve_tree, save_tree
 from medusa_like.decoding.tree_presets import PRESETS, chain, expected_acceptance, greedy_tree
 
 

@@ -7,8 +7,8 @@ import json
 import pytest
 import torch
 
-from medusa_like.decoding.cost_model import SIZES
-from medusa_like.decoding.tree import load_tree
+from medusa_like.decoding.cost_measure import SIZES
+from medusa_like.decoding.tree_files import load_tree
 from medusa_like.decoding.tree_presets import expected_acceptance
 from medusa_like.evaluation.tree_search import (
     fastest,

@@ -10,7 +10,7 @@ from torch.utils.data import DataLoader
 
 from medusa_like.data import generation, storage
 from medusa_like.decoding.generate import speculative_generate
-from medusa_like.decoding.tree import resolve_tree
+from medusa_like.decoding.tree_files import resolve_tree
 from medusa_like.drafters.base import DrafterMismatchError
 from medusa_like.drafters.eagle3 import Eagle3Proposer
 from medusa_like.drafters.vocab import DraftVocab

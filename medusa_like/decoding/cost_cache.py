@@ -14,7 +14,7 @@ torch version) in `cost_models/` under `io.user_cache_dir()` (`$MEDUSA_LIKE_CACH
 file is checked like any cost model; a corrupt or foreign one is refused with a log line and measured again.
 
 On first use nothing is cached yet, and a full measurement (every tree size, every kernel, several rounds) takes far
-longer than a first answer: a quick first estimate (`cost_model.quick_cost_model`) is measured instead, logged and
+longer than a first answer: a quick first estimate (`cost_measure.quick_cost_model`) is measured instead, logged and
 shown with a progress bar, and cached until a full one (`MedusaLikeModel.measure_cost_model`, the tree search)
 replaces it.
 """
@@ -33,16 +33,8 @@ from medusa_like.cpu.machine import machine_identity
 from medusa_like.io import user_cache_dir, write_json
 from medusa_like.targets import target_fingerprint
 
-from .cost_model import (
-    QUICK_REPEATS,
-    QUICK_SIZES,
-    CostModel,
-    CostModelError,
-    CostModelMismatchError,
-    InvalidCostModelError,
-    measure_cost_model,
-    quick_cost_model,
-)
+from .cost_measure import QUICK_REPEATS, QUICK_SIZES, measure_cost_model, quick_cost_model
+from .cost_model import CostModel, CostModelError, CostModelMismatchError, InvalidCostModelError
 
 log = logging.getLogger(__name__)
 
@@ -124,7 +116,7 @@ def machine_cost_model(target) -> CostModel:
 
 
 def measure_and_cache(target, **options) -> CostModel:
-    """A full measurement for `target` (`cost_model.measure_cost_model` with `options`: every tree size, the fastest
+    """A full measurement for `target` (`cost_measure.measure_cost_model` with `options`: every tree size, the fastest
     kernels chosen and set), cached in place of any earlier one and made the target's active cost model."""
     log.info("measuring a full cost model: every tree size with each kernel this machine runs, several rounds")
     start = time.perf_counter()

@@ -8,7 +8,7 @@ Every spec answers the same questions, each in one place: how deep (`max_depth`)
 (`max_nodes`, root included: sizes the target's KV cache), how many nodes a drafter may create while growing it
 (`drafted_nodes`) and how many of its own cache entries that writes (`cache_entries`), how many ranks each expanded
 node needs (`top_k`), whether a drafter can fill it (`check_drafter`), how to grow it from a drafter's `expand`
-(`grow`) and how to write and read it as JSON (`to_json`, `spec_from_json`).
+(`grow`) and how to write it as JSON (`to_json`; reading it back, files and preset names are `tree_files.py`).
 
 A tree is a list of paths of top-k ranks (Medusa's "choices"): `[1, 0]` is the node reached by taking head 1's
 second-best token and then head 2's best token. Depth d uses head d. Node 0 is the root, the target's own next token;
@@ -23,17 +23,13 @@ A `TokenTree` is also the static tree spec that `draft_tree.grow_static` fills f
 from rank accuracies (chains, greedy best-first trees) and the named presets are `tree_presets.py`.
 """
 
-import json
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Protocol
 
 import torch
 
-from medusa_like.io import existing_file, write_json
-
 from .draft_tree import DraftTree, Expand, grow_dynamic, grow_static
-from .tree_presets import DEFAULT_DEPTH, PRESETS, Path_
+from .tree_presets import Path_
 
 # Sizes no step could use, refused when a spec is made: a step verifies its nodes in one target forward with a
 # [T, T] mask and reserves T KV cache slots (cost models pick budgets of tens of nodes), and a dynamic tree keeps a few
@@ -341,79 +337,3 @@ def budgeted(spec: TreeSpec, lookup_depth: int = DEFAULT_LOOKUP_DEPTH, keep_lear
         )
     learned = spec if keep_learned and spec.max_depth > 0 else None
     return BudgetedTreeSpec(learned, max(spec.max_nodes - 1, 1), max(lookup_depth, spec.max_depth))
-
-
-def save_tree(spec: TreeSpec, path, **meta) -> Path:
-    """Write a tree spec as JSON (`spec.to_json()` plus `meta`: what measured it, on which machine)."""
-    return write_json(path, {**spec.to_json(), **meta})
-
-
-def spec_from_json(data, source: str = "tree") -> TreeSpec:
-    """The spec `to_json` wrote: `{"paths": [...]}`, `{"dynamic": {...}}`, `{"budgeted": {...}}`, or a bare list of
-    paths."""
-    if isinstance(data, dict) and "budgeted" in data:
-        if not isinstance(data["budgeted"], dict):
-            raise InvalidTreeError(f"{source}: a budgeted tree is a dict of its fields, got {data['budgeted']!r}")
-        fields = dict(data["budgeted"])
-        learned = fields.pop("learned", None)
-        learned = None if learned is None else spec_from_json(learned, source)
-        try:
-            return BudgetedTreeSpec(learned, **fields)
-        except (TypeError, ValueError) as err:
-            raise InvalidTreeError(f"{source}: bad budgeted tree {data['budgeted']!r}: {err}") from err
-    if isinstance(data, dict) and "dynamic" in data:
-        try:
-            return DynamicTreeSpec(**data["dynamic"])
-        except (TypeError, ValueError) as err:
-            raise InvalidTreeError(f"{source}: bad dynamic tree {data['dynamic']!r}: {err}") from err
-    paths = data["paths"] if isinstance(data, dict) and "paths" in data else data
-    try:
-        return TokenTree.from_paths(paths)
-    except InvalidTreeError as err:
-        raise InvalidTreeError(f"{source}: {err}") from err
-
-
-def load_tree(path) -> TreeSpec:
-    """Read a tree written by `save_tree` (or a bare JSON list of paths)."""
-    path = existing_file(path, "tree file")
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except UnicodeDecodeError as err:
-        raise InvalidTreeError(f"tree file {str(path)!r} is not UTF-8 text: {err}") from err
-    except json.JSONDecodeError as err:
-        raise InvalidTreeError(f"tree file {str(path)!r} is not valid JSON: {err}") from err
-    return spec_from_json(data, f"tree file {str(path)!r}")
-
-
-def resolve_tree(tree, max_depth: int | None = None) -> TreeSpec:
-    """A tree spec from a preset name ('dynamic', 'chain', 'small', 'medusa', 'none'), a JSON tree file, a list of
-    rank paths, a dict of `DynamicTreeSpec` fields, or a spec itself.
-
-    `max_depth` shapes the presets (a drafter's heads; None: a drafter of any depth, for which static presets are
-    `DEFAULT_DEPTH` deep). Whether the drafter can fill the tree is `check_drafter`'s to say, once, before decoding.
-    """
-    depth = max_depth if max_depth is not None else DEFAULT_DEPTH
-    if isinstance(tree, (TokenTree, DynamicTreeSpec, BudgetedTreeSpec)):
-        return tree
-    if isinstance(tree, dict):
-        known = {"dynamic", "paths", "budgeted"}
-        return spec_from_json(tree if known & set(tree) else {"dynamic": tree}, "tree")
-    if tree is None or tree == "none":
-        return TokenTree.from_paths([])
-    if tree == "dynamic":
-        return DynamicTreeSpec(depth=min(DynamicTreeSpec.depth, depth))
-    if isinstance(tree, (str, Path)) and str(tree).endswith(".json"):
-        return load_tree(tree)
-    if isinstance(tree, str):
-        if tree not in PRESETS:
-            raise InvalidTreeError(
-                f"unknown tree preset {tree!r}; choose from {sorted([*PRESETS, 'dynamic', 'none'])}, a tree JSON "
-                "file or a list of paths"
-            )
-        return TokenTree.from_paths(PRESETS[tree](depth))
-    if not isinstance(tree, (list, tuple)):
-        raise InvalidTreeError(
-            f"tree must be a preset name, a tree JSON file, a list of rank paths, a dict or a tree spec; got {tree!r} "
-            f"({type(tree).__name__})"
-        )
-    return TokenTree.from_paths(tree)

@@ -4,7 +4,7 @@
 independent depths a path of ranks is accepted with the product of its ranks' probabilities, so the expected number
 of accepted draft tokens of a tree is the sum of those products over its paths (`expected_acceptance`), and adding
 nodes best-first maximises it (`greedy_tree`). The presets are greedy trees for a prior shaped like measured
-Medusa-1 heads; `tree.resolve_tree` turns a preset's name into a `TokenTree`.
+Medusa-1 heads; `tree_files.resolve_tree` turns a preset's name into a `TokenTree`.
 """
 
 import heapq

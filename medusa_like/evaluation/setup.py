@@ -7,7 +7,7 @@ from omegaconf import DictConfig
 
 from medusa_like.data.prepare import load_model as load_target_model
 from medusa_like.data.split import draft_vocab_from_training_split, training_answers
-from medusa_like.decoding.tree import save_tree
+from medusa_like.decoding.tree_files import save_tree
 from medusa_like.drafters.combined import COMBINED
 from medusa_like.drafters.lookup import LOOKUP, OutputStore
 from medusa_like.drafters.medusa import MEDUSA
