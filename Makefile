@@ -11,7 +11,7 @@ RUN_DIR ?= runs/make_run
 # On a machine shared with other busy processes, `OMP_WAIT_POLICY=PASSIVE make run` keeps idle OpenMP workers from
 # spinning against them; on an idle machine the default (spinning) is faster for small tree steps (docs/results.md).
 
-.PHONY: install run test test-fast bench llamacpp vllm-install test-vllm vllm lint clean
+.PHONY: install run test test-fast bench llamacpp vllm-install test-vllm vllm vllm-profile lint clean
 
 install: $(STAMP)
 
@@ -90,7 +90,8 @@ test-vllm: $(STAMP) $(VLLM_STAMP)
 
 # vLLM beside this framework and llama.cpp on `make run`'s drafter, tree and prompts, one after the other on the same
 # machine, joined into one table (docs/serving.md): this framework's methods, llama.cpp (plain, our drafter as GGUF
-# drafting 1-4 tokens, its n-gram lookup), then vLLM (plain, our drafter drafting 1-4 tokens, its n-gram speculation)
+# drafting 1-4 tokens, its n-gram lookup; batch 8 and 32 in llama-server), then vLLM (plain, our drafter drafting 1-4
+# tokens, its n-gram speculation)
 SERVING_DIR := $(RUN_DIR)/serving
 vllm: $(STAMP) $(VLLM_STAMP)
 	rm -rf $(SERVING_DIR)/eval
@@ -102,6 +103,10 @@ vllm: $(STAMP) $(VLLM_STAMP)
 	  hydra.run.dir=$(SERVING_DIR)/llamacpp
 	$(PY) -m eval.vllm drafter.path=$(RUN_DIR)/train/drafter join.evaluation=$(SERVING_DIR)/eval/report.json \
 	  join.llamacpp=$(SERVING_DIR)/llamacpp/llamacpp.json hydra.run.dir=$(SERVING_DIR)/vllm
+
+# where a vLLM step's time goes, plain against our drafter, at batch 8 (vLLM's torch profiler; docs/serving.md)
+vllm-profile: $(STAMP) $(VLLM_STAMP)
+	$(PY) -m eval.vllm drafter.path=$(RUN_DIR)/train/drafter vllm.profile.batch=8 hydra.run.dir=$(SERVING_DIR)/profile
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check medusa_like train eval tests

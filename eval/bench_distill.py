@@ -52,8 +52,8 @@ def new_tokens(rows: list[list[int]], eos: list[int]) -> list[list[int]]:
     """Each row up to and including its first EOS (transformers pads a finished row of a batch with EOS)."""
     out = []
     for row in rows:
-        stop = next((i for i, t in enumerate(row) if t in eos), None)
-        out.append(row if stop is None else row[: stop + 1])
+        content, ended = generation.until_eos(row, eos)
+        out.append(row[: len(content) + ended])
     return out
 
 

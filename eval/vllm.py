@@ -2,6 +2,7 @@
 
     python -m eval.vllm drafter.path=runs/make_run/train/drafter [join.evaluation=.../report.json]
     make vllm      # the evaluation, llama.cpp and this in a row: one table
+    python -m eval.vllm drafter.path=... vllm.profile.batch=8   # where a step's time goes (vllm_profile.py)
 
 Needs the vLLM environment (`make vllm-install`). Exports the drafter with format=eagle3, starts vLLM on the default
 target for each setting (plain, EAGLE-3 with 1-4 speculative tokens, n-gram), measures batch 1, 8 and 32, and writes
@@ -13,12 +14,16 @@ from omegaconf import DictConfig
 
 from medusa_like.cli import one_line_errors
 from medusa_like.evaluation.vllm_bench import measure
+from medusa_like.evaluation.vllm_profile import profile
 
 
 @hydra.main(version_base="1.3", config_path="../conf", config_name="vllm")
 def main(cfg: DictConfig) -> None:
     with one_line_errors():
-        measure(cfg)
+        if cfg.vllm.profile.batch:
+            profile(cfg)
+        else:
+            measure(cfg)
 
 
 if __name__ == "__main__":

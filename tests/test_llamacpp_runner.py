@@ -11,7 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from medusa_like.evaluation.llamacpp_runner import PLAIN, Setting, executable, prompt_command
+from medusa_like.evaluation.llamacpp_runner import PLAIN, SERVER, Setting, executable, prompt_command
+from medusa_like.evaluation.llamacpp_server import run_batched, server_command
 
 ROOT = Path(__file__).resolve().parents[1]
 SETTINGS = [PLAIN, Setting("eagle3-q8_0 d3", "draft-eagle3", Path("drafter.gguf"), 3), Setting("lookup", "ngram-mod")]
@@ -51,3 +52,58 @@ def test_the_built_llamacpp_accepts_every_flag_passed():
     flags = {arg for setting in SETTINGS for arg in command_for(setting) if arg.startswith("-")}
     unknown = sorted(flag for flag in flags if f"{flag} " not in listed and f"{flag}," not in listed)
     assert not unknown, f"llama-speculative-simple --help does not list {unknown}"
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# llama-server, for batches 8 and 32 (llamacpp_server.py)
+
+
+def server_for(setting: Setting | None, slots: int = 8, threads: int = 2) -> list[str]:
+    return server_command(Path("bin"), Path("target.gguf"), setting, slots, 1024, threads, port=8123)
+
+
+@pytest.mark.parametrize("setting", [None, *SETTINGS[1:]], ids=lambda s: "plain" if s is None else s.name)
+def test_server_has_a_slot_per_request_and_no_busy_waiting(setting):
+    given = options(server_for(setting, slots=32))
+    assert given["-np"] == "32" and given["-c"] == str(32 * 1024)
+    assert {flag: given.get(flag) for flag in POLL_FLAGS} == dict.fromkeys(POLL_FLAGS, "0")
+    assert {flag: given.get(flag) for flag in THREAD_FLAGS} == dict.fromkeys(THREAD_FLAGS, "2")
+    assert given.get("--spec-type") == (None if setting is None else setting.spec_type)
+
+
+def test_the_built_server_accepts_every_flag_passed():
+    binary = executable(ROOT / ".llamacpp", SERVER)
+    if not binary.is_file():
+        pytest.skip(f"llama-server is not built here ({binary}); `make llamacpp` builds it")
+    usage = subprocess.run([str(binary), "--help"], capture_output=True, text=True, timeout=60)
+    listed = usage.stdout + usage.stderr
+    flags = {arg for setting in [None, *SETTINGS] for arg in server_for(setting) if arg.startswith("-")}
+    unknown = sorted(flag for flag in flags if f"{flag} " not in listed and f"{flag}," not in listed)
+    assert not unknown, f"llama-server --help does not list {unknown}"
+
+
+@pytest.mark.slow
+def test_server_drafts_in_batches_and_is_lossless_alone(tmp_path):
+    """The default target's GGUF in llama-server: n-gram drafting gives plain decoding's tokens one request at a time,
+    and drafts and accepts at batch 1 and 3 on prompts that repeat themselves. (With several requests in flight, which
+    rows share a target batch depends on timing, and llama.cpp's quantised products are not batch-invariant: equality
+    there is reported by the benchmark, not asserted.)"""
+    binary = executable(ROOT / ".llamacpp", SERVER)
+    if not binary.is_file():
+        pytest.skip(f"llama-server is not built here ({binary}); `make llamacpp` builds it")
+    from transformers import AutoTokenizer
+
+    from medusa_like.targets import default_target_dir, default_target_gguf
+
+    tokenizer = AutoTokenizer.from_pretrained(default_target_dir())
+    texts = ["one two three four " * 4 + "one two", "a b c d e f " * 4 + "a b", "red green blue " * 5 + "red"]
+    prompts = [tokenizer(t)["input_ids"] for t in texts]
+    short_ngrams = ("--spec-ngram-simple-size-n", "2", "--spec-ngram-simple-size-m", "4")  # defaults: 12 and 48
+    settings = [("plain", None), ("ngram", Setting("ngram", "ngram-simple", extra=short_ngrams))]
+    plain, ngram = run_batched(binary, default_target_gguf(), prompts, settings, [1, 3], threads=2,
+                               max_new_tokens=24, ctx_per_slot=256, log_dir=tmp_path)  # fmt: skip
+    assert ngram.outputs[1] == plain.outputs[1]
+    assert ngram.batches[1]["equal_to_plain"] == len(prompts)
+    for size in (1, 3):
+        assert plain.batches[size]["tokens"] > 0 and plain.batches[size]["drafted"] == 0
+        assert ngram.batches[size]["accepted"] > 0 and ngram.batches[size]["drafted"] >= ngram.batches[size]["accepted"]

@@ -192,15 +192,19 @@ def vllm_generator(engine) -> Generator:
     return generate
 
 
+def until_eos(row: list[int], eos_ids: list[int]) -> tuple[list[int], bool]:
+    """A row of new token ids up to its first EOS (excluded; anything after it is a batch's padding), and whether it
+    had one."""
+    stop = next((i for i, t in enumerate(row) if t in eos_ids), None)
+    return (row, False) if stop is None else (row[:stop], True)
+
+
 def _answers(rows: list[list[int]], tokenizer, eos_ids: list[int]) -> list[tuple[str, bool, int]]:
-    """(text, ended with EOS, tokens generated) of each row of new token ids (anything after its first EOS is
-    padding)."""
+    """(text, ended with EOS, tokens generated) of each row of new token ids."""
     answers = []
     for row in rows:
-        stop = next((i for i, t in enumerate(row) if t in eos_ids), None)
-        content = row if stop is None else row[:stop]
-        text = tokenizer.decode(content, skip_special_tokens=True)
-        answers.append((text, stop is not None, len(content) + (stop is not None)))
+        content, ended = until_eos(row, eos_ids)
+        answers.append((tokenizer.decode(content, skip_special_tokens=True), ended, len(content) + ended))
     return answers
 
 

@@ -138,6 +138,7 @@ class VllmEngine:
         enforce_eager: bool = True,
         tokenizer: bool = True,  # False: the directory has no tokenizer (token ids only)
         python: str | Path | None = None,
+        env: dict[str, str] | None = None,  # more environment variables for vLLM's process
         **llm_args,  # any other argument of vLLM's `LLM` (e.g. tensor_parallel_size on GPUs)
     ):
         reason = None if python else unavailable_reason()
@@ -159,6 +160,7 @@ class VllmEngine:
         if speculative:
             self.settings["speculative_config"] = speculative
         self.kv_cache_gib = kv_cache_gib
+        self.env = dict(env or {})
         self.process: subprocess.Popen | None = None
         self.startup_seconds: float | None = None
 
@@ -170,7 +172,7 @@ class VllmEngine:
         self.close()
 
     def start(self) -> None:
-        env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": str(self.kv_cache_gib)}
+        env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": str(self.kv_cache_gib), **self.env}
         self._log = tempfile.TemporaryFile(mode="w+")  # vLLM's stderr, shown when it fails
         self.process = subprocess.Popen(
             [self.python, str(WORKER), json.dumps(self.settings)],
@@ -193,8 +195,10 @@ class VllmEngine:
         stop_token_ids: list[int] | None = None,
         seed: int | None = None,
         ignore_eos: bool = False,
+        profile: str | None = None,
     ) -> Generation:
-        """Generate for every prompt at once (vLLM batches them); seed + i seeds prompt i's sampling."""
+        """Generate for every prompt at once (vLLM batches them); seed + i seeds prompt i's sampling. `profile`: a
+        name prefix; vLLM's torch profiler records this call (the engine needs `profiler_config`)."""
         sampling = dict(
             max_tokens=max_tokens,
             temperature=temperature,
@@ -205,7 +209,8 @@ class VllmEngine:
             ignore_eos=ignore_eos,
             detokenize=False,
         )
-        self.process.stdin.write(json.dumps({"prompts": prompts, "sampling": sampling}) + "\n")
+        request = {"prompts": prompts, "sampling": sampling} | ({"profile": profile} if profile else {})
+        self.process.stdin.write(json.dumps(request) + "\n")
         self.process.stdin.flush()
         answer = self._read()
         return Generation(answer["outputs"], answer["seconds"], answer["spec"])

@@ -5,7 +5,8 @@ its own (`make vllm-install`: `.venv-vllm`); `vllm_engine.VllmEngine` starts thi
 
     argv[1]   the engine's settings as JSON: `LLM(**settings)` (model directory, dtype, max_model_len,
               speculative_config, ...)
-    stdin     one JSON request per line: {"prompts": [[token ids], ...], "sampling": {SamplingParams fields}}
+    stdin     one JSON request per line: {"prompts": [[token ids], ...], "sampling": {SamplingParams fields},
+              "profile": a trace name prefix, or absent} (profiling needs `profiler_config` in the settings)
     stdout    one JSON answer per request, on a line that starts with MARKER (vLLM's own logs go to stderr):
               {"outputs": [{"token_ids": [...], "finish_reason": "stop" | "length"}], "seconds": generate's wall time,
                "spec": the speculative-decoding counters this request added (drafts, draft tokens, accepted, and
@@ -72,9 +73,13 @@ def serve(settings: dict) -> None:
         # one seed per prompt, derived from the request's: a prompt's sample does not depend on its batch-mates
         params = [SamplingParams(**sampling, seed=None if seed is None else seed + i) for i in range(len(prompts))]
         before = spec_counters(llm)
+        if request.get("profile"):
+            llm.start_profile(request["profile"])
         started = time.perf_counter()
         results = llm.generate(prompts, params, use_tqdm=False)
         seconds = time.perf_counter() - started
+        if request.get("profile"):
+            llm.stop_profile()  # the profiler's table is written into profiler_config's directory
         outputs = [
             {"token_ids": list(r.outputs[0].token_ids), "finish_reason": r.outputs[0].finish_reason} for r in results
         ]

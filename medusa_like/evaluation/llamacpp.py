@@ -11,8 +11,10 @@ one `llama-speculative-simple` process per prompt, greedy, settings interleaved 
     <ngram mode>       --spec-type ngram-simple | ngram-map-k | ...      llama.cpp's training-free lookup drafting
 
 What llama.cpp prints at the end (`decoded N tokens in S seconds`, `n_drafted`, `n_accept`) is summed over the
-prompts: tokens/s = sum of tokens / sum of decode seconds (prompt processing excluded), acceptance = accepted draft
-tokens / drafted tokens. Beside it, this framework's own chain acceptance for the same drafter and prompts (fp32
+first `batch1_prompts` prompts: tokens/s = sum of tokens / sum of decode seconds (prompt processing excluded),
+acceptance = accepted draft tokens / drafted tokens. At batch 8 and 32, plain decoding and the f32 drafter at each
+chain length run in `llama-server` over all the prompts (llamacpp_server.py: throughput with prompt processing
+included, as for vLLM). Beside it, this framework's own chain acceptance for the same drafter and prompts (fp32
 target, `tree=[[0], [0, 0], ...]`), where acceptance is accepted draft tokens / (steps * depth).
 """
 
@@ -26,12 +28,14 @@ from medusa_like.evaluation.llamacpp_runner import (
     EXECUTABLE,
     PLAIN,
     PLAIN_MAX_CONTEXT,
+    SERVER,
     LlamaCppUnavailable,
     Setting,
     bench_lock,
     build,
     run_settings,
 )
+from medusa_like.evaluation.llamacpp_server import run_batched
 from medusa_like.io import write_json
 
 log = logging.getLogger(__name__)
@@ -88,6 +92,22 @@ def markdown(report: dict) -> str:
         speed = f"{r['tokens_per_second'] / base:.2f}x" if base else ""
         n_max = "" if r["n_max"] is None else str(r["n_max"])
         lines.append(f"| {r['name']} | {n_max} | {acc} | {r['tokens_per_second']:.1f} | {speed} |")
+    if report.get("batched"):
+        sizes = sorted({int(b) for r in report["batched"] for b in r["batch"]})
+        lines += [
+            "",
+            f"llama-server, {report['batched_prompts']} prompts, B requests at once (throughput, tokens/s):",
+            "",
+        ]
+        lines.append("| setting | " + " | ".join(f"batch {b}: tokens/s, acceptance, = plain" for b in sizes) + " |")
+        lines.append("|---|" + "---|" * len(sizes))
+        for r in report["batched"]:
+            cells = []
+            for b in sizes:
+                e = batched_entry(r, b)
+                acc = "" if e["acceptance"] is None else f"{e['acceptance']:.2f}"
+                cells.append(f"{e['tokens_per_second']:.1f}, {acc}, {e['equal_to_plain']}/{report['batched_prompts']}")
+            lines.append(f"| {r['name']} | " + " | ".join(cells) + " |")
     if report.get("framework"):
         lines += [
             "",
@@ -101,6 +121,11 @@ def markdown(report: dict) -> str:
                 f"| {r['depth']} | {r['acceptance']:.3f} | {r['mean_accepted']:.2f} | {r['tokens_per_second']:.1f} |"
             )
     return "\n".join(lines) + "\n"
+
+
+def batched_entry(row: dict, size: int) -> dict | None:
+    """One batch size's figures of a llama-server row (int keys become strings in JSON)."""
+    return row["batch"].get(size) or row["batch"].get(str(size))
 
 
 def machine() -> str:
@@ -145,6 +170,8 @@ def measure(cfg) -> dict | None:
     run = cfg.llamacpp
     try:
         binary = build(Path(run.cache), run.sdist)
+        if run.batch_sizes:
+            build(Path(run.cache), run.sdist, name=SERVER)
     except LlamaCppUnavailable as err:
         log.warning("llama.cpp run skipped: %s", err)
         return None
@@ -160,7 +187,8 @@ def measure(cfg) -> dict | None:
         for p in run.precisions
     }
     questions = question_set(cfg.data, cfg.validation)
-    chats = [[{"role": "user", "content": q.turns[0]}] for q in questions]
+    all_chats = [[{"role": "user", "content": q.turns[0]}] for q in questions]
+    chats = all_chats[: run.batch1_prompts]
     texts = [tokenizer.apply_chat_template(chat, add_generation_prompt=True, tokenize=False) for chat in chats]
     if run.ctx_size > PLAIN_MAX_CONTEXT:
         raise ValueError(f"llamacpp.ctx_size must be at most {PLAIN_MAX_CONTEXT} (plain decoding), got {run.ctx_size}")
@@ -170,9 +198,17 @@ def measure(cfg) -> dict | None:
     options = dict(threads=run.threads, max_new_tokens=run.max_new_tokens, ctx_size=run.ctx_size)
     load_before = os.getloadavg()
     results = run_settings(binary, target_file, texts, settings, out_dir / "llamacpp_partial.json", **options)
-    load_after = os.getloadavg()
     torch.set_num_threads(run.threads)
     model = MedusaLikeModel(target, tokenizer, drafter)
+    batched = []
+    if run.batch_sizes:
+        server = build(Path(run.cache), run.sdist, name=SERVER)
+        first = drafts[run.precisions[0]]
+        server_settings = [("plain", None)] + [(s.name, s) for s in settings if s.draft == first]
+        all_ids = [model.chat_ids(chat)[0].tolist() for chat in all_chats]
+        batched = run_batched(server, target_file, all_ids, server_settings, list(run.batch_sizes), run.threads,
+                              run.max_new_tokens, run.ctx_per_slot, out_dir)  # fmt: skip
+    load_after = os.getloadavg()
     prompt_ids = [model.chat_ids(chat) for chat in chats]
     llama_lengths = [p["prompt_tokens"] for p in results[0].prompts]
     report = {
@@ -183,11 +219,13 @@ def measure(cfg) -> dict | None:
         "drafter": str(cfg.drafter.path),
         "draft_files": {p: {"path": str(f), "bytes": f.stat().st_size} for p, f in drafts.items()},
         "prompts": len(texts),
+        "batched_prompts": len(all_chats),
         "max_new_tokens": run.max_new_tokens,
         "threads": run.threads,
         "load_average": {"before": load_before, "after": load_after},  # the machine's 1/5/15-minute load averages
         "prompt_tokens_match": llama_lengths == [int(ids.shape[-1]) for ids in prompt_ids],
         "llamacpp": [r.to_dict() for r in results],
+        "batched": [r.to_dict() for r in batched],
         "framework": framework_chains(model, prompt_ids, list(run.chains), run.max_new_tokens) if run.framework else [],
     }
     write_report(report, out_dir)

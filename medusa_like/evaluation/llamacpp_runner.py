@@ -1,8 +1,9 @@
 """llama.cpp itself: build its speculative-decoding executable, run it on one prompt, parse what it prints.
 
 llama.cpp comes from a source distribution on PyPI (`llama-cpp-python` vendors it, EAGLE-3 included), downloaded
-with pip, built CPU-only with cmake/ninja for the one executable needed (`llama-speculative-simple`) into
-`.llamacpp/` (git-ignored); a second run reuses the build. Nothing from llama.cpp is committed or imported.
+with pip, built CPU-only with cmake/ninja for the executables needed (`llama-speculative-simple` for one sequence,
+`llama-server` for batches, see llamacpp_server.py) into `.llamacpp/` (git-ignored); a second run reuses the build.
+Nothing from llama.cpp is committed or imported.
 
 `--spec-type none` makes this version's `llama-speculative-simple` exit ("failed to initialize speculative
 decoding": it builds no drafter), and `llama-simple` takes no thread count, so plain decoding (`PLAIN`) is
@@ -29,6 +30,7 @@ from medusa_like.io import exclusive_lock, write_json
 log = logging.getLogger(__name__)
 
 EXECUTABLE = "llama-speculative-simple"
+SERVER = "llama-server"
 BENCH_LOCK = "/tmp/medusa_bench.lock"
 CMAKE_OPTIONS = (
     "-DCMAKE_BUILD_TYPE=Release",
@@ -36,8 +38,10 @@ CMAKE_OPTIONS = (
     "-DBUILD_SHARED_LIBS=OFF",
     "-DGGML_OPENMP=OFF",
     "-DLLAMA_BUILD_TESTS=OFF",
-    "-DLLAMA_BUILD_TOOLS=OFF",
-    "-DLLAMA_BUILD_SERVER=OFF",
+    "-DLLAMA_BUILD_TOOLS=ON",  # for the server; only the executables named are built
+    "-DLLAMA_BUILD_SERVER=ON",
+    "-DLLAMA_BUILD_UI=OFF",  # the server's web page is not needed (and its assets would be downloaded)
+    "-DLLAMA_USE_PREBUILT_UI=OFF",
     "-DLLAMA_BUILD_APP=OFF",
     "-DLLAMA_BUILD_EXAMPLES=ON",
     "-DLLAMA_OPENSSL=OFF",
@@ -57,8 +61,8 @@ def bench_lock(path: str = BENCH_LOCK):
 # Build
 
 
-def executable(cache: Path) -> Path:
-    return Path(cache) / "build" / "bin" / EXECUTABLE
+def executable(cache: Path, name: str = EXECUTABLE) -> Path:
+    return Path(cache) / "build" / "bin" / name
 
 
 def source_dir(cache: Path, sdist: str) -> Path:
@@ -85,9 +89,10 @@ def source_dir(cache: Path, sdist: str) -> Path:
     return vendored
 
 
-def build(cache: Path, sdist: str, jobs: int = 2) -> Path:
-    """The llama-speculative-simple executable, built once into `cache/build` (a second call only checks it)."""
-    binary = executable(cache)
+def build(cache: Path, sdist: str, jobs: int = 2, name: str = EXECUTABLE) -> Path:
+    """The executable `name` (llama-speculative-simple or llama-server), built once into `cache/build` (a second
+    call only checks it)."""
+    binary = executable(cache, name)
     if binary.is_file():
         return binary
     missing = [tool for tool in ("cmake", "ninja", "g++") if shutil.which(tool) is None]
@@ -97,7 +102,7 @@ def build(cache: Path, sdist: str, jobs: int = 2) -> Path:
     build_dir, log_path = Path(cache) / "build", Path(cache) / "build.log"
     steps = (
         ["cmake", "-S", str(source), "-B", str(build_dir), "-G", "Ninja", *CMAKE_OPTIONS],
-        ["cmake", "--build", str(build_dir), "-j", str(jobs), "--target", EXECUTABLE],
+        ["cmake", "--build", str(build_dir), "-j", str(jobs), "--target", name],
     )
     log.info("building llama.cpp from %s into %s (log: %s)", source, build_dir, log_path)
     with log_path.open("a") as out:

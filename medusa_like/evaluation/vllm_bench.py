@@ -204,9 +204,15 @@ def markdown(report: dict) -> str:
             f"| {name} | {_tps(b, 1)} | {_tps(b, 8)} | {_tps(b, 32)} | {acc} | {per_step:.2f} | {ms:.1f} | "
             f"{row['equal_to_vllm_plain']}/{b1} |"
         )
-    for row in (report.get("llamacpp") or {}).get("llamacpp", []):
+    llamacpp = report.get("llamacpp") or {}
+    batched = {row["name"]: row["batch"] for row in llamacpp.get("batched", [])}
+    for row in llamacpp.get("llamacpp", []):
         acc = "" if row["acceptance"] is None else f"{row['acceptance']:.2f} (all positions)"
-        lines.append(f"| llama.cpp {row['name']} | {row['tokens_per_second']:.1f} | | | {acc} | | | |")
+        b = batched.get(row["name"], {})
+        lines.append(
+            f"| llama.cpp {row['name']} | {row['tokens_per_second']:.1f} | {_tps(b, 8)} | {_tps(b, 32)} | {acc} | | | "
+            f"{_llamacpp_equal(b, llamacpp.get('batched_prompts', 0))} |"
+        )
     evaluation = report.get("evaluation")
     for name, tps in _framework_speeds(evaluation).items():
         tau = (evaluation.get("methods", {}).get(name) or {}).get("tau")
@@ -229,6 +235,11 @@ def _entry(batch: dict, size: int) -> dict | None:
 def _tps(batch: dict, size: int) -> str:
     entry = _entry(batch, size)
     return f"{entry['tokens_per_second']:.1f}" if entry else ""
+
+
+def _llamacpp_equal(batch: dict, prompts: int) -> str:
+    """llama-server's answers equal to its own plain ones, per batch size measured."""
+    return ", ".join(f"{e['equal_to_plain']}/{prompts} (batch {size})" for size, e in batch.items())
 
 
 def _framework_speeds(evaluation: dict | None) -> dict[str, float]:
