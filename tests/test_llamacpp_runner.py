@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from medusa_like.evaluation.llamacpp_runner import PLAIN, SERVER, Setting, executable, prompt_command
+from medusa_like.evaluation.llamacpp_runner import PLAIN, SERVER, Setting, executable, prompt_command, run_prompt
 from medusa_like.evaluation.llamacpp_server import run_batched, server_command
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -107,3 +107,19 @@ def test_server_drafts_in_batches_and_is_lossless_alone(tmp_path):
     for size in (1, 3):
         assert plain.batches[size]["tokens"] > 0 and plain.batches[size]["drafted"] == 0
         assert ngram.batches[size]["accepted"] > 0 and ngram.batches[size]["drafted"] >= ngram.batches[size]["accepted"]
+
+
+def test_output_cut_inside_a_utf8_character_is_parsed(tmp_path):
+    """llama.cpp prints each token's bytes as it comes, so its output can hold half a UTF-8 character; the figures
+    after it are still read."""
+    fake = tmp_path / "llama-speculative-simple"
+    fake.write_bytes(
+        b"#!/bin/sh\nprintf 'caf\\303 \\217\\n'\n"
+        b"printf 'encoded   12 tokens in    0.100 seconds\\ndecoded   8 tokens in    0.200 seconds\\n' >&2\n"
+        b"printf 'n_drafted = 6\\nn_accept  = 3\\n' >&2\n"
+    )
+    fake.chmod(0o755)
+    figures = run_prompt(fake, Path("target.gguf"), "Hi", PLAIN, threads=2, max_new_tokens=8, ctx_size=512,
+                         lock=str(tmp_path / "lock"))  # fmt: skip
+    assert figures == {"prompt_tokens": 12, "prompt_seconds": 0.1, "tokens": 8, "seconds": 0.2, "drafted": 6,
+                       "accepted": 3}  # fmt: skip

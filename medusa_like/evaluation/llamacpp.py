@@ -35,7 +35,7 @@ from medusa_like.evaluation.llamacpp_runner import (
     build,
     run_settings,
 )
-from medusa_like.evaluation.llamacpp_server import run_batched
+from medusa_like.evaluation.llamacpp_server import check_slots, run_batched
 from medusa_like.io import write_json
 
 log = logging.getLogger(__name__)
@@ -196,16 +196,18 @@ def measure(cfg) -> dict | None:
     settings += [Setting(f"eagle3-{p} d{n}", "draft-eagle3", drafts[p], n) for p in run.precisions for n in run.chains]
     settings += [Setting(mode, mode) for mode in run.lookup]
     options = dict(threads=run.threads, max_new_tokens=run.max_new_tokens, ctx_size=run.ctx_size)
-    load_before = os.getloadavg()
-    results = run_settings(binary, target_file, texts, settings, out_dir / "llamacpp_partial.json", **options)
     torch.set_num_threads(run.threads)
     model = MedusaLikeModel(target, tokenizer, drafter)
+    all_ids = [model.chat_ids(chat)[0].tolist() for chat in all_chats]
+    if run.batch_sizes:
+        check_slots(all_ids, run.max_new_tokens, run.ctx_per_slot)
+    load_before = os.getloadavg()
+    results = run_settings(binary, target_file, texts, settings, out_dir / "llamacpp_partial.json", **options)
     batched = []
     if run.batch_sizes:
         server = build(Path(run.cache), run.sdist, name=SERVER)
         first = drafts[run.precisions[0]]
         server_settings = [("plain", None)] + [(s.name, s) for s in settings if s.draft == first]
-        all_ids = [model.chat_ids(chat)[0].tolist() for chat in all_chats]
         batched = run_batched(server, target_file, all_ids, server_settings, list(run.batch_sizes), run.threads,
                               run.max_new_tokens, run.ctx_per_slot, out_dir)  # fmt: skip
     load_after = os.getloadavg()

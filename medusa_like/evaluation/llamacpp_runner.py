@@ -220,7 +220,8 @@ def run_prompt(
     part of `timeout`); its parsed figures."""
     command = prompt_command(binary, target_gguf, prompt, setting, threads, max_new_tokens, ctx_size)
     with bench_lock(lock):
-        done = subprocess.run(command, capture_output=True, text=True, timeout=timeout)
+        # the generated text is printed as it comes: a token can end inside a UTF-8 character
+        done = subprocess.run(command, capture_output=True, text=True, errors="replace", timeout=timeout)
     text = done.stdout + done.stderr
     if done.returncode != 0:
         raise RuntimeError(f"{setting.name}: llama.cpp exited with {done.returncode}:\n{text[-2000:]}")

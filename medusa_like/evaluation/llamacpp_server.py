@@ -123,15 +123,22 @@ class LlamaServer:
         return answers, seconds
 
 
+def check_slots(prompts: list[list[int]], max_new_tokens: int, ctx_per_slot: int) -> None:
+    """Refuse, before anything runs, prompts whose answers would not fit a server slot."""
+    longest = max(len(p) for p in prompts) + max_new_tokens
+    if longest > ctx_per_slot:
+        raise ValueError(
+            f"a prompt and its answer take {longest} tokens, more than a slot's {ctx_per_slot} (llamacpp.ctx_per_slot)"
+        )
+
+
 def run_batched(binary: Path, target_gguf: Path, prompts: list[list[int]], settings: list[tuple[str, Setting | None]],
                 batch_sizes: list[int], threads: int, max_new_tokens: int, ctx_per_slot: int,
                 log_dir: Path) -> list[BatchedResult]:  # fmt: skip
     """Every setting at every batch size over all `prompts` (groups of B sent at once), holding the benchmark lock."""
     results = []
+    check_slots(prompts, max_new_tokens, ctx_per_slot)
     slots = max(batch_sizes)
-    longest = max(len(p) for p in prompts) + max_new_tokens
-    if longest > ctx_per_slot:
-        raise ValueError(f"a prompt and its answer take {longest} tokens, more than a slot's {ctx_per_slot}")
     for name, setting in settings:
         port = free_port()
         command = server_command(binary, target_gguf, setting, slots, ctx_per_slot, threads, port)
