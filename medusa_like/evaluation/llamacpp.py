@@ -104,7 +104,7 @@ def markdown(report: dict) -> str:
         for r in report["batched"]:
             cells = []
             for b in sizes:
-                e = batched_entry(r, b)
+                e = batch_entry(r["batch"], b)
                 acc = "" if e["acceptance"] is None else f"{e['acceptance']:.2f}"
                 cells.append(f"{e['tokens_per_second']:.1f}, {acc}, {e['equal_to_plain']}/{report['batched_prompts']}")
             lines.append(f"| {r['name']} | " + " | ".join(cells) + " |")
@@ -123,9 +123,10 @@ def markdown(report: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def batched_entry(row: dict, size: int) -> dict | None:
-    """One batch size's figures of a llama-server row (int keys become strings in JSON)."""
-    return row["batch"].get(size) or row["batch"].get(str(size))
+def batch_entry(batches: dict, size: int) -> dict | None:
+    """One batch size's figures in a {batch size: figures} dict, read back from JSON or not (int keys become
+    strings there)."""
+    return batches.get(size) or batches.get(str(size))
 
 
 def machine() -> str:

@@ -23,6 +23,7 @@ from pathlib import Path
 import torch
 
 from medusa_like.engines.vllm_engine import VllmEngine, check_export, eagle3, ngram, target_directory
+from medusa_like.evaluation.llamacpp import batch_entry
 from medusa_like.io import write_json, write_text
 
 log = logging.getLogger(__name__)
@@ -199,7 +200,7 @@ def markdown(report: dict) -> str:
         b = row["batch"]
         acc = " / ".join(f"{a:.2f}" for a in row["acceptance_per_position"])
         per_step = 1 + sum(row["acceptance_per_position"])  # the bonus token and the accepted drafts
-        ms = 1000 * per_step / _entry(b, 1)["tokens_per_second"]
+        ms = 1000 * per_step / batch_entry(b, 1)["tokens_per_second"]
         lines.append(
             f"| {name} | {_tps(b, 1)} | {_tps(b, 8)} | {_tps(b, 32)} | {acc} | {per_step:.2f} | {ms:.1f} | "
             f"{row['equal_to_vllm_plain']}/{b1} |"
@@ -228,12 +229,8 @@ def markdown(report: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _entry(batch: dict, size: int) -> dict | None:
-    return batch.get(size) or batch.get(str(size))  # int keys become strings in JSON
-
-
 def _tps(batch: dict, size: int) -> str:
-    entry = _entry(batch, size)
+    entry = batch_entry(batch, size)
     return f"{entry['tokens_per_second']:.1f}" if entry else ""
 
 
