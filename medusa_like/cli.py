@@ -30,8 +30,10 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 
+from medusa_like.cpu.few_row_linear import check_read_kernel
 from medusa_like.data.generation import check_engine
 from medusa_like.data.naming import source_name
+from medusa_like.training.ttt import loss_function
 
 log = logging.getLogger(__name__)
 
@@ -152,6 +154,8 @@ TRAIN_CHECKS = {
     "drafter.heads.num_heads": Number(min=1, when=("drafter.kind", "medusa")),
     "drafter.draft_vocab_size": Number(min=1, when=("drafter.kind", "eagle3")),
     "drafter.module.ttt_steps": Number(min=1, when=("drafter.kind", "eagle3")),
+    "drafter.module.loss": Accepted(loss_function, when=("drafter.kind", "eagle3")),
+    "target_read_kernel": Accepted(check_read_kernel),
     **_DATA_CHECKS,
 }
 DISTILL_CHECKS = {

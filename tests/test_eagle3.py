@@ -22,11 +22,11 @@ NEW_TOKENS = 20
 _references: dict = {}
 
 
-def random_drafter(target, vocab: DraftVocab | None = None, seed: int = 0) -> Eagle3Drafter:
+def random_drafter(target, vocab: DraftVocab | None = None, seed: int = 0, norm_aux: bool = False) -> Eagle3Drafter:
     """A drafter with random weights large enough that its guesses vary (and are sometimes right)."""
     torch.manual_seed(seed)
     size = vocab.size if vocab is not None else VOCAB
-    drafter = Eagle3Drafter(Eagle3Config.for_target(target.config, size), vocab)
+    drafter = Eagle3Drafter(Eagle3Config.for_target(target.config, size, norm_aux=norm_aux), vocab)
     for p in drafter.parameters():
         torch.nn.init.normal_(p, std=0.3)
     return drafter.eval()
@@ -203,3 +203,32 @@ def test_native_format_round_trips_and_is_checked_against_the_target(tmp_path):
         load_drafter(out, tiny_target("gemma3", intermediate_size=48))
     with pytest.raises(DrafterMismatchError, match="hidden size"):
         load_drafter(out, tiny_target("gemma3", hidden_size=48))
+
+
+def test_normalised_captured_states_round_trip_stay_lossless_and_are_refused_by_engine_formats(tmp_path):
+    """EAGLE-3.1's option (`norm_aux`): each captured state is RMS-normalised before fc, so scaling one aux stream
+    leaves the feature unchanged; the native format keeps the norms, greedy stays the target's, and the engine formats
+    (whose layer has no such norms) refuse it instead of dropping them."""
+    from medusa_like import load_drafter, save_drafter
+    from medusa_like.formats import export_drafter
+    from medusa_like.formats.common import FormatError
+
+    target = tiny_target("llama")
+    drafter = random_drafter(target, seed=6, norm_aux=True)
+    assert len(drafter.aux_norms) == len(drafter.config.aux_layer_ids)
+    h = drafter.config.target_hidden_size
+    aux = torch.randn(1, 5, len(drafter.config.aux_layer_ids) * h)
+    scaled = aux.clone()
+    scaled[..., :h] *= 7.0  # the low stream 7x larger: its norm takes the scale out
+    with torch.no_grad():
+        torch.testing.assert_close(drafter.fuse(scaled), drafter.fuse(aux), rtol=1e-4, atol=1e-4)
+    out = save_drafter(drafter, tmp_path / "native", target, "tiny_llama")
+    loaded = load_drafter(out, target)
+    assert loaded.config.norm_aux
+    with torch.no_grad():
+        torch.testing.assert_close(loaded.fuse(aux), drafter.fuse(aux), rtol=0, atol=0)
+    prompt = random_prompts(1, seed=3)[0]
+    got = speculative_generate(target, Eagle3Proposer(loaded, target), prompt, tree_spec("dynamic"), NEW_TOKENS)
+    assert got.new_tokens.tolist() == greedy_reference(target, prompt, NEW_TOKENS).tolist()
+    with pytest.raises(FormatError, match="normalises each captured state"):
+        export_drafter(drafter, tmp_path / "engine", "eagle3", target, "tiny_llama")

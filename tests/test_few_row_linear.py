@@ -506,3 +506,26 @@ def test_decoding_with_any_row_kernels_equals_the_targets_greedy(family, kernel)
         expected = greedy_reference(model.target, ids, 24)
         out = model.generate(ids, max_new_tokens=24, tree="dynamic", eos_token_id=[])
         assert out.new_tokens.tolist() == expected.tolist()
+
+
+@needs_onednn
+def test_training_reads_the_target_on_onednn_with_the_same_hidden_states():
+    """`use_read_kernel` (training's teacher-forced read): the decoder's products over many rows run on oneDNN's pack,
+    giving the stock hidden states up to fp32 rounding; the head keeps nn.Linear; `linear` changes nothing; an
+    unknown name is refused."""
+    target = tiny_target("llama")
+    ids = torch.randint(0, target.config.vocab_size, (3, 40), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        expected = target.base_model(input_ids=ids, output_hidden_states=True).hidden_states
+    assert not few_row_linear.use_read_kernel(target.base_model, "linear")
+    assert linear_kernel(target) == "nn.Linear"
+    assert few_row_linear.use_read_kernel(target.base_model, "auto")
+    layers = [m for m in target.base_model.modules() if isinstance(m, FewRowLinear)]
+    assert layers and all(m.prefill == ONEDNN and ANY_ROWS in m.packs.packs for m in layers)
+    assert type(target.get_output_embeddings()) is nn.Linear
+    with torch.no_grad():
+        got = target.base_model(input_ids=ids, output_hidden_states=True).hidden_states
+    for a, b in zip(got, expected, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+    with pytest.raises(ValueError, match=r"expected one of \['auto', 'onednn', 'linear'\], got 'mkl'"):
+        few_row_linear.use_read_kernel(target.base_model, "mkl")

@@ -10,7 +10,7 @@ from safetensors.torch import load_file
 
 from medusa_like.formats import load_drafter
 from medusa_like.training.target_cache import FIELDS, MANIFEST, TargetCache, TargetCacheMismatchError, cache_key
-from medusa_like.training.ttt import simulated_tau, topk_soft_cross_entropy
+from medusa_like.training.ttt import loss_function, simulated_tau, topk_soft_cross_entropy
 from train.train import train
 
 from .test_training import build_module, compose_train, data_dir  # noqa: F401  (data_dir: the module's fixture)
@@ -40,6 +40,33 @@ def test_topk_loss_equals_the_full_loss_where_k_covers_the_mass():
     assert not torch.isclose(
         topk_soft_cross_entropy(logits, top.indices, top.values), full_soft_cross_entropy(logits, teacher)
     )
+
+
+def test_acceptance_losses_equal_their_full_distribution_forms_and_mix_by_weight():
+    """TV = 1/2 sum |p - q| and LK-style -log sum min(p, q) over the whole vocabulary, from top-k labels that hold the
+    teacher's mass; a weighted mix is the weighted sum; a drafter that equals the teacher has TV 0; bad names and
+    weights are refused naming the choices."""
+    torch.manual_seed(1)
+    logits = torch.randn(6, 50)
+    teacher = torch.randn(6, 50).log_softmax(-1)
+    top = teacher.topk(50, -1)
+    p, q = teacher.exp(), logits.softmax(-1)
+    tv = 0.5 * (p - q).abs().sum(-1)
+    torch.testing.assert_close(loss_function("tv")(logits, top.indices, top.values), tv.mean())
+    torch.testing.assert_close(loss_function("lk")(logits, top.indices, top.values), (-(1 - tv).log()).mean())
+    mix = loss_function("0.1*soft_ce + 0.9*tv")(logits, top.indices, top.values)
+    torch.testing.assert_close(mix, 0.1 * full_soft_cross_entropy(logits, teacher) + 0.9 * tv.mean())
+    assert loss_function("tv")(teacher, top.indices, top.values).abs() < 1e-6
+    # a teacher kept as its top 8 of 50: TV counts the drafter's mass outside those 8 as disagreement
+    cut = teacher.topk(8, -1)
+    p8 = torch.zeros(6, 50).scatter(-1, cut.indices, cut.values.softmax(-1))
+    torch.testing.assert_close(
+        loss_function("tv")(logits, cut.indices, cut.values), (0.5 * (p8 - q).abs().sum(-1)).mean()
+    )
+    with pytest.raises(ValueError, match="unknown drafter loss 'kl'.*soft_ce"):
+        loss_function("kl")
+    with pytest.raises(ValueError, match="weight 'x'"):
+        loss_function("x*tv")
 
 
 def test_simulated_tau_of_a_chain():
@@ -208,3 +235,35 @@ def test_token_milestones_make_a_learning_curve(tmp_path, data_dir, monkeypatch)
         assert 1.0 <= point["val/sim_tau_chain"] <= 1 + cfg.drafter.module.ttt_steps
         assert point["tau_alone"] >= 1.0
     assert (tmp_path / "curve.png").stat().st_size > 0
+
+
+def test_the_ablation_table_compares_each_arm_with_the_base(tmp_path, monkeypatch, capsys):
+    """`eval.ablations` reads each finished arm's metrics and overrides and reports its change against the base arm;
+    an unfinished arm is left out, and a folder without the base arm is one error line."""
+    from eval import ablations
+
+    def arm(name, top1, overrides):
+        (tmp_path / name / ".hydra").mkdir(parents=True)
+        metrics = {f"val/acc_top1_depth{d}": a for d, a in enumerate(top1, 1)}
+        metrics["val/sim_tau_chain"] = simulated_tau(top1)
+        (tmp_path / name / "metrics.json").write_text(json.dumps(metrics))
+        lines = "".join(f"- {o}\n" for o in ["experiment=smollm2_eagle3_ablation", "hydra.run.dir=x", *overrides])
+        (tmp_path / name / ".hydra" / "overrides.yaml").write_text(lines)
+
+    arm("base", [0.2, 0.1, 0.1, 0.1], [])
+    arm("tv", [0.25, 0.1, 0.1, 0.1], ["drafter.module.loss=tv"])
+    (tmp_path / "running").mkdir()  # no metrics.json yet
+    monkeypatch.setattr("sys.argv", ["ablations", str(tmp_path)])
+    ablations.main()
+    table = json.loads((tmp_path / "ablations.json").read_text())
+    tv = next(a for a in table["arms"] if a["name"] == "tv")
+    assert [a["name"] for a in table["arms"]] == ["base", "tv"]
+    assert tv["overrides"] == ["drafter.module.loss=tv"]
+    assert tv["delta_top1_d1"] == pytest.approx(0.05)
+    assert tv["delta_sim_tau"] == pytest.approx(
+        simulated_tau([0.25, 0.1, 0.1, 0.1]) - simulated_tau([0.2, 0.1, 0.1, 0.1])
+    )
+    assert "+0.050 d1" in capsys.readouterr().out
+    monkeypatch.setattr("sys.argv", ["ablations", str(tmp_path), "--base", "nothing"])
+    with pytest.raises(SystemExit, match="no finished base arm"):
+        ablations.main()

@@ -19,6 +19,7 @@ from omegaconf import DictConfig
 
 from medusa_like.apps import CONFIG_DIR
 from medusa_like.cli import TRAIN_CHECKS, check_config, one_line_errors
+from medusa_like.cpu.few_row_linear import use_read_kernel
 from medusa_like.data.prepare import ensure_dataset, load_model
 from medusa_like.formats import save_drafter
 from medusa_like.io import write_json
@@ -43,6 +44,8 @@ def train(cfg: DictConfig) -> dict[str, float]:
     save_config(run_config, out_dir)
     target, tokenizer = load_model(cfg.model)
     ensure_dataset(cfg, target, tokenizer)
+    if use_read_kernel(target.base_model, cfg.target_read_kernel):  # the decoder's products; the head keeps F.linear
+        log.info("the frozen target's layers read the training rows on oneDNN's packed weights (target_read_kernel)")
     datamodule = instantiate(cfg.data.module)
     module = build_module(cfg, target)
     callbacks = instantiate_all(cfg.get("callbacks"))

@@ -301,6 +301,34 @@ def use_few_row_linears(model, plans: bool | str = True) -> int:
     return swapped
 
 
+READ_KERNELS = ("auto", "onednn", "linear")  # what reads a frozen target's many rows in training
+
+
+def check_read_kernel(kernel) -> str:
+    if kernel not in READ_KERNELS:
+        raise ValueError(f"expected one of {list(READ_KERNELS)}, got {kernel!r}")
+    return kernel
+
+
+def use_read_kernel(model: nn.Module, kernel: str = "auto") -> bool:
+    """Let a frozen model that training reads teacher-forced (many rows per product) compute every product over
+    MAX_ROWS rows on oneDNN's pack (`onednn`; `auto`: where the model is fp32 on a CPU that runs the packs), or keep
+    F.linear (`linear`). Only fp32 rounding changes. Returns whether oneDNN now reads it."""
+    check_read_kernel(kernel)
+    weight = next(model.parameters())
+    usable = weight.device.type == "cpu" and weight.dtype == torch.float32 and onednn_packs_available()
+    if kernel == "linear" or (kernel == "auto" and not usable):
+        return False
+    if not usable:
+        raise ValueError("read_kernel=onednn needs an fp32 model on a CPU whose torch runs oneDNN's packs")
+    use_few_row_linears(model, plans="cached")  # few-row products keep their plans; the many-row ones change
+    for module in model.modules():
+        if isinstance(module, FewRowLinear):
+            module.prefill = ONEDNN
+    sync_packs(model)
+    return True
+
+
 def _give_plans(layers: list[FewRowLinear], measure: bool) -> None:
     """Each layer without a measured plan gets its weight's (measured now if `measure`, else only if cached), else
     UNMEASURED_PLAN if it has none."""

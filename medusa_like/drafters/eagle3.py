@@ -49,6 +49,7 @@ class Eagle3Config:
     draft_vocab_size: int
     aux_layer_ids: tuple[int, ...]  # hidden_states indices fused by fc
     layer: dict = field(repr=False)  # the target family's text config (model_type + fields), for one layer
+    norm_aux: bool = False  # RMS-normalise each captured state before fc (EAGLE-3.1's normalised captured states)
 
     def __post_init__(self):
         object.__setattr__(self, "aux_layer_ids", tuple(int(i) for i in self.aux_layer_ids))
@@ -64,13 +65,15 @@ class Eagle3Config:
         return int(self.layer["hidden_size"])
 
     @classmethod
-    def for_target(cls, target_config: PretrainedConfig, draft_vocab_size: int, aux_layer_ids=None) -> "Eagle3Config":
+    def for_target(
+        cls, target_config: PretrainedConfig, draft_vocab_size: int, aux_layer_ids=None, norm_aux: bool = False
+    ) -> "Eagle3Config":
         text = target_config.get_text_config()
         aux = tuple(aux_layer_ids) if aux_layer_ids else default_aux_layers(text.num_hidden_layers)
         if any(not 0 <= i <= text.num_hidden_layers for i in aux):
             raise ValueError(f"aux_layer_ids {list(aux)} must lie in [0, {text.num_hidden_layers}] for this target")
         layer = {k: v for k, v in text.to_dict().items() if k not in _DROPPED_FIELDS}
-        return cls(text.hidden_size, text.vocab_size, min(draft_vocab_size, text.vocab_size), aux, layer)
+        return cls(text.hidden_size, text.vocab_size, min(draft_vocab_size, text.vocab_size), aux, layer, norm_aux)
 
     def to_dict(self) -> dict:
         return {**asdict(self), "aux_layer_ids": list(self.aux_layer_ids)}
@@ -99,6 +102,9 @@ class Eagle3Drafter(LearnedDrafter, nn.Module):
         family = AutoModel.from_config(config.layer_config())  # one layer of the target's family, random init
         layer, hidden = family.layers[0], config.hidden_size
         self.fc = nn.Linear(len(config.aux_layer_ids) * config.target_hidden_size, hidden, bias=False)
+        # one norm of the family per captured state (EAGLE-3.1), or none
+        norms = [copy.deepcopy(layer.input_layernorm) for _ in config.aux_layer_ids] if config.norm_aux else []
+        self.aux_norms = nn.ModuleList(norms)
         self.self_attn = layer.self_attn
         for name in ("q_proj", "k_proj", "v_proj"):  # attention reads [embedding; feature]
             old = getattr(self.self_attn, name)
@@ -171,7 +177,11 @@ class Eagle3Drafter(LearnedDrafter, nn.Module):
 
     def fuse(self, aux_hidden: torch.Tensor) -> torch.Tensor:
         """The target's concatenated aux hidden states [..., n * h_target] -> the drafter's input feature [..., h]."""
-        return self.fc(aux_hidden.to(self.fc.weight.dtype))
+        aux_hidden = aux_hidden.to(self.fc.weight.dtype)
+        if len(self.aux_norms):
+            states = aux_hidden.split(self.config.target_hidden_size, dim=-1)  # n x [..., h_target]
+            aux_hidden = torch.cat([norm(x) for norm, x in zip(self.aux_norms, states, strict=True)], dim=-1)
+        return self.fc(aux_hidden)
 
     def forward(
         self,

@@ -24,6 +24,8 @@ LLAMA_LAYER = {
 def llama_refusal(drafter: Eagle3Drafter) -> str | None:
     """Why the engines' Llama-shaped EAGLE-3 layer cannot hold this drafter, or None when it can."""
     layer = drafter.config.layer
+    if drafter.config.norm_aux:
+        return "it normalises each captured state before fc (EAGLE-3.1, drafter.module.norm_aux), which the engines' layer does not"
     names = {name for name in drafter.state_dict() if name.startswith(LAYER_PARTS)}
     if layer.get("model_type") not in ("llama", "qwen2", "mistral", "qwen3"):
         extra = sorted(names - LLAMA_LAYER)

@@ -26,7 +26,7 @@ from medusa_like.targets import output_logits, target_fingerprint
 from medusa_like.training.drafter_module import DrafterModule
 from medusa_like.training.losses import DECAY, decay_weights, shift_left
 from medusa_like.training.target_cache import BATCH_TOKENS, TargetCache, cache_key
-from medusa_like.training.ttt import simulated_tau, supervised_rows, topk_soft_cross_entropy, unrolled_mask
+from medusa_like.training.ttt import loss_function, simulated_tau, supervised_rows, unrolled_mask
 
 _PROJECTION_ROWS = 1024  # positions per chunk of the target's full projection (bounds memory: 1024 x V floats)
 
@@ -49,6 +49,8 @@ class Eagle3Module(DrafterModule):
         init_from_target: bool = True,  # start lm_head and the final norm from the target's
         init_layer_from_target: int | None = None,  # start the decoder layer from this target layer's weights
         top_k: int | None = 64,  # labels: the target's k most likely draft tokens (null: the whole draft vocabulary)
+        norm_aux: bool = False,  # normalise each captured state before fc (EAGLE-3.1)
+        loss: str = "soft_ce",  # per step: soft_ce, tv, lk or a weighted sum ("0.1*soft_ce+0.9*tv"), `ttt.loss_function`
         target_cache_dir: str | None = None,  # compute the target's side once, before the first step, and reuse it
         target_cache_batch_tokens: int = BATCH_TOKENS,  # padded tokens per target forward while building the cache
         hidden_cache_dir: str | None = None,  # not used by this drafter: see `target_cache_dir`
@@ -61,13 +63,14 @@ class Eagle3Module(DrafterModule):
         if ttt_steps < 1 or not 0 < decay <= 1:
             raise ValueError(f"need ttt_steps >= 1 and 0 < decay <= 1, got ttt_steps={ttt_steps}, decay={decay}")
         check_fits(target.config.get_text_config().hidden_size, vocab.target_vocab_size, target, source="being trained")
-        config = Eagle3Config.for_target(target.config, vocab.size, aux_layer_ids)
+        config = Eagle3Config.for_target(target.config, vocab.size, aux_layer_ids, norm_aux)
         self.drafter = Eagle3Drafter(config, vocab)
         if init_from_target:
             self.drafter.init_from_target(target)
         if init_layer_from_target is not None:
             self.drafter.init_layer_from_target(target, init_layer_from_target)
         self.ttt_steps, self.decay = ttt_steps, decay
+        self.loss_fn = loss_function(loss)
         self.top_k = min(top_k or vocab.size, vocab.size)
         self.target_cache = None
         if target_cache_dir:
@@ -87,6 +90,7 @@ class Eagle3Module(DrafterModule):
                 "decay": decay,
                 "vocab": vocab.size,
                 "top_k": self.top_k,
+                "loss": loss,
             }
         )
         names = [f"{m}_depth{d}" for d in range(1, ttt_steps + 1) for m in ("loss", "acc_top1", "acc_top4")]
@@ -191,7 +195,7 @@ class Eagle3Module(DrafterModule):
             logits = self.drafter.logits(state[valid])  # [n, N]: only rows with a label pay the projection
             ids = shift_left(out["topk_ids"], 1 + j)[valid].long()  # [n, k]: the target after token t + 1 + j
             logp = shift_left(out["topk_logp"], 1 + j)[valid].float()  # [n, k]
-            losses.append(topk_soft_cross_entropy(logits, ids, logp))
+            losses.append(self.loss_fn(logits, ids, logp))
             with torch.no_grad():
                 top4 = logits.topk(min(4, logits.shape[-1]), dim=-1).indices  # [n, 4]
                 hits4 = (top4 == ids[:, :1]).any(-1).sum()

@@ -44,6 +44,53 @@ def topk_soft_cross_entropy(logits: torch.Tensor, ids: torch.Tensor, logp: torch
     return -(logp.float().softmax(-1) * logq).sum(-1).mean()
 
 
+def topk_total_variation(logits: torch.Tensor, ids: torch.Tensor, logp: torch.Tensor) -> torch.Tensor:
+    """Mean over rows of the total variation 1/2 sum |p_teacher - q| over the draft vocabulary, the teacher kept as its
+    k most likely tokens (renormalised, zero elsewhere): logits [n, N], ids and logp [n, k] -> []. 1 - TV = sum min(p, q)
+    is the rate at which speculative sampling accepts a draft from q, so this loss optimises acceptance directly."""
+    if logits.shape[0] == 0:
+        return logits.sum() * 0.0
+    return 1.0 - _topk_overlap(logits, ids, logp).mean()
+
+
+def topk_log_acceptance(logits: torch.Tensor, ids: torch.Tensor, logp: torch.Tensor) -> torch.Tensor:
+    """LK-style loss: the mean over rows of -log sum min(p_teacher, q), minus the log of the acceptance rate (same
+    shapes as `topk_total_variation`). Its gradient weights each row by 1 / its acceptance, where TV's weights them
+    equally, so rows the drafter gets badly wrong pull harder."""
+    if logits.shape[0] == 0:
+        return logits.sum() * 0.0
+    return -_topk_overlap(logits, ids, logp).clamp(min=1e-6).log().mean()
+
+
+def _topk_overlap(logits: torch.Tensor, ids: torch.Tensor, logp: torch.Tensor) -> torch.Tensor:
+    """[n]: sum_i min(p_i, q_i) over the teacher's k tokens (its mass elsewhere is zero, where min is zero too)."""
+    q = F.softmax(logits.float(), dim=-1).gather(-1, ids)  # [n, k]
+    return torch.minimum(logp.float().softmax(-1), q).sum(-1)
+
+
+# name -> loss(logits [n, N], ids [n, k], logp [n, k]) -> []; `Eagle3Module(loss=...)` picks one (a "+"-joined
+# weighted mix such as "0.1*soft_ce+0.9*tv", DSpark's, is parsed by `loss_function`)
+LOSSES = {"soft_ce": topk_soft_cross_entropy, "tv": topk_total_variation, "lk": topk_log_acceptance}
+
+
+def loss_function(spec: str):
+    """'soft_ce', 'tv', 'lk' or a weighted sum of them ('0.1*soft_ce+0.9*tv') -> loss(logits, ids, logp)."""
+    terms = []
+    for term in str(spec).replace(" ", "").split("+"):
+        weight, _, name = term.rpartition("*")
+        if name not in LOSSES:
+            raise ValueError(
+                f"unknown drafter loss {name!r} in {spec!r}: choose from {sorted(LOSSES)}, or a weighted sum like '0.1*soft_ce+0.9*tv'"
+            )
+        try:
+            terms.append((float(weight) if weight else 1.0, LOSSES[name]))
+        except ValueError:
+            raise ValueError(f"drafter loss {spec!r}: weight {weight!r} of {name!r} is not a number") from None
+    if len(terms) == 1 and terms[0][0] == 1.0:
+        return terms[0][1]
+    return lambda logits, ids, logp: sum(w * f(logits, ids, logp) for w, f in terms)
+
+
 def simulated_tau(accuracy: list) -> float:
     """The expected acceptance length (tokens per target forward, bonus token included) of a chain of drafts whose
     depth-d draft is accepted with probability accuracy[d-1] given the shallower ones were: 1 + sum_d prod_{i<=d} a_i.
