@@ -104,7 +104,6 @@ def plot(points: list[dict], path: Path, depths: int) -> None:
     for d in range(1, depths + 1):
         left.plot(tokens, [p[f"val/acc_top1_depth{d}"] for p in points], marker="o", label=f"depth {d}")
     left.set(xscale="log", xlabel="supervised tokens seen", ylabel="held-out top-1 acceptance", ylim=(0, 1))
-    left.legend()
     right.plot(tokens, [p["val/sim_tau_chain"] for p in points], marker="o", label="chain tau from acceptance")
     decoded = [p for p in points if p.get("tau_alone") is not None]
     right.plot(
@@ -112,6 +111,11 @@ def plot(points: list[dict], path: Path, depths: int) -> None:
         label="tau decoding alone (dynamic tree)",
     )  # fmt: skip
     right.set(xscale="log", xlabel="supervised tokens seen", ylabel="tokens per target forward")
+    repeats = [p["tokens"] for p in points if p.get("run") == "epochs"]
+    if repeats:  # past one epoch the tokens are the same conversations again, not new ones
+        for axis in (left, right):
+            axis.axvline(min(repeats), color="gray", linestyle=":", label="one epoch: later points repeat the data")
+    left.legend()
     right.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=120)

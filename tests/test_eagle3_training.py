@@ -96,3 +96,26 @@ def test_a_layer_started_from_the_target_computes_that_layer_on_the_high_stream(
     after = drafter(drafter.fuse(aux), embeds, positions)
     torch.testing.assert_close(after, hidden[2], rtol=1e-4, atol=1e-4)
     assert not torch.allclose(before, hidden[2], atol=1e-2)  # a random layer does not
+
+
+def test_high_starts_the_layer_the_last_aux_stream_enters_and_bad_names_are_refused():
+    """`init_layer_from_target="high"` (the default recipe's) is the layer the last aux stream enters, which `fc`
+    passes through; anything but an index, "high" or null is refused when the module is built."""
+    from medusa_like.training.eagle3_module import layer_index
+
+    target = tiny_target("llama", num_hidden_layers=4)
+    module = Eagle3Module(
+        target,
+        DraftVocab.full(VOCAB),
+        "tiny_llama",
+        optimizer=partial(torch.optim.AdamW, lr=3e-3),
+        aux_layer_ids=[0, 1, 2],
+        init_layer_from_target="high",
+    )
+    source = target.base_model.layers[2]
+    torch.testing.assert_close(module.drafter.mlp.down_proj.weight, source.mlp.down_proj.weight)
+    assert not torch.equal(module.drafter.mlp.down_proj.weight, target.base_model.layers[1].mlp.down_proj.weight)
+    assert layer_index(3, (0, 1, 2)) == 3
+    for bad in ("top", True, 1.5):
+        with pytest.raises(ValueError, match="init_layer_from_target must be a target layer index, 'high' or null"):
+            layer_index(bad, (0, 1, 2))

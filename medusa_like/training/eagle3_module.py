@@ -31,6 +31,18 @@ from medusa_like.training.ttt import loss_function, simulated_tau, supervised_ro
 _PROJECTION_ROWS = 1024  # positions per chunk of the target's full projection (bounds memory: 1024 x V floats)
 
 
+def layer_index(init_layer_from_target: int | str, aux_layer_ids: tuple[int, ...]) -> int:
+    """The target layer `init_layer_from_target` names: an index, or "high", the layer the last aux stream enters (the
+    stream `fc` then passes through, so the drafter starts as that layer applied to its own input)."""
+    if init_layer_from_target == "high":
+        return aux_layer_ids[-1]
+    if isinstance(init_layer_from_target, bool) or not isinstance(init_layer_from_target, int):
+        raise ValueError(
+            f"init_layer_from_target must be a target layer index, 'high' or null, got {init_layer_from_target!r}"
+        )
+    return init_layer_from_target
+
+
 class Eagle3Module(DrafterModule):
     kind = EAGLE3.name
     checkpoint_prefix = "drafter"
@@ -47,7 +59,8 @@ class Eagle3Module(DrafterModule):
         ttt_steps: int = 4,  # unrolled draft steps (EAGLE-3: 7)
         decay: float = DECAY,  # step j's loss is weighted decay^j
         init_from_target: bool = True,  # start lm_head and the final norm from the target's
-        init_layer_from_target: int | None = None,  # start the decoder layer from this target layer's weights
+        init_layer_from_target: int | str | None = None,  # a target layer's index, or "high" (the one the last aux
+        # stream enters): start the decoder layer from that layer's weights
         top_k: int | None = 64,  # labels: the target's k most likely draft tokens (null: the whole draft vocabulary)
         norm_aux: bool = False,  # normalise each captured state before fc (EAGLE-3.1)
         loss: str = "soft_ce",  # per step: soft_ce, tv, lk or a weighted sum ("0.1*soft_ce+0.9*tv"), `ttt.loss_function`
@@ -68,7 +81,7 @@ class Eagle3Module(DrafterModule):
         if init_from_target:
             self.drafter.init_from_target(target)
         if init_layer_from_target is not None:
-            self.drafter.init_layer_from_target(target, init_layer_from_target)
+            self.drafter.init_layer_from_target(target, layer_index(init_layer_from_target, config.aux_layer_ids))
         self.ttt_steps, self.decay = ttt_steps, decay
         self.loss_fn = loss_function(loss)
         self.top_k = min(top_k or vocab.size, vocab.size)
