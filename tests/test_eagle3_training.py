@@ -115,7 +115,8 @@ def test_high_starts_the_layer_the_last_aux_stream_enters_and_bad_names_are_refu
     source = target.base_model.layers[2]
     torch.testing.assert_close(module.drafter.mlp.down_proj.weight, source.mlp.down_proj.weight)
     assert not torch.equal(module.drafter.mlp.down_proj.weight, target.base_model.layers[1].mlp.down_proj.weight)
-    assert layer_index(3, (0, 1, 2)) == 3
+    assert layer_index(3, (0, 1, 2), 4) == 3
+    assert layer_index("high", (0, 1, 4), 4) is None  # the target's output enters no layer: the layer starts random
     for bad in ("top", True, 1.5):
         with pytest.raises(ValueError, match="init_layer_from_target must be a target layer index, 'high' or null"):
-            layer_index(bad, (0, 1, 2))
+            layer_index(bad, (0, 1, 2), 4)

@@ -10,6 +10,7 @@ the best checkpoint is chosen. The frozen target, checkpoints (keys `drafter.*`,
 vocabulary in their metadata) and the optimizer are `drafter_module.DrafterModule`'s.
 """
 
+import logging
 from collections.abc import Callable
 
 import torch
@@ -28,14 +29,20 @@ from medusa_like.training.losses import DECAY, decay_weights, shift_left
 from medusa_like.training.target_cache import BATCH_TOKENS, TargetCache, cache_key
 from medusa_like.training.ttt import loss_function, simulated_tau, supervised_rows, unrolled_mask
 
+log = logging.getLogger(__name__)
 _PROJECTION_ROWS = 1024  # positions per chunk of the target's full projection (bounds memory: 1024 x V floats)
 
 
-def layer_index(init_layer_from_target: int | str, aux_layer_ids: tuple[int, ...]) -> int:
+def layer_index(init_layer_from_target: int | str, aux_layer_ids: tuple[int, ...], num_layers: int) -> int | None:
     """The target layer `init_layer_from_target` names: an index, or "high", the layer the last aux stream enters (the
-    stream `fc` then passes through, so the drafter starts as that layer applied to its own input)."""
+    stream `fc` then passes through, so the drafter starts as that layer applied to its own input); None for "high"
+    when that stream is the target's last state, which enters no layer (the layer then starts random, logged)."""
     if init_layer_from_target == "high":
-        return aux_layer_ids[-1]
+        if aux_layer_ids[-1] < num_layers:
+            return aux_layer_ids[-1]
+        log.info("init_layer_from_target=high: the last aux stream is the target's output, entering no layer; the "
+                 "drafter's layer starts random")  # fmt: skip
+        return None
     if isinstance(init_layer_from_target, bool) or not isinstance(init_layer_from_target, int):
         raise ValueError(
             f"init_layer_from_target must be a target layer index, 'high' or null, got {init_layer_from_target!r}"
@@ -80,8 +87,14 @@ class Eagle3Module(DrafterModule):
         self.drafter = Eagle3Drafter(config, vocab)
         if init_from_target:
             self.drafter.init_from_target(target)
-        if init_layer_from_target is not None:
-            self.drafter.init_layer_from_target(target, layer_index(init_layer_from_target, config.aux_layer_ids))
+        layers = target.config.get_text_config().num_hidden_layers
+        index = (
+            None
+            if init_layer_from_target is None
+            else layer_index(init_layer_from_target, config.aux_layer_ids, layers)
+        )
+        if index is not None:
+            self.drafter.init_layer_from_target(target, index)
         self.ttt_steps, self.decay = ttt_steps, decay
         self.loss_fn = loss_function(loss)
         self.top_k = min(top_k or vocab.size, vocab.size)
