@@ -67,6 +67,8 @@ def test_acceptance_losses_equal_their_full_distribution_forms_and_mix_by_weight
         loss_function("kl")
     with pytest.raises(ValueError, match="weight 'x'"):
         loss_function("x*tv")
+    with pytest.raises(ValueError, match="weight '0' of 'tv' must be positive"):
+        loss_function("1*soft_ce+0*tv")
 
 
 def test_simulated_tau_of_a_chain():

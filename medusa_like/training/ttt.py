@@ -83,9 +83,12 @@ def loss_function(spec: str):
                 f"unknown drafter loss {name!r} in {spec!r}: choose from {sorted(LOSSES)}, or a weighted sum like '0.1*soft_ce+0.9*tv'"
             )
         try:
-            terms.append((float(weight) if weight else 1.0, LOSSES[name]))
+            value = float(weight) if weight else 1.0
         except ValueError:
             raise ValueError(f"drafter loss {spec!r}: weight {weight!r} of {name!r} is not a number") from None
+        if not value > 0:
+            raise ValueError(f"drafter loss {spec!r}: weight {weight!r} of {name!r} must be positive")
+        terms.append((value, LOSSES[name]))
     if len(terms) == 1 and terms[0][0] == 1.0:
         return terms[0][1]
     return lambda logits, ids, logp: sum(w * f(logits, ids, logp) for w, f in terms)
