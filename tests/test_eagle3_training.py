@@ -120,3 +120,7 @@ def test_high_starts_the_layer_the_last_aux_stream_enters_and_bad_names_are_refu
     for bad in ("top", True, 1.5):
         with pytest.raises(ValueError, match="init_layer_from_target must be a target layer index, 'high' or null"):
             layer_index(bad, (0, 1, 2), 4)
+    assert layer_index(None, (0, 1, 2), 4) is None
+    with pytest.raises(ValueError, match="init_layer_from_target must be a target layer index, 'high' or null"):
+        Eagle3Module(target, DraftVocab.full(VOCAB), "tiny_llama", optimizer=partial(torch.optim.AdamW, lr=3e-3),
+                     init_layer_from_target="top")  # fmt: skip

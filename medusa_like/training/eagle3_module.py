@@ -33,10 +33,14 @@ log = logging.getLogger(__name__)
 _PROJECTION_ROWS = 1024  # positions per chunk of the target's full projection (bounds memory: 1024 x V floats)
 
 
-def layer_index(init_layer_from_target: int | str, aux_layer_ids: tuple[int, ...], num_layers: int) -> int | None:
-    """The target layer `init_layer_from_target` names: an index, or "high", the layer the last aux stream enters (the
+def layer_index(
+    init_layer_from_target: int | str | None, aux_layer_ids: tuple[int, ...], num_layers: int
+) -> int | None:
+    """The target layer `init_layer_from_target` names: None for null, an index, or "high", the layer the last aux stream enters (the
     stream `fc` then passes through, so the drafter starts as that layer applied to its own input); None for "high"
     when that stream is the target's last state, which enters no layer (the layer then starts random, logged)."""
+    if init_layer_from_target is None:
+        return None
     if init_layer_from_target == "high":
         if aux_layer_ids[-1] < num_layers:
             return aux_layer_ids[-1]
@@ -88,12 +92,7 @@ class Eagle3Module(DrafterModule):
         if init_from_target:
             self.drafter.init_from_target(target)
         layers = target.config.get_text_config().num_hidden_layers
-        index = (
-            None
-            if init_layer_from_target is None
-            else layer_index(init_layer_from_target, config.aux_layer_ids, layers)
-        )
-        if index is not None:
+        if (index := layer_index(init_layer_from_target, config.aux_layer_ids, layers)) is not None:
             self.drafter.init_layer_from_target(target, index)
         self.ttt_steps, self.decay = ttt_steps, decay
         self.loss_fn = loss_function(loss)
