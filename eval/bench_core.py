@@ -70,7 +70,7 @@ def decode_speed(model: MedusaLikeModel, trees: list[str], num_prompts: int, max
     pad = model.tokenizer.pad_token_id
     runners = {"hf_generate": hf_runner(model.target, eos, pad if pad is not None else (eos[0] if eos else None))}
     runners.update({name: loop_runner(model, model.resolve_tree(name), eos) for name in trees})
-    results = time_methods(runners, prompts, max_new_tokens, warmup_tokens=8)
+    results = time_methods(runners, prompts, max_new_tokens)
     base = median_tps(results["hf_generate"])
     table = []
     for name, runs in results.items():

@@ -5,7 +5,15 @@ import pytest
 import torch
 
 from medusa_like.evaluation.methods import METHODS, REFERENCE, SPECULATIVE
-from medusa_like.evaluation.timing import alternating_medians, median_tps, ms_table, rotated, time_methods
+from medusa_like.evaluation.timing import (
+    WARMUP_TOKENS,
+    alternating_medians,
+    median_tps,
+    ms_table,
+    rotated,
+    time_methods,
+    warm_up,
+)
 
 
 def recording_runners(calls: list, names=("a", "b", "c")):
@@ -24,13 +32,14 @@ def recording_runners(calls: list, names=("a", "b", "c")):
 def test_warm_up_then_every_prompt_in_rotated_order():
     calls = []
     prompts = [torch.zeros(1, n, dtype=torch.long) for n in (3, 4, 5, 6)]
-    results = time_methods(recording_runners(calls), prompts, max_new_tokens=7, warmup_tokens=2)
-    assert calls[:3] == [("a", 3, 2), ("b", 3, 2), ("c", 3, 2)]  # warm-up: the first prompt, few tokens, untimed
+    results = time_methods(recording_runners(calls), prompts, max_new_tokens=WARMUP_TOKENS + 5)
+    warm = [("a", 3, WARMUP_TOKENS), ("b", 3, WARMUP_TOKENS), ("c", 3, WARMUP_TOKENS)]
+    assert calls[:3] == warm  # warm-up: the first prompt, few tokens, untimed
     timed = calls[3:]
     orders = [[name for name, _, _ in timed[i : i + 3]] for i in range(0, len(timed), 3)]
     assert orders == [["a", "b", "c"], ["b", "c", "a"], ["c", "a", "b"], ["a", "b", "c"]]
     assert [length for _, length, _ in timed] == [3] * 3 + [4] * 3 + [5] * 3 + [6] * 3
-    assert all(n == 7 for _, _, n in timed)
+    assert all(n == WARMUP_TOKENS + 5 for _, _, n in timed)
     assert list(results) == ["a", "b", "c"]
     for runs in results.values():
         assert [r["tokens"][0] for r in runs] == [3, 4, 5, 6]  # one result per prompt, in prompt order
@@ -38,6 +47,14 @@ def test_warm_up_then_every_prompt_in_rotated_order():
             assert r["tps"] == pytest.approx(len(r["tokens"]) / r["seconds"])
         middle = sorted(r["tps"] for r in runs)[1:3]  # four prompts: the median is the mean of the middle two
         assert median_tps(runs) == pytest.approx(sum(middle) / 2)
+
+
+def test_warm_up_is_short_but_never_longer_than_the_answer():
+    calls = []
+    ids = torch.zeros(1, 3, dtype=torch.long)
+    warm_up(recording_runners(calls, names=("a",)), ids, max_new_tokens=96)
+    warm_up(recording_runners(calls, names=("a",)), ids, max_new_tokens=2)
+    assert calls == [("a", 3, WARMUP_TOKENS), ("a", 3, 2)] and WARMUP_TOKENS < 96
 
 
 def test_rotation_and_refusals():

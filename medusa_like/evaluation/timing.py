@@ -20,6 +20,9 @@ from rich.table import Table
 from medusa_like.evaluation.metrics import median, tokens_per_second
 
 Runner = Callable[[torch.Tensor, int], tuple[list[int], dict | None]]
+# new tokens of the untimed first run: enough to touch the allocator, the kernels and the thread pools; a full answer
+# per method would add minutes to an evaluation and change no timed figure
+WARMUP_TOKENS = 8
 
 
 def rotated(names: Sequence[str], rotation: int) -> list[str]:
@@ -30,9 +33,9 @@ def rotated(names: Sequence[str], rotation: int) -> list[str]:
 
 
 def warm_up(runners: dict[str, Runner], ids: torch.Tensor, max_new_tokens: int) -> None:
-    """Every runner once on `ids`, untimed."""
+    """Every runner once on `ids`, untimed, for `WARMUP_TOKENS` new tokens (`max_new_tokens` if fewer)."""
     for run in runners.values():
-        run(ids, max_new_tokens)
+        run(ids, min(max_new_tokens, WARMUP_TOKENS))
 
 
 def run_interleaved(runners: dict[str, Runner], ids: torch.Tensor, max_new_tokens: int, rotation: int) -> dict:
@@ -55,16 +58,15 @@ def time_methods(
     runners: dict[str, Runner],
     prompts: Sequence[torch.Tensor],
     max_new_tokens: int,
-    warmup_tokens: int | None = None,
     progress: Callable[[], None] | None = None,
 ) -> dict[str, list[dict]]:
-    """Warm up on the first prompt (`warmup_tokens` new tokens, default `max_new_tokens`), then time every runner on
-    every prompt, interleaved; returns {name: [run_interleaved's result per prompt]}."""
+    """Warm up on the first prompt (`warm_up`), then time every runner on every prompt, interleaved; returns
+    {name: [run_interleaved's result per prompt]}."""
     if not prompts:
         raise ValueError("timing needs at least one prompt")
     if not runners:
         raise ValueError("timing needs at least one method")
-    warm_up(runners, prompts[0], max_new_tokens if warmup_tokens is None else warmup_tokens)
+    warm_up(runners, prompts[0], max_new_tokens)
     results: dict[str, list[dict]] = {name: [] for name in runners}
     for i, ids in enumerate(prompts):
         for name, result in run_interleaved(runners, ids, max_new_tokens, i).items():

@@ -122,7 +122,7 @@ def time_trees(
         raise ValueError("timing trees needs at least one prompt")
     compiled = {b: model.resolve_tree(spec) for b, spec in trees.items()}
     runners = {b: loop_runner(model, tree, eos_token_id) for b, tree in compiled.items()}
-    results = time_methods(runners, prompts, max_new_tokens, min(max_new_tokens, 8), progress)
+    results = time_methods(runners, prompts, max_new_tokens, progress=progress)
     rows = []
     for b, tree in compiled.items():
         summary = summarize_decode([r["stats"] for r in results[b]])
@@ -183,7 +183,7 @@ def fastest_prompt_lookup(model, prompts, max_new_tokens: int, candidates) -> tu
     eos = model.eos_token_ids()
     pad = model.tokenizer.pad_token_id if model.tokenizer.pad_token_id is not None else (eos[0] if eos else None)
     runners = {int(n): hf_runner(model.target, eos, pad, int(n)) for n in candidates}
-    results = time_methods(runners, prompts, max_new_tokens, min(max_new_tokens, 8))
+    results = time_methods(runners, prompts, max_new_tokens)
     rows = [{"prompt_lookup_num_tokens": n, "tokens_per_second": median_tps(results[n])} for n in runners]
     return max(rows, key=lambda r: r["tokens_per_second"])["prompt_lookup_num_tokens"], rows
 
