@@ -35,14 +35,13 @@ $(STAMP): pyproject.toml setup.py
 # train the EAGLE-3-style drafter on ShareGPT conversations read by the target (resumable data build), then search the
 # combined tree (the drafter + lookup, one cost-aware tree) and transformers' prompt-lookup setting for this machine on
 # validation prompts, and evaluate on other validation prompts (never trained on): the drafter alone, lookup alone and
-# combined, against transformers' greedy and (tuned) prompt-lookup decoding with the same layers; tau, speed,
-# losslessness. transformers' greedy as it ships (stock nn.Linear) is `make bench`'s: here it would add 3 minutes,
-# and `make run` keeps within 25 minutes on a slow 2-core CPU
-EVAL_METHODS := [hf_greedy,hf_prompt_lookup,learned,lookup,speculative]
+# combined, against transformers' greedy and (tuned) prompt-lookup decoding with the same layers, and transformers'
+# greedy as it ships (stock nn.Linear); tau, speed, losslessness
+EVAL_METHODS := [hf_greedy,hf_prompt_lookup,hf_greedy_stock,learned,lookup,speculative]
 run: $(STAMP)
 	$(PY) -m train.train experiment=smollm2_eagle3 hydra.run.dir=$(RUN_DIR)/train
 	$(PY) -m eval.tree_search drafter.path=$(RUN_DIR)/train/drafter tree_search.calibration.limit=4 \
-	  tree_search.timing_prompts=2 eval.max_new_tokens=64 tree_search.out=$(RUN_DIR)/tree.json \
+	  tree_search.timing_prompts=3 eval.max_new_tokens=64 tree_search.out=$(RUN_DIR)/tree.json \
 	  hydra.run.dir=$(RUN_DIR)/tree_search
 	rm -rf $(RUN_DIR)/eval
 	$(PY) -m eval.evaluate drafter.path=$(RUN_DIR)/train/drafter tree=$(RUN_DIR)/tree.json data.source=validation \
