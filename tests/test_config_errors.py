@@ -15,6 +15,7 @@ import pytest
 from eval.evaluate import evaluate
 from medusa_like.apps.export import EXPORT_CHECKS, export
 from medusa_like.cli import ConfigError, check_config
+from medusa_like.data.split import training_answers
 from medusa_like.evaluation.questions import QuestionSetError, load_jsonl_questions, select
 from medusa_like.evaluation.report import store_sentence
 from medusa_like.evaluation.setup import load_eval_setup
@@ -142,6 +143,11 @@ def test_the_store_seeding_is_reported_as_it_happened(tmp_path, eval_cfg):
     model, filling = load_eval_setup(eval_cfg(*split, "drafter.seed_store=1000"))
     store = model.drafter.lookup.store
     assert 0 < store.num_tokens < 1000 and len(store) > 1
+    # the training split's answers, each tokenized alone, in order: batched tokenization changes nothing
+    expected = [
+        model.tokenizer(a, add_special_tokens=False)["input_ids"] for a in training_answers(str(conversations), 0.5)
+    ]
+    assert list(store.documents) == expected[: len(store)]
     assert filling == {
         "loaded_from": None,
         "loaded_tokens": 0,

@@ -1,6 +1,7 @@
 """Lookup drafting and the combined tree: the n-gram index, the output store, merging, scoring, the cost-aware
 budget, the cost model's files, and losslessness of every source alone and combined on every family and backend."""
 
+import itertools
 import json
 
 import pytest
@@ -16,7 +17,14 @@ from medusa_like.decoding.tree_files import load_tree, save_tree, spec_from_json
 from medusa_like.drafters.base import DrafterMismatchError
 from medusa_like.drafters.combined import CombinedDrafter
 from medusa_like.drafters.eagle3 import EAGLE3
-from medusa_like.drafters.lookup import ContextLookup, Continuation, LookupDrafter, NgramIndex, OutputStore
+from medusa_like.drafters.lookup import (
+    SEPARATOR,
+    ContextLookup,
+    Continuation,
+    LookupDrafter,
+    NgramIndex,
+    OutputStore,
+)
 from medusa_like.drafters.merge import PROBE_EVERY, CombinedProposer, SessionState, best_rate, lookup_certainty
 from medusa_like.model import MedusaLikeModel
 from medusa_like.targets import target_fingerprint
@@ -48,6 +56,26 @@ def test_index_finds_the_longest_suffix_and_every_continuation_as_a_branch():
     # the 3-gram "9 2 3" matches once: only its continuation is drafted; compared backwards, "4 9 2 3" agrees: 4
     longest = index.continuations([4, 9, 2, 3], depth=1)
     assert [(c.path, c.match_length) for c in longest] == [((5,), 4)]
+
+
+def test_index_matches_a_scan_of_the_sequence_however_it_was_extended():
+    """The recent occurrences of every n-gram agree with a brute-force scan, whether the tokens came in one piece
+    or in chunks whose n-grams straddle the chunks; none crosses a SEPARATOR."""
+    generator = torch.Generator().manual_seed(0)
+    seq = torch.randint(0, 4, (300,), generator=generator).tolist()
+    seq[40] = seq[170] = SEPARATOR
+    whole, chunked = NgramIndex(max_matches=5), NgramIndex(max_matches=5)
+    whole.extend(seq)
+    cuts = [0, 1, 2, 39, 41, 100, 169, 171, 250, 300]
+    for a, b in itertools.pairwise(cuts):
+        chunked.extend(seq[a:b])
+    for gram in {tuple(seq[i : i + n]) for n in range(1, 5) for i in range(len(seq) - n)} - {()}:
+        if SEPARATOR in gram:
+            assert whole._recent_ends(gram) == []
+            continue
+        ends = [i + len(gram) for i in range(len(seq) - len(gram)) if tuple(seq[i : i + len(gram)]) == gram]
+        expected = [end for end in ends if seq[end] != SEPARATOR][-5:]
+        assert whole._recent_ends(gram) == chunked._recent_ends(gram) == expected
 
 
 def test_index_without_a_match_drafts_nothing_and_never_drafts_past_the_end():

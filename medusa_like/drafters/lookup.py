@@ -61,21 +61,30 @@ class NgramIndex:
     ):
         self.max_n, self.max_matches, self.max_match, self.min_share = max_n, max_matches, max_match, min_share
         self.tokens: list[int] = []
-        self.after: dict[tuple[int, ...], list[int]] = {}  # n-gram -> positions right after each occurrence
+        # hash chains, as compressors index their window: per n, the position right after an n-gram's latest
+        # occurrence, and for each position the one after the previous occurrence of the n-gram before it (-1: none)
+        self.latest: list[dict[tuple[int, ...], int]] = [{} for _ in range(max_n + 1)]
+        self.previous: list[list[int]] = [[] for _ in range(max_n + 1)]
 
     def __len__(self) -> int:
         return len(self.tokens)
 
     def extend(self, tokens: list[int]) -> None:
-        seq, after = self.tokens, self.after
-        for token in tokens:
-            seq.append(token)
-            end = len(seq)
-            for n in range(1, min(self.max_n, end) + 1):
-                gram = tuple(seq[end - n : end])
-                if SEPARATOR in gram:
-                    break
-                after.setdefault(gram, []).append(end)
+        """Append `tokens`; index every n-gram that ends in them (it may start in the tokens before) and holds no
+        SEPARATOR. One n at a time over zipped shifted views, into hash chains (no list per n-gram): a store is seeded
+        with millions of tokens."""
+        seq = self.tokens
+        start = len(seq)
+        seq.extend(tokens)
+        for n in range(1, self.max_n + 1):
+            latest, previous = self.latest[n], self.previous[n]
+            previous.extend([-1] * (len(seq) + 1 - len(previous)))  # [len(seq) + 1]: one per end
+            first = max(start - n + 1, 0)  # where the first n-gram ending in the new tokens starts
+            window = seq[first:]
+            for end, gram in enumerate(zip(*(window[k:] for k in range(n)), strict=False), first + n):
+                if SEPARATOR not in gram:
+                    previous[end] = latest.get(gram, -1)
+                    latest[gram] = end
 
     def continuations(self, suffix: list[int], depth: int) -> list[Continuation]:
         """The trie of continuations of the longest matching suffix, parents before children (empty: no match)."""
@@ -107,11 +116,14 @@ class NgramIndex:
     def _recent_ends(self, gram: tuple[int, ...]) -> list[int]:
         """The last `max_matches` positions after `gram` that have a continuation (newest last)."""
         seq, found = self.tokens, []
-        for end in reversed(self.after.get(gram, ())):
+        previous = self.previous[len(gram)]
+        end = self.latest[len(gram)].get(gram, -1)
+        while end >= 0:
             if end < len(seq) and seq[end] != SEPARATOR:
                 found.append(end)
                 if len(found) == self.max_matches:
                     break
+            end = previous[end]
         return found[::-1]
 
     def _match_length(self, suffix: list[int], end: int, matched: int) -> int:

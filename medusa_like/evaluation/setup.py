@@ -1,5 +1,7 @@
 """What the evaluation and tree-search apps share: the model from a config, the question sets, the run directory."""
 
+import itertools
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 import torch
@@ -83,9 +85,7 @@ def output_store(drafter: DictConfig, training_data: DictConfig, target, tokeniz
     seeded = {"seeded_answers": 0, "seeded_tokens": 0, "seeded_from": None}
     if drafter.seed_store:
         answers = training_answers(training_data.source, training_data.val_fraction, training_data.split_seed)
-        added = store.fill(
-            (tokenizer(text, add_special_tokens=False)["input_ids"] for text in answers), drafter.seed_store
-        )
+        added = store.fill(tokenized(tokenizer, answers), drafter.seed_store)
         source = f"answers of the training split of {training_data.source}"
         seeded = {"seeded_answers": added, "seeded_tokens": store.num_tokens - loaded, "seeded_from": source}
     filling = {
@@ -96,6 +96,14 @@ def output_store(drafter: DictConfig, training_data: DictConfig, target, tokeniz
         **seeded,
     }
     return store, filling
+
+
+def tokenized(tokenizer, texts: Iterable[str], batch: int = 256) -> Iterator[list[int]]:
+    """The token ids of each of `texts` in order, without special tokens, tokenized `batch` texts at a time (a fast
+    tokenizer works through a batch in parallel)."""
+    texts = iter(texts)
+    while chunk := list(itertools.islice(texts, batch)):
+        yield from tokenizer(chunk, add_special_tokens=False)["input_ids"]
 
 
 def apply_tree_settings(model: MedusaLikeModel, tree) -> dict:
