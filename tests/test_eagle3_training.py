@@ -9,6 +9,8 @@ import torch
 from medusa_like.drafters.base import CHECKPOINT_KEY
 from medusa_like.drafters.vocab import DraftVocab
 from medusa_like.training.eagle3_module import Eagle3Module
+from medusa_like.training.losses import shift_left
+from medusa_like.training.ttt import supervised_rows
 
 from .conftest import VOCAB, tiny_target
 
@@ -47,13 +49,13 @@ def test_training_time_test_loss_falls_and_overfits_a_batch():
     module = make_module()
     batch = small_batch()
     optimizer = module.configure_optimizers()
-    first, _, first_acc = module._forward(batch)
+    first, _, first_acc, _ = module._forward(batch)
     for _ in range(150):
-        loss, per_step, accuracy = module._forward(batch)
+        loss, per_step, accuracy, _ = module._forward(batch)
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()
-    last, per_step, accuracy = module._forward(batch)
+    last, per_step, accuracy, _ = module._forward(batch)
     assert last < 0.5 * first, (first.item(), last.item())
     hits, _, count = accuracy[0]
     assert hits / count > 0.9  # depth 1 reproduces the target's argmax on the batch it saw
@@ -65,7 +67,7 @@ def test_only_the_drafter_trains_and_is_checkpointed():
     module = make_module(DraftVocab(torch.arange(0, VOCAB, 2), VOCAB))
     target_before = {k: v.clone() for k, v in module.target.state_dict().items()}
     optimizer = module.configure_optimizers()
-    loss, _, _ = module._forward(small_batch(1))
+    loss, _, _, _ = module._forward(small_batch(1))
     loss.backward()
     optimizer.step()
     assert all(torch.equal(v, module.target.state_dict()[k]) for k, v in target_before.items())
@@ -75,6 +77,25 @@ def test_only_the_drafter_trains_and_is_checkpointed():
     meta = checkpoint[CHECKPOINT_KEY]
     assert meta["kind"] == "eagle3" and meta["draft_token_ids"] == list(range(0, VOCAB, 2))
     assert meta["config"]["draft_vocab_size"] == len(range(0, VOCAB, 2))
+
+
+def test_validation_reports_the_share_of_rows_the_draft_vocabulary_covers():
+    """The accuracies count only supervised rows whose target argmax is a draft token; `vocab_coverage` is the share
+    of supervised rows that are (1 with the whole vocabulary), so drafters with different vocabularies compare by
+    accuracy x coverage."""
+    batch = small_batch(2)
+    for vocab in (DraftVocab.full(VOCAB), DraftVocab(torch.arange(0, VOCAB, 2), VOCAB)):
+        module = make_module(vocab)
+        module.validation_step(batch, 0)
+        wanted = supervised_rows(batch["loss_mask"], batch["attention_mask"])  # [B, T]
+        with torch.no_grad():
+            argmax = module.target(batch["input_ids"], attention_mask=batch["attention_mask"]).logits.argmax(-1)
+        labelled = wanted & torch.isin(argmax, vocab.token_ids)  # [B, T]
+        coverage = module.val_metrics["vocab_coverage"].compute()
+        torch.testing.assert_close(coverage, labelled.sum() / wanted.sum())
+        depth1_rows = module.val_metrics["acc_top1_depth1"].weight  # the accuracy's own denominator
+        assert int(depth1_rows) == int(shift_left(labelled, 1, fill=False).sum())
+    assert 0 < coverage < 1  # even ids only: about half the rows
 
 
 def test_a_layer_started_from_the_target_computes_that_layer_on_the_high_stream():

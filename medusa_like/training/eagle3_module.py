@@ -119,7 +119,9 @@ class Eagle3Module(DrafterModule):
             }
         )
         names = [f"{m}_depth{d}" for d in range(1, ttt_steps + 1) for m in ("loss", "acc_top1", "acc_top4")]
-        self.val_metrics = nn.ModuleDict({name: MeanMetric() for name in [*names, "loss"]})
+        # the accuracies count only rows whose target argmax is a draft token (EAGLE-3's rule); vocab_coverage is the
+        # share of supervised rows that are, so drafters with different vocabularies compare by acc x coverage
+        self.val_metrics = nn.ModuleDict({name: MeanMetric() for name in [*names, "loss", "vocab_coverage"]})
 
     @classmethod
     def from_config(cls, cfg, target, **shared) -> "Eagle3Module":
@@ -171,7 +173,7 @@ class Eagle3Module(DrafterModule):
 
     # ---- steps --------------------------------------------------------------------------------------------------
     def training_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
-        loss, per_step, accuracy = self._forward(batch)
+        loss, per_step, accuracy, _ = self._forward(batch)
         size = batch["input_ids"].shape[0]
         self.log("train/loss", loss, prog_bar=True, batch_size=size)
         self.log("train/lr", self.optimizers().param_groups[0]["lr"], batch_size=size)
@@ -182,8 +184,9 @@ class Eagle3Module(DrafterModule):
         return loss
 
     def validation_step(self, batch: dict, batch_idx: int) -> None:
-        loss, per_step, accuracy = self._forward(batch)
+        loss, per_step, accuracy, (labelled, supervised) = self._forward(batch)
         self.val_metrics["loss"].update(loss)
+        self.val_metrics["vocab_coverage"].update(labelled / supervised.clamp(min=1), weight=supervised)
         for j in range(self.ttt_steps):
             hits, hits4, count = accuracy[j]
             self.val_metrics[f"loss_depth{j + 1}"].update(per_step[j], weight=count)
@@ -197,7 +200,9 @@ class Eagle3Module(DrafterModule):
         super().on_validation_epoch_end()
 
     def _forward(self, batch: dict):
-        """Returns (weighted loss, loss per step [S], [(top-1 hits, top-4 hits, supervised rows)] per step)."""
+        """Returns (weighted loss, loss per step [S], [(top-1 hits, top-4 hits, labelled rows)] per step, (labelled
+        rows, supervised rows) of the batch): labelled rows are the supervised ones whose target argmax is a draft
+        token."""
         input_ids, attention_mask = batch["input_ids"], batch["attention_mask"]  # [B, T]
         wanted = supervised_rows(batch["loss_mask"], attention_mask)  # [B, T]
         out = self._target_outputs(batch, wanted)
@@ -234,7 +239,7 @@ class Eagle3Module(DrafterModule):
                 f"non-finite loss {loss.item()} (per step {per_step.tolist()}) at step {self.global_step} on rows "
                 f"{batch['index'].tolist()}: lower the learning rate or check the data and precision"
             )
-        return loss, per_step.detach(), accuracy
+        return loss, per_step.detach(), accuracy, (labelled.sum(), wanted.sum())
 
     @torch.no_grad()
     def _target_outputs(self, batch: dict, wanted: torch.Tensor) -> dict[str, torch.Tensor]:
