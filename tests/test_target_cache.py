@@ -241,7 +241,8 @@ def test_token_milestones_make_a_learning_curve(tmp_path, data_dir, monkeypatch)
 
 def test_the_ablation_table_compares_each_arm_with_the_base(tmp_path, monkeypatch, capsys):
     """`eval.ablations` reads each finished arm's metrics and overrides and reports its change against the base arm;
-    an unfinished arm is left out, and a folder without the base arm is one error line."""
+    an arm with fewer unrolled steps shows no deeper depths, an unfinished arm is left out, and a folder without the
+    base arm is one error line."""
     from eval import ablations
 
     def arm(name, top1, overrides):
@@ -254,12 +255,14 @@ def test_the_ablation_table_compares_each_arm_with_the_base(tmp_path, monkeypatc
 
     arm("base", [0.2, 0.1, 0.1, 0.1], [])
     arm("tv", [0.25, 0.1, 0.1, 0.1], ["drafter.module.loss=tv"])
+    arm("ttt2", [0.3, 0.2], ["drafter.module.ttt_steps=2"])  # two unrolled steps: no depths 3 and 4
     (tmp_path / "running").mkdir()  # no metrics.json yet
     monkeypatch.setattr("sys.argv", ["ablations", str(tmp_path)])
     ablations.main()
     table = json.loads((tmp_path / "ablations.json").read_text())
     tv = next(a for a in table["arms"] if a["name"] == "tv")
-    assert [a["name"] for a in table["arms"]] == ["base", "tv"]
+    assert [a["name"] for a in table["arms"]] == ["base", "ttt2", "tv"]
+    assert table["arms"][1]["top1"] == [0.3, 0.2, None, None]
     assert tv["overrides"] == ["drafter.module.loss=tv"]
     assert tv["delta_top1_d1"] == pytest.approx(0.05)
     assert tv["delta_sim_tau"] == pytest.approx(
