@@ -98,6 +98,24 @@ def test_validation_reports_the_share_of_rows_the_draft_vocabulary_covers():
     assert 0 < coverage < 1  # even ids only: about half the rows
 
 
+def test_train_on_all_labels_every_real_token_in_training_and_only_the_assistant_in_validation():
+    """`train_on="all"`: a training step's loss counts a row for every position predicting a real token (the prompt's
+    too), as many as with a loss_mask of ones; validation still counts the assistant's tokens only."""
+    batch = small_batch(3)
+    everything = {**batch, "loss_mask": batch["attention_mask"].clone()}
+    torch.manual_seed(0)
+    assistant = make_module(steps=1)
+    torch.manual_seed(0)
+    every = make_module(steps=1)
+    every.train_on = "all"
+    rows = lambda module, b, training: int(module._forward(b, training=training)[2][0][2])  # noqa: E731
+    assert rows(every, batch, True) == rows(assistant, everything, True) > rows(assistant, batch, True)
+    assert rows(every, batch, False) == rows(assistant, batch, False) == rows(assistant, batch, True)
+    torch.testing.assert_close(every._forward(batch, training=True)[0], assistant._forward(everything)[0])
+    with pytest.raises(ValueError, match="train_on must be one of assistant, all"):
+        Eagle3Module(tiny_target("llama"), DraftVocab.full(VOCAB), "t", optimizer=torch.optim.AdamW, train_on="user")
+
+
 def test_a_layer_started_from_the_target_computes_that_layer_on_the_high_stream():
     """`init_layer_from_target(target, i)` with the high aux stream entering layer i: the drafter's step equals the
     target's layer i on that stream (hidden_states[i + 1]), whatever the token embeddings."""

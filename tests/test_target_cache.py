@@ -107,6 +107,9 @@ def test_a_cache_for_other_settings_or_rows_is_refused(tmp_path, data_dir):  # n
         "aux_layer_ids": cache_key("fp", torch.arange(10), [0, 1, 3], 4, 64),
         "top_k": cache_key("fp", torch.arange(10), [0, 1, 2], 8, 64),
         "max_length": cache_key("fp", torch.arange(10), [0, 1, 2], 4, 128),
+        "train_on": cache_key(
+            "fp", torch.arange(10), [0, 1, 2], 4, 64, train_on="all"
+        ),  # labels at assistant tokens only
     }
     for field, key in others.items():
         with pytest.raises(TargetCacheMismatchError, match=field):
@@ -160,18 +163,25 @@ def test_a_killed_build_resumes_to_the_same_content(tmp_path, data_dir):  # noqa
 
 
 @pytest.mark.slow
-def test_training_from_the_cache_matches_the_target_and_runs_no_target_forward(tmp_path, data_dir):  # noqa: F811
+@pytest.mark.parametrize("train_on", ["assistant", "all"])
+def test_training_from_the_cache_matches_the_target_and_runs_no_target_forward(tmp_path, data_dir, train_on):  # noqa: F811
+    """Training and validation batches read from the cache equal those computed by the target: with labels at every
+    token in training, the cache holds them all and validation still reads the assistant's only."""
     cache_dir = tmp_path / "cache"
-    common = ("drafter=eagle3", "drafter.module.top_k=null")
+    common = ("drafter=eagle3", "drafter.module.top_k=null", f"drafter.module.train_on={train_on}")
     module, datamodule = build_module(data_dir, tmp_path, *common)
     cached, _ = build_module(data_dir, tmp_path, *common, f"drafter.module.target_cache_dir={cache_dir}")
     cached.prepare_target_cache(datamodule)
     assert (cache_dir / MANIFEST).is_file()
     cached.target.base_model.forward = None  # a target forward would now fail: the cache must serve every row
     batch = next(iter(datamodule.train_dataloader()))
-    expected, got = module._forward(batch), cached._forward(batch)
-    torch.testing.assert_close(got[0], expected[0], rtol=2e-2, atol=2e-2)  # features kept in bf16
-    assert [int(a[2]) for a in got[2]] == [int(a[2]) for a in expected[2]]  # the same labelled rows
+    rows = {}
+    for training in (True, False):
+        expected, got = module._forward(batch, training), cached._forward(batch, training)
+        torch.testing.assert_close(got[0], expected[0], rtol=2e-2, atol=2e-2)  # features kept in bf16
+        assert [int(a[2]) for a in got[2]] == [int(a[2]) for a in expected[2]]  # the same labelled rows
+        rows[training] = int(got[2][0][2])
+    assert (rows[True] > rows[False]) == (train_on == "all")  # the prompts' tokens add labels in training only
     aux, k = batch_aux_width(cached), cached.top_k
     expected = aux * 2 + k * (2 + 2) + 1  # bf16 features, int16 ids and fp16 log-probabilities, a bool
     assert expected <= cached.target_cache.bytes_per_token() < 1.1 * expected  # plus the shards' headers

@@ -30,6 +30,7 @@ from medusa_like.training.target_cache import BATCH_TOKENS, TargetCache, cache_k
 from medusa_like.training.ttt import loss_function, simulated_tau, supervised_rows, unrolled_mask
 
 log = logging.getLogger(__name__)
+TRAIN_ON = ("assistant", "all")  # the positions labelled in training (`Eagle3Module(train_on=...)`)
 _PROJECTION_ROWS = 1024  # positions per chunk of the target's full projection (bounds memory: 1024 x V floats)
 
 
@@ -75,6 +76,8 @@ class Eagle3Module(DrafterModule):
         top_k: int | None = 64,  # labels: the target's k most likely draft tokens (null: the whole draft vocabulary)
         norm_aux: bool = False,  # normalise each captured state before fc (EAGLE-3.1)
         loss: str = "soft_ce",  # per step: soft_ce, tv, lk or a weighted sum ("0.1*soft_ce+0.9*tv"), `ttt.loss_function`
+        train_on: str = "assistant",  # training labels at the assistant's tokens, or at "all" real tokens (the
+        # target's distribution is a label at any position); validation always measures the assistant's tokens
         target_cache_dir: str | None = None,  # compute the target's side once, before the first step, and reuse it
         target_cache_batch_tokens: int = BATCH_TOKENS,  # padded tokens per target forward while building the cache
         hidden_cache_dir: str | None = None,  # not used by this drafter: see `target_cache_dir`
@@ -84,6 +87,8 @@ class Eagle3Module(DrafterModule):
             raise ValueError("module.hidden_cache_dir is for Medusa heads; an EAGLE-3 drafter uses target_cache_dir")
         if top_k is not None and top_k < 1:
             raise ValueError(f"top_k must be >= 1 or null (the whole draft vocabulary), got {top_k}")
+        if train_on not in TRAIN_ON:
+            raise ValueError(f"train_on must be one of {', '.join(TRAIN_ON)}, got {train_on!r}")
         if ttt_steps < 1 or not 0 < decay <= 1:
             raise ValueError(f"need ttt_steps >= 1 and 0 < decay <= 1, got ttt_steps={ttt_steps}, decay={decay}")
         check_fits(target.config.get_text_config().hidden_size, vocab.target_vocab_size, target, source="being trained")
@@ -94,7 +99,7 @@ class Eagle3Module(DrafterModule):
         layers = target.config.get_text_config().num_hidden_layers
         if (index := layer_index(init_layer_from_target, config.aux_layer_ids, layers)) is not None:
             self.drafter.init_layer_from_target(target, index)
-        self.ttt_steps, self.decay = ttt_steps, decay
+        self.ttt_steps, self.decay, self.train_on = ttt_steps, decay, train_on
         self.loss_fn = loss_function(loss)
         self.top_k = min(top_k or vocab.size, vocab.size)
         self.target_cache = None
@@ -105,6 +110,7 @@ class Eagle3Module(DrafterModule):
                 self.drafter.config.aux_layer_ids,
                 self.top_k,
                 0,  # set from the datamodule's longest row in `on_fit_start`
+                train_on,
             )
             self._target_cache_args = (target_cache_dir, key, target_cache_batch_tokens)
         self.save_hyperparameters(
@@ -116,6 +122,7 @@ class Eagle3Module(DrafterModule):
                 "vocab": vocab.size,
                 "top_k": self.top_k,
                 "loss": loss,
+                "train_on": train_on,
             }
         )
         names = [f"{m}_depth{d}" for d in range(1, ttt_steps + 1) for m in ("loss", "acc_top1", "acc_top4")]
@@ -161,8 +168,7 @@ class Eagle3Module(DrafterModule):
     @torch.no_grad()
     def _cacheable_outputs(self, batch: dict) -> dict[str, torch.Tensor]:
         batch = {k: v.to(self.device) for k, v in batch.items()}
-        wanted = supervised_rows(batch["loss_mask"], batch["attention_mask"])
-        out = self._compute_target_outputs(batch, wanted)
+        out = self._compute_target_outputs(batch, self._wanted(batch, training=True))
         ids = out["topk_ids"].to(torch.int16 if self.drafter.config.draft_vocab_size <= 2**15 else torch.int32)
         return {
             "aux": out["aux"].to(torch.bfloat16),
@@ -173,7 +179,7 @@ class Eagle3Module(DrafterModule):
 
     # ---- steps --------------------------------------------------------------------------------------------------
     def training_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
-        loss, per_step, accuracy, _ = self._forward(batch)
+        loss, per_step, accuracy, _ = self._forward(batch, training=True)
         size = batch["input_ids"].shape[0]
         self.log("train/loss", loss, prog_bar=True, batch_size=size)
         self.log("train/lr", self.optimizers().param_groups[0]["lr"], batch_size=size)
@@ -184,7 +190,7 @@ class Eagle3Module(DrafterModule):
         return loss
 
     def validation_step(self, batch: dict, batch_idx: int) -> None:
-        loss, per_step, accuracy, (labelled, supervised) = self._forward(batch)
+        loss, per_step, accuracy, (labelled, supervised) = self._forward(batch, training=False)
         self.val_metrics["loss"].update(loss)
         self.val_metrics["vocab_coverage"].update(labelled / supervised.clamp(min=1), weight=supervised)
         for j in range(self.ttt_steps):
@@ -199,17 +205,23 @@ class Eagle3Module(DrafterModule):
             self.log("val/sim_tau_chain", simulated_tau([m.compute() for m in top1]))
         super().on_validation_epoch_end()
 
-    def _forward(self, batch: dict):
+    def _wanted(self, batch: dict, training: bool) -> torch.Tensor:
+        """[B, T] bool: the positions that get a label: those predicting an assistant token, or with `train_on="all"`
+        in training (and in the target cache, which serves both) every position predicting a real token."""
+        mask = batch["attention_mask"] if training and self.train_on == "all" else batch["loss_mask"]
+        return supervised_rows(mask, batch["attention_mask"])
+
+    def _forward(self, batch: dict, training: bool = False):
         """Returns (weighted loss, loss per step [S], [(top-1 hits, top-4 hits, labelled rows)] per step, (labelled
-        rows, supervised rows) of the batch): labelled rows are the supervised ones whose target argmax is a draft
-        token."""
+        rows, supervised rows) of the batch): labelled rows are the supervised ones (`_wanted`) whose target argmax
+        is a draft token."""
         input_ids, attention_mask = batch["input_ids"], batch["attention_mask"]  # [B, T]
-        wanted = supervised_rows(batch["loss_mask"], attention_mask)  # [B, T]
+        wanted = self._wanted(batch, training)  # [B, T]
         out = self._target_outputs(batch, wanted)
         aux, labelled = out["aux"], out["labelled"]  # [B, T, n*h], [B, T]
         if not labelled.any():
             raise ValueError(
-                f"batch of rows {batch['index'].tolist()} has no supervised assistant token whose target argmax is in "
+                f"batch of rows {batch['index'].tolist()} has no supervised token whose target argmax is in "
                 f"the draft vocabulary: the loss would be 0; check the loss_mask of the data and the vocabulary size"
             )
         batch_size, width = input_ids.shape

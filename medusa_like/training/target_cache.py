@@ -14,8 +14,9 @@ is labelled (the target's argmax is a draft token): for SmolLM2 with 3 aux layer
 Rows are written in shards (`shard-XXXXX.safetensors`, tensors named `<row>.<field>`, read lazily with safetensors'
 `safe_open`), each written atomically; `manifest.json` (also atomic, rewritten after each shard) lists every finished
 row with its shard, length and a checksum of its token ids. A killed build keeps every finished shard and recomputes
-the rest. The manifest's key (target fingerprint, draft vocabulary, aux layers, k, longest row) must equal the run's,
-and every row read must match its checksum, so a cache is never reused for another target, vocabulary or dataset.
+the rest. The manifest's key (target fingerprint, draft vocabulary, aux layers, k, longest row, labelled positions)
+must equal the run's, and every row read must match its checksum, so a cache is never reused for another target,
+vocabulary, dataset or set of labelled positions.
 """
 
 import hashlib
@@ -41,8 +42,17 @@ class TargetCacheMismatchError(ValueError):
     """A target cache made for another target, draft vocabulary, aux layers, top-k or dataset."""
 
 
-def cache_key(target_fingerprint: str, draft_token_ids: torch.Tensor, aux_layer_ids, top_k: int, max_length: int):
-    """What a cache's content depends on besides the rows themselves (checked per row by checksum)."""
+def cache_key(
+    target_fingerprint: str,
+    draft_token_ids: torch.Tensor,
+    aux_layer_ids,
+    top_k: int,
+    max_length: int,
+    train_on: str = "assistant",
+):
+    """What a cache's content depends on besides the rows themselves (checked per row by checksum). `train_on` names
+    the positions that hold labels (`assistant` tokens only, or `all` real tokens), so a cache labelled only on the
+    assistant's tokens is never read by a run that trains on every token."""
     vocab = hashlib.sha256(draft_token_ids.to(torch.int64).cpu().numpy().tobytes()).hexdigest()[:16]
     return {
         "format": FORMAT,
@@ -51,6 +61,7 @@ def cache_key(target_fingerprint: str, draft_token_ids: torch.Tensor, aux_layer_
         "aux_layer_ids": [int(i) for i in aux_layer_ids],
         "top_k": int(top_k),
         "max_length": int(max_length),
+        "train_on": str(train_on),
     }
 
 
