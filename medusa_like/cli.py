@@ -266,7 +266,7 @@ def computes_in_bf16() -> bool:
 def register_resolvers() -> None:
     """`${source_name:...}` (a local data source's directory name); `${fast_dtype:}` and `${fast_precision:}`:
     bfloat16 / bf16-mixed where the machine computes in bf16 natively, else float32 / 32-true; `${if_bf16:a,b}`: a
-    there, else b (e.g. a longer training budget where a step costs a third)."""
+    there, else b (e.g. a longer training budget where steps are cheaper)."""
     resolvers = {
         "source_name": source_name,
         "if_bf16": lambda native, emulated: native if computes_in_bf16() else emulated,

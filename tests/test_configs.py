@@ -185,7 +185,7 @@ def test_model_dtype_reaches_the_loaded_target(tmp_path, train_cfg):
     native = computes_in_bf16()
     assert eagle3.model.dtype == ("bfloat16" if native else "float32") and eagle3.drafter.kind == "eagle3"
     assert eagle3.trainer.precision == ("bf16-mixed" if native else "32-true")
-    # and trains longer there, where a step costs a third (`${if_bf16:...}`), labelled at every token
+    # and trains longer there, where steps are cheaper (`${if_bf16:...}`), labelled at every token
     assert eagle3.trainer.max_time == ("00:00:10:00" if native else "00:00:06:00")
     assert eagle3.drafter.module.train_on == "all" and eagle3.data.num_conversations == 2000
     for measured in ("long", "ablation", "curve"):  # keep the recipe they were measured with

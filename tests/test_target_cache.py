@@ -107,9 +107,8 @@ def test_a_cache_for_other_settings_or_rows_is_refused(tmp_path, data_dir):  # n
         "aux_layer_ids": cache_key("fp", torch.arange(10), [0, 1, 3], 4, 64),
         "top_k": cache_key("fp", torch.arange(10), [0, 1, 2], 8, 64),
         "max_length": cache_key("fp", torch.arange(10), [0, 1, 2], 4, 128),
-        "train_on": cache_key(
-            "fp", torch.arange(10), [0, 1, 2], 4, 64, train_on="all"
-        ),  # labels at assistant tokens only
+        # KEY's cache holds labels at the assistant's tokens only: refused for a run that trains on every token
+        "train_on": cache_key("fp", torch.arange(10), [0, 1, 2], 4, 64, train_on="all"),
     }
     for field, key in others.items():
         with pytest.raises(TargetCacheMismatchError, match=field):
