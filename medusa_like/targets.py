@@ -18,6 +18,7 @@ import os
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
 from .io import atomic_directory, remove_stale_temporaries, user_cache_dir
@@ -109,11 +110,17 @@ def softcap(logits: torch.Tensor, cap: float | None) -> torch.Tensor:
     return torch.tanh(logits / cap) * cap
 
 
-def output_logits(target: PreTrainedModel, hidden: torch.Tensor) -> torch.Tensor:
+def output_logits(target: PreTrainedModel, hidden: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tensor:
     """The target's logits [..., V] of its last hidden states [..., H] (after its final norm): `lm_head`, then the
-    soft-capping, in the projection's dtype."""
+    soft-capping, in the projection's dtype; with `rows` [N] (token ids), only those tokens' logits [..., N]."""
     projection = target.get_output_embeddings()
-    return softcap(projection(hidden.to(projection.weight.dtype)), logit_softcap(target.config))
+    hidden = hidden.to(projection.weight.dtype)
+    if rows is None:
+        logits = projection(hidden)
+    else:
+        bias = None if getattr(projection, "bias", None) is None else projection.bias[rows]
+        logits = F.linear(hidden, projection.weight[rows], bias)
+    return softcap(logits, logit_softcap(target.config))
 
 
 def cache_keyword(module: torch.nn.Module) -> str:

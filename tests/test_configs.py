@@ -188,10 +188,14 @@ def test_model_dtype_reaches_the_loaded_target(tmp_path, train_cfg):
     # and trains longer there, where steps are cheaper (`${if_bf16:...}`), labelled at every token
     assert eagle3.trainer.max_time == ("00:00:10:00" if native else "00:00:06:00")
     assert eagle3.drafter.module.train_on == "all" and eagle3.data.num_conversations == 2000
+    # each row read once and served twice, and the rate decaying over the budget's last quarter
+    assert eagle3.data.module.echo == 2 and eagle3.module.scheduler.decay_ratio == 0.25
+    assert eagle3.drafter.module.vocab_check is False  # training's labels from the draft vocabulary's logits alone
     for measured in ("long", "ablation", "curve"):  # keep the recipe they were measured with
         cfg = compose_config("train", tmp_path, f"experiment=smollm2_eagle3_{measured}")
         assert cfg.drafter.module.train_on == "assistant" and cfg.data.num_conversations == 800
         assert cfg.data.dir != eagle3.data.dir and cfg.trainer.limit_val_batches is None
+        assert cfg.data.module.echo == 1 and cfg.module.scheduler.decay_ratio == 1.0
 
 
 @pytest.mark.slow

@@ -116,6 +116,27 @@ def test_train_on_all_labels_every_real_token_in_training_and_only_the_assistant
         Eagle3Module(tiny_target("llama"), DraftVocab.full(VOCAB), "t", optimizer=torch.optim.AdamW, train_on="user")
 
 
+def test_without_the_vocabulary_check_training_projects_onto_the_draft_vocabulary_only():
+    """`vocab_check=False`: training's labels are the same top-k of the draft vocabulary's logits, every supervised row
+    is labelled (rows whose target argmax is not a draft token too), the target's whole output projection is never
+    run; validation keeps EAGLE-3's rule."""
+    batch = small_batch(4)
+    module = make_module(DraftVocab(torch.arange(0, VOCAB, 2), VOCAB), steps=1)
+    wanted = module._wanted(batch, training=True)
+    checked = module._compute_target_outputs(batch, wanted)
+    projections = []
+    module.target.get_output_embeddings().register_forward_pre_hook(lambda *_: projections.append(1))
+    module.vocab_check = False
+    module.train()
+    unchecked = module._target_outputs(batch, wanted)
+    assert not projections  # the draft rows were projected alone, not through the whole lm_head
+    assert torch.equal(unchecked["labelled"], wanted) and not torch.equal(checked["labelled"], wanted)
+    assert torch.equal(unchecked["topk_ids"], checked["topk_ids"])
+    torch.testing.assert_close(unchecked["topk_logp"], checked["topk_logp"])
+    module.eval()
+    assert torch.equal(module._target_outputs(batch, wanted)["labelled"], checked["labelled"]) and projections
+
+
 def test_a_layer_started_from_the_target_computes_that_layer_on_the_high_stream():
     """`init_layer_from_target(target, i)` with the high aux stream entering layer i: the drafter's step equals the
     target's layer i on that stream (hidden_states[i + 1]), whatever the token embeddings."""

@@ -181,6 +181,27 @@ def test_the_schedule_decays_with_the_steps_or_the_time_budget_whichever_is_furt
     assert rates(lambda: spent[0])[5:] == pytest.approx([floor] * (total - 5))
 
 
+def test_warmup_stable_decay_keeps_the_peak_until_its_last_share():
+    """decay_ratio=0.2: the peak after the warmup until 80% of the steps after it (or of the budget), then the same
+    cosine compressed into the rest, to the floor; a bad ratio is refused."""
+    total, floor = 105, 0.1
+    optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
+    scheduler = cosine_with_warmup(optimizer, total, warmup_ratio=0.05, min_lr_ratio=floor, decay_ratio=0.2)
+    rates = []
+    for _ in range(total):
+        rates.append(optimizer.param_groups[0]["lr"])
+        optimizer.step()
+        scheduler.step()
+    assert rates[:5] == pytest.approx([(s + 1) / 6 for s in range(5)])  # 5 warmup steps
+    assert rates[5:85] == pytest.approx([1.0] * 80)  # stable: the first 80 of the 100 steps after the warmup
+    assert rates[95] == pytest.approx(floor + (1 - floor) / 2)  # half-way through the decay
+    assert all(a > b for a, b in zip(rates[85:-1], rates[86:], strict=True)) and rates[-1] > floor
+    spent = cosine_with_warmup(optimizer, total, min_lr_ratio=floor, decay_ratio=0.2, time_spent=lambda: 0.9)
+    assert spent.lr_lambdas[0](10) == pytest.approx(floor + (1 - floor) / 2)  # the budget's share leads here
+    with pytest.raises(ValueError, match="decay_ratio"):
+        cosine_with_warmup(optimizer, total, decay_ratio=0.0)
+
+
 @pytest.mark.slow
 def test_the_loss_falls_on_an_overfit_batch(tmp_path, data_dir):
     cfg = compose_train(tmp_path, data_dir, "debug=overfit", "trainer.max_epochs=30", "module.optimizer.lr=0.05")
@@ -367,8 +388,11 @@ def run_train(tmp_path: Path, data_dir: Path, run: str, *overrides: str) -> subp
 
 
 @pytest.mark.slow
-def test_a_killed_run_resumes_from_last_to_the_same_weights(tmp_path, data_dir):
-    whole = run_train(tmp_path, data_dir, "whole")
+@pytest.mark.parametrize(
+    "echo", [(), ("data.module.echo=2", "data.module.echo_window=2")], ids=["each-row-once", "echoed"]
+)  # echoed: 4 batches a window (2 read, 2 repeats); the kill comes inside the first window's repeats
+def test_a_killed_run_resumes_from_last_to_the_same_weights(tmp_path, data_dir, echo):
+    whole = run_train(tmp_path, data_dir, "whole", *echo)
     assert whole.returncode == 0, whole.stderr[-2000:]
     killed = run_train(
         tmp_path,
@@ -376,13 +400,14 @@ def test_a_killed_run_resumes_from_last_to_the_same_weights(tmp_path, data_dir):
         "killed",
         "+callbacks.kill._target_=tests.test_training.KillAtStep",
         "+callbacks.kill.step=4",
+        *echo,
     )
     assert killed.returncode == -signal.SIGKILL
     last = tmp_path / "killed" / "checkpoints" / "last.ckpt"
     state = torch.load(last, weights_only=False)
     assert state["global_step"] == 3  # written after step 3; step 4 died first
     assert not state["loops"]["fit_loop"]["epoch_loop.batch_progress"]["is_last_batch"]  # mid-epoch
-    resumed = run_train(tmp_path, data_dir, "killed", "ckpt_path=last")
+    resumed = run_train(tmp_path, data_dir, "killed", "ckpt_path=last", *echo)
     assert resumed.returncode == 0, resumed.stderr[-2000:]
     assert torch.load(last, weights_only=False)["global_step"] == 6
     a = load_file(tmp_path / "whole" / "drafter" / "model.safetensors")

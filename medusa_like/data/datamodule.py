@@ -3,15 +3,19 @@ self-distilled answers or the conversations' own text (`storage.py` stores both 
 
 The split is by conversation group (`split.is_validation`), so the validation conversations never reach the training
 loader. Each row also carries its position in the full dataset (`index`), the key of the optional hidden-state cache.
-Batches are right-padded; padded positions have `attention_mask = loss_mask = 0`.
+Batches are right-padded; padded positions have `attention_mask = loss_mask = 0`. With `echo` > 1 the training loader
+serves each row `echo` times (data echoing, `echo.py`).
 """
 
 from pathlib import Path
 
 import lightning as L
 import torch
+from torch.utils.data import SequentialSampler
 from torchdata.stateful_dataloader import StatefulDataLoader
+from torchdata.stateful_dataloader.sampler import RandomSampler
 
+from medusa_like.data.echo import EchoBatchSampler
 from medusa_like.data.split import is_validation
 from medusa_like.data.storage import load_distilled
 
@@ -27,10 +31,14 @@ class TrainingDataModule(L.LightningDataModule):
         min_supervised: int = 2,  # rows with fewer assistant tokens (after truncation) teach the heads nothing
         shuffle: bool = True,
         num_workers: int = 0,
+        echo: int = 1,  # serve each training row this many times (data echoing, `echo.py`): one target read, more steps
+        echo_window: int = 8,  # batches whose rows are served again (reshuffled) before the next ones are read
     ):
         super().__init__()
         if batch_size < 1 or max_length < 2:
             raise ValueError(f"batch_size must be >= 1 and max_length >= 2, got {batch_size} and {max_length}")
+        if echo < 1 or echo_window < 1:
+            raise ValueError(f"echo and echo_window must be >= 1, got {echo} and {echo_window}")
         self.dataset_dir = Path(dataset_dir)
         self.val_fraction = val_fraction
         self.split_seed = split_seed
@@ -39,6 +47,7 @@ class TrainingDataModule(L.LightningDataModule):
         self.min_supervised = min_supervised
         self.shuffle = shuffle
         self.num_workers = num_workers
+        self.echo, self.echo_window = echo, echo_window
         self.train_set = self.val_set = None
 
     def setup(self, stage: str | None = None) -> None:
@@ -57,8 +66,22 @@ class TrainingDataModule(L.LightningDataModule):
                 f"{self.dataset_dir}: no training rows left after the split (val_fraction={self.val_fraction})"
             )
 
+    @property
+    def echo_rows(self) -> int:
+        """How many of the latest training rows may be served again (0: none): a training module keeps the target's
+        outputs for that many rows (`training/target_memo.py`)."""
+        return self.echo_window * self.batch_size if self.echo > 1 else 0
+
     def train_dataloader(self) -> StatefulDataLoader:
-        return self._loader(self.train_set, shuffle=self.shuffle)
+        if self.echo == 1:
+            return self._loader(self.train_set, shuffle=self.shuffle)
+        rows = RandomSampler(self.train_set) if self.shuffle else SequentialSampler(self.train_set)
+        return StatefulDataLoader(
+            self.train_set,
+            batch_sampler=EchoBatchSampler(rows, self.batch_size, echo=self.echo, window=self.echo_window),
+            num_workers=self.num_workers,
+            collate_fn=PadCollator(self.max_length),
+        )
 
     def val_dataloader(self) -> StatefulDataLoader:
         return self._loader(self.val_set, shuffle=False)

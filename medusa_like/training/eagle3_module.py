@@ -4,7 +4,8 @@ training-time-test loss (`ttt.py`) unrolled over `ttt_steps` draft steps, step j
 One frozen target forward per batch gives the aux hidden states (the drafter's input) and the labels: the target's
 distribution over the draft vocabulary, kept as its `top_k` most likely tokens (all of them when `top_k` is null).
 With `target_cache_dir`, both are computed once for every row before the first step (`target_cache.py`) and every
-epoch reads them back: training runs no target forward at all. Validation reports, besides the per-depth losses and
+epoch reads them back: training runs no target forward at all. When the data echoes rows (`data/echo.py`), the
+latest rows' outputs are kept in memory (`target_memo.py`) and each row is read once. Validation reports, besides the per-depth losses and
 accuracies, the acceptance length a chain of drafts would reach with those accuracies (`val/sim_tau_chain`), by which
 the best checkpoint is chosen. The frozen target, checkpoints (keys `drafter.*`, with the drafter config and the draft
 vocabulary in their metadata) and the optimizer are `drafter_module.DrafterModule`'s.
@@ -27,6 +28,7 @@ from medusa_like.targets import output_logits, target_fingerprint
 from medusa_like.training.drafter_module import DrafterModule
 from medusa_like.training.losses import DECAY, decay_weights, shift_left
 from medusa_like.training.target_cache import BATCH_TOKENS, TargetCache, cache_key
+from medusa_like.training.target_memo import TargetMemo
 from medusa_like.training.ttt import loss_function, simulated_tau, supervised_rows, unrolled_mask
 
 log = logging.getLogger(__name__)
@@ -78,6 +80,9 @@ class Eagle3Module(DrafterModule):
         loss: str = "soft_ce",  # per step: soft_ce, tv, lk or a weighted sum ("0.1*soft_ce+0.9*tv"), `ttt.loss_function`
         train_on: str = "assistant",  # training labels at the assistant's tokens, or at "all" real tokens (the
         # target's distribution is a label at any position); validation always measures the assistant's tokens
+        vocab_check: bool = True,  # training leaves out rows whose target argmax is not a draft token (EAGLE-3's
+        # rule, which needs the target's whole output projection); false: training projects onto the draft vocabulary
+        # alone and labels every supervised row (validation and the target cache keep the rule)
         target_cache_dir: str | None = None,  # compute the target's side once, before the first step, and reuse it
         target_cache_batch_tokens: int = BATCH_TOKENS,  # padded tokens per target forward while building the cache
         hidden_cache_dir: str | None = None,  # not used by this drafter: see `target_cache_dir`
@@ -99,10 +104,11 @@ class Eagle3Module(DrafterModule):
         layers = target.config.get_text_config().num_hidden_layers
         if (index := layer_index(init_layer_from_target, config.aux_layer_ids, layers)) is not None:
             self.drafter.init_layer_from_target(target, index)
-        self.ttt_steps, self.decay, self.train_on = ttt_steps, decay, train_on
+        self.ttt_steps, self.decay, self.train_on, self.vocab_check = ttt_steps, decay, train_on, vocab_check
         self.loss_fn = loss_function(loss)
         self.top_k = min(top_k or vocab.size, vocab.size)
         self.target_cache = None
+        self.memo: TargetMemo | None = None  # the latest rows' target outputs, when the data echoes rows
         if target_cache_dir:
             key = cache_key(
                 target_fingerprint(target.config),
@@ -123,6 +129,7 @@ class Eagle3Module(DrafterModule):
                 "top_k": self.top_k,
                 "loss": loss,
                 "train_on": train_on,
+                "vocab_check": vocab_check,
             }
         )
         names = [f"{m}_depth{d}" for d in range(1, ttt_steps + 1) for m in ("loss", "acc_top1", "acc_top4")]
@@ -149,7 +156,10 @@ class Eagle3Module(DrafterModule):
 
     # ---- the target's side, once ------------------------------------------------------------------------------
     def on_fit_start(self) -> None:
-        self.prepare_target_cache(self.trainer.datamodule, self.trainer.is_global_zero, self.trainer.strategy.barrier)
+        data = self.trainer.datamodule
+        self.prepare_target_cache(data, self.trainer.is_global_zero, self.trainer.strategy.barrier)
+        if self.target_cache is None and getattr(data, "echo_rows", 0):  # a cache already serves every repeat
+            self.memo = TargetMemo(data.echo_rows)
 
     def prepare_target_cache(self, data, builder: bool = True, barrier=lambda: None) -> None:
         """With `target_cache_dir`: compute the target's side of every training and validation row of `data` (a
@@ -255,33 +265,47 @@ class Eagle3Module(DrafterModule):
 
     @torch.no_grad()
     def _target_outputs(self, batch: dict, wanted: torch.Tensor) -> dict[str, torch.Tensor]:
-        """The target's side of a batch, from the target cache when there is one (see `_compute_target_outputs`)."""
-        if self.target_cache is None:
-            return self._compute_target_outputs(batch, wanted)
-        lengths = batch["attention_mask"].sum(-1)
-        cached = self.target_cache.get(batch["index"].tolist(), batch["input_ids"], lengths)
+        """The target's side of a batch (see `_compute_target_outputs`), from the target cache when there is one, or
+        in training from the memo of the latest rows when it holds them all (data echoing)."""
+        indices, lengths = batch["index"].tolist(), batch["attention_mask"].sum(-1)
+        if self.target_cache is not None:
+            cached = self.target_cache.get(indices, batch["input_ids"], lengths)
+        elif self.memo is not None and self.training:
+            cached = self.memo.get(indices, batch["input_ids"], lengths)
+            if cached is None:
+                cached = self._compute_target_outputs(batch, wanted, self.vocab_check)
+                self.memo.put(indices, batch["input_ids"], lengths, cached)
+        else:
+            return self._compute_target_outputs(batch, wanted, self.vocab_check or not self.training)
         out = {name: t.to(self.device) for name, t in cached.items()}
         out["labelled"] = out["labelled"].bool() & wanted
         return out
 
     @torch.no_grad()
-    def _compute_target_outputs(self, batch: dict, wanted: torch.Tensor) -> dict[str, torch.Tensor]:
+    def _compute_target_outputs(
+        self, batch: dict, wanted: torch.Tensor, vocab_check: bool = True
+    ) -> dict[str, torch.Tensor]:
         """The target's side of a batch: `aux` hidden states [B, T, n*h]; at the `wanted` [B, T] positions (zero
         elsewhere) its `top_k` most likely draft tokens `topk_ids` [B, T, k] with their log-probabilities
         `topk_logp` [B, T, k] under the target's distribution restricted to the draft vocabulary, most likely first;
-        and which positions are `labelled` [B, T] (wanted, and the target's argmax over its full vocabulary is a
-        draft token, EAGLE-3's rule)."""
+        and which positions are `labelled` [B, T]: wanted, and with `vocab_check` the target's argmax over its full
+        vocabulary is a draft token (EAGLE-3's rule; without it only the draft vocabulary's logits are computed)."""
         hidden = self.target_hidden(batch, self.drafter.config.aux_layer_ids)  # [B, T, (n+1)*h]
         size = self.target.config.get_text_config().hidden_size
         aux, last = hidden[..., :-size], hidden[..., -size:]
         rows = self.drafter.token_ids
         logps, ids, in_vocab = [], [], []
         for chunk in last[wanted].split(_PROJECTION_ROWS):  # [n, h]
-            full = output_logits(self.target, chunk).float()  # [n, V]: soft-capped as the target decodes
-            top = full[:, rows].log_softmax(-1).topk(self.top_k, dim=-1)  # [n, k]
+            if vocab_check:
+                full = output_logits(self.target, chunk).float()  # [n, V]: soft-capped as the target decodes
+                draft = full[:, rows]  # [n, N]
+                in_vocab.append(self.drafter_vocab_mask[full.argmax(-1)])
+            else:
+                draft = output_logits(self.target, chunk, rows).float()  # [n, N]
+                in_vocab.append(torch.ones_like(draft[:, 0], dtype=torch.bool))
+            top = draft.log_softmax(-1).topk(self.top_k, dim=-1)  # [n, k]
             logps.append(top.values)
             ids.append(top.indices)
-            in_vocab.append(self.drafter_vocab_mask[full.argmax(-1)])
         topk_logp = last.new_zeros(*last.shape[:-1], self.top_k, dtype=torch.float32)  # [B, T, k]
         topk_ids = torch.zeros(*last.shape[:-1], self.top_k, dtype=torch.long, device=last.device)  # [B, T, k]
         labelled = torch.zeros_like(wanted)

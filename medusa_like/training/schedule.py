@@ -15,6 +15,8 @@ from lightning.pytorch.callbacks import Timer
 from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LambdaLR
 
+from medusa_like.data.echo import EchoBatchSampler
+
 
 def cosine_with_warmup(
     optimizer: Optimizer,
@@ -22,12 +24,15 @@ def cosine_with_warmup(
     warmup_ratio: float = 0.05,
     min_lr_ratio: float = 0.1,
     time_spent: Callable[[], float] | None = None,
+    decay_ratio: float = 1.0,
 ) -> LambdaLR:
-    """`time_spent()`: the share of a time budget used so far (0..1), or None for a schedule over steps alone."""
-    if total_steps < 1 or not 0 <= warmup_ratio < 1 or not 0 <= min_lr_ratio <= 1:
+    """`time_spent()`: the share of a time budget used so far (0..1), or None for a schedule over steps alone.
+    `decay_ratio`: the last share of the run (after the warmup) over which the cosine decays; before it the rate
+    stays at its peak (1.0: a cosine over the whole run; below 1: warmup-stable-decay)."""
+    if total_steps < 1 or not 0 <= warmup_ratio < 1 or not 0 <= min_lr_ratio <= 1 or not 0 < decay_ratio <= 1:
         raise ValueError(
-            f"need total_steps >= 1, 0 <= warmup_ratio < 1, 0 <= min_lr_ratio <= 1; "
-            f"got {total_steps}, {warmup_ratio}, {min_lr_ratio}"
+            f"need total_steps >= 1, 0 <= warmup_ratio < 1, 0 <= min_lr_ratio <= 1, 0 < decay_ratio <= 1; "
+            f"got {total_steps}, {warmup_ratio}, {min_lr_ratio}, {decay_ratio}"
         )
     warmup = int(total_steps * warmup_ratio)
 
@@ -37,7 +42,7 @@ def cosine_with_warmup(
         progress = (step - warmup) / max(1, total_steps - warmup)
         if time_spent is not None:
             progress = max(progress, time_spent())
-        progress = min(1.0, progress)
+        progress = min(1.0, max(0.0, progress - (1 - decay_ratio)) / decay_ratio)
         return min_lr_ratio + (1 - min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
 
     return LambdaLR(optimizer, factor)
@@ -70,7 +75,10 @@ def total_optimizer_steps(trainer) -> int:
         return int(trainer.estimated_stepping_batches)
     loader = datamodule.train_dataloader()
     samples_per_rank = math.ceil(len(loader.dataset) / trainer.world_size)  # DistributedSampler pads to equal shares
-    batches = math.ceil(samples_per_rank / loader.batch_size)
+    if isinstance(loader.batch_sampler, EchoBatchSampler):  # each row served several times (data echoing)
+        batches = loader.batch_sampler.batches_for(samples_per_rank)
+    else:
+        batches = math.ceil(samples_per_rank / loader.batch_size)
     limit = trainer.limit_train_batches
     batches = int(batches * limit) if isinstance(limit, float) else min(batches, limit)
     if trainer.max_epochs in (None, -1):  # epochs unbounded: max_steps alone ends the run
