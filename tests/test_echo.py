@@ -1,6 +1,7 @@
 """Data echoing: the batch sampler serves every row `echo` times, reshuffled within its window, and resumes to the
-same batches; the target memo returns exactly what it was given for the same token ids only; an EAGLE-3 module
-trained on echoed data reads the target once per row and gets the same features and labels from the memo."""
+same batches; the target memo returns exactly what it was given for the same token ids only; EAGLE-3 and Medusa
+modules trained on echoed data read the target once per row, and EAGLE-3's memo gives the target's own features and
+labels."""
 
 import pytest
 import torch
@@ -8,7 +9,6 @@ from hydra.utils import instantiate
 from lightning.pytorch.callbacks import Callback
 from torch.utils.data import SequentialSampler
 from torchdata.stateful_dataloader import StatefulDataLoader
-from torchdata.stateful_dataloader.sampler import RandomSampler
 
 from medusa_like.data.datamodule import PadCollator
 from medusa_like.data.echo import EchoBatchSampler
@@ -24,7 +24,7 @@ def served(sampler: EchoBatchSampler) -> list[list[int]]:
 
 @pytest.mark.parametrize("rows, batch_size, window, echo", [(37, 4, 3, 2), (24, 4, 2, 3), (5, 2, 8, 2)])
 def test_every_row_is_served_echo_times_within_its_window_reshuffled(rows, batch_size, window, echo):
-    sampler = EchoBatchSampler(RandomSampler(range(rows)), batch_size, echo=echo, window=window, seed=3)
+    sampler = EchoBatchSampler(SequentialSampler(range(rows)), batch_size, echo=echo, window=window, seed=3)
     batches = served(sampler)
     assert len(batches) == len(sampler)
     flat = [i for batch in batches for i in batch]
@@ -40,30 +40,32 @@ def test_every_row_is_served_echo_times_within_its_window_reshuffled(rows, batch
         batches = batches[first_pass * echo :]
     assert reshuffled  # the repeats are regrouped, not the same batches again
     # echo=1 is the plain batching of the sampler's order
-    plain = EchoBatchSampler(SequentialSampler(range(rows)), batch_size, echo=1, window=window)
+    plain = EchoBatchSampler(SequentialSampler(range(rows)), batch_size, echo=1, window=window, shuffle=False)
     assert served(plain) == [list(range(s, min(s + batch_size, rows))) for s in range(0, rows, batch_size)]
 
 
-def loader(sampler_rows, seed=None) -> StatefulDataLoader:
+def loader(shuffle: bool, seed=None) -> StatefulDataLoader:
     rows = list(range(30))
-    sampler = EchoBatchSampler(sampler_rows(rows), batch_size=3, echo=2, window=2, seed=seed)
+    sampler = EchoBatchSampler(SequentialSampler(rows), batch_size=3, echo=2, window=2, shuffle=shuffle, seed=seed)
     return StatefulDataLoader(rows, batch_sampler=sampler, collate_fn=lambda r: r)
 
 
-@pytest.mark.parametrize("stateful", [True, False], ids=["stateful-sampler", "stateless-sampler"])
-@pytest.mark.parametrize("taken", [1, 3, 4, 5, 19])  # a window is 4 batches here: its start, middle and end
-def test_a_resumed_loader_serves_the_same_remaining_batches(stateful, taken):
-    # a stateless sampler is skipped forward; it must give one order per epoch (DDP's does, by its seed and epoch)
-    rows = RandomSampler if stateful else SequentialSampler
+@pytest.mark.parametrize("shuffle", [True, False])
+@pytest.mark.parametrize("taken", [0, 1, 3, 4, 5, 19, 20])  # a window is 4 batches here: its start, middle and end
+@pytest.mark.parametrize("epoch", [0, 2])
+def test_a_resumed_loader_serves_the_same_remaining_batches(shuffle, taken, epoch):
     torch.manual_seed(0)
-    whole = list(loader(rows))
-    torch.manual_seed(0)
-    cut = loader(rows)
-    it = iter(cut)
+    first = loader(shuffle)
+    first.batch_sampler.set_epoch(epoch)
+    whole = list(first)
+    if shuffle:
+        assert sorted(i for batch in whole[:4] for i in batch) != [i for i in range(6) for _ in range(2)]
+    first.batch_sampler.set_epoch(epoch)  # the same epoch again, cut short
+    it = iter(first)
     assert [next(it) for _ in range(taken)] == whole[:taken]
-    state = cut.state_dict()
-    torch.manual_seed(1)  # another process: the sampler's generator and the reshuffles' seed come from the state
-    resumed = loader(rows)
+    state = first.state_dict()
+    torch.manual_seed(1)  # another process: its own seed and epoch until the state restores them
+    resumed = loader(shuffle)
     resumed.load_state_dict(state)
     assert list(resumed) == whole[taken:]
 
@@ -130,10 +132,11 @@ class CountTrainingReads(Callback):
 
 
 @pytest.mark.slow
-def test_training_with_echo_reads_the_target_once_per_row_and_steps_on_every_batch(tmp_path, data_dir):  # noqa: F811
+@pytest.mark.parametrize("drafter", ["eagle3", "medusa"])
+def test_training_with_echo_reads_the_target_once_per_row_and_steps_on_every_batch(tmp_path, data_dir, drafter):  # noqa: F811
     echo = ("data.module.echo=2", "data.module.echo_window=2", "data.module.batch_size=2")
     cfg = compose_train(
-        tmp_path, data_dir, "drafter=eagle3", "trainer.max_epochs=1", "export_drafter=false", *echo,
+        tmp_path, data_dir, f"drafter={drafter}", "trainer.max_epochs=1", "export_drafter=false", *echo,
         f"+callbacks.count._target_={__name__}.CountTrainingReads",
     )  # fmt: skip
     datamodule = instantiate(cfg.data.module)

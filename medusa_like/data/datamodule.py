@@ -13,7 +13,6 @@ import lightning as L
 import torch
 from torch.utils.data import SequentialSampler
 from torchdata.stateful_dataloader import StatefulDataLoader
-from torchdata.stateful_dataloader.sampler import RandomSampler
 
 from medusa_like.data.echo import EchoBatchSampler
 from medusa_like.data.split import is_validation
@@ -75,10 +74,15 @@ class TrainingDataModule(L.LightningDataModule):
     def train_dataloader(self) -> StatefulDataLoader:
         if self.echo == 1:
             return self._loader(self.train_set, shuffle=self.shuffle)
-        rows = RandomSampler(self.train_set) if self.shuffle else SequentialSampler(self.train_set)
+        # the batch sampler shuffles by epoch itself (resumable from a few numbers); under DDP Lightning replaces the
+        # sequential order with the rank's share
+        batches = EchoBatchSampler(
+            SequentialSampler(self.train_set), self.batch_size, echo=self.echo, window=self.echo_window,
+            shuffle=self.shuffle,
+        )  # fmt: skip
         return StatefulDataLoader(
             self.train_set,
-            batch_sampler=EchoBatchSampler(rows, self.batch_size, echo=self.echo, window=self.echo_window),
+            batch_sampler=batches,
             num_workers=self.num_workers,
             collate_fn=PadCollator(self.max_length),
         )

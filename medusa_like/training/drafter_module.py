@@ -1,5 +1,5 @@
 """What every drafter's Lightning module shares: a frozen target, checkpoints that hold the drafter alone, the target's
-hidden states (from an optional cache), the optimizer and schedule, and the validation metrics.
+hidden states (from an optional cache, or with data echoing from a memo of the latest rows), the optimizer and schedule, and the validation metrics.
 
 A drafter's module (`medusa_module.py`, `eagle3_module.py`) names the drafter kind it trains (`kind`), builds itself
 from a training config (`from_config`, called by `build.build_module`), builds its drafter, names it
@@ -18,6 +18,7 @@ from medusa_like.drafters.base import CHECKPOINT_KEY
 from medusa_like.targets import freeze, target_fingerprint
 from medusa_like.training.hidden_cache import HiddenStateCache
 from medusa_like.training.schedule import budget_spent, total_optimizer_steps
+from medusa_like.training.target_memo import TargetMemo
 
 
 class DrafterModule(L.LightningModule):
@@ -38,6 +39,7 @@ class DrafterModule(L.LightningModule):
         self.target_name = target_name
         self.optimizer_factory, self.scheduler_factory = optimizer, scheduler
         self.cache = HiddenStateCache(hidden_cache_dir) if hidden_cache_dir else None
+        self.hidden_memo: TargetMemo | None = None  # the latest rows' hidden states, when the data echoes rows
         # DDP need not broadcast or watch the frozen target
         self._ddp_params_and_buffers_to_ignore = [f"target.{n}" for n, _ in target.named_parameters()] + [
             f"target.{n}" for n, _ in target.named_buffers()
@@ -87,23 +89,36 @@ class DrafterModule(L.LightningModule):
         }
 
     # ---- the target's side ----------------------------------------------------------------------------------------
+    def on_fit_start(self) -> None:
+        """With data echoing (`data/echo.py`) and no hidden-state cache, keep the latest rows' hidden states so that
+        each row is read through the target once (a module whose own memo holds more, EAGLE-3's, overrides this)."""
+        rows = getattr(self.trainer.datamodule, "echo_rows", 0)
+        if rows and self.cache is None:
+            self.hidden_memo = TargetMemo(rows)
+
     @torch.no_grad()
     def target_hidden(self, batch: dict, layers: list[int] | None = None) -> torch.Tensor:
         """The target's hidden states [B, T, (len(layers) + 1) * H]: `hidden_states[i]` for i in `layers`, then the
-        last hidden state (after the final norm); from the cache when it holds every row of the batch."""
+        last hidden state (after the final norm); from the cache when it holds every row of the batch, or in training
+        from the memo of the latest rows (data echoing)."""
         input_ids, attention_mask = batch["input_ids"], batch["attention_mask"]  # [B, T]
-        indices = batch["index"].tolist()
+        indices, lengths = batch["index"].tolist(), attention_mask.sum(-1)
         if self.cache is not None:
             cached = self.cache.get(indices, input_ids.shape[1])
             if cached is not None:
                 return cached.to(self.device)
+        memo = self.hidden_memo if self.training else None
+        if memo is not None and (held := memo.get(indices, input_ids, lengths)) is not None:
+            return held["hidden"]
         with torch.autocast(self.device.type, enabled=False):  # the target runs in its own dtype, never autocast
             out = self.target.base_model(
                 input_ids=input_ids, attention_mask=attention_mask, output_hidden_states=bool(layers)
             )
         hidden = torch.cat([*(out.hidden_states[i] for i in layers or []), out.last_hidden_state], dim=-1)
         if self.cache is not None:
-            self.cache.put(indices, hidden, attention_mask.sum(-1))
+            self.cache.put(indices, hidden, lengths)
+        if memo is not None:
+            memo.put(indices, input_ids, lengths, {"hidden": hidden})
         return hidden
 
     # ---- metrics and optimisation -------------------------------------------------------------------------------

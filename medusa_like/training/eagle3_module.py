@@ -5,9 +5,9 @@ One frozen target forward per batch gives the aux hidden states (the drafter's i
 distribution over the draft vocabulary, kept as its `top_k` most likely tokens (all of them when `top_k` is null).
 With `target_cache_dir`, both are computed once for every row before the first step (`target_cache.py`) and every
 epoch reads them back: training runs no target forward at all. When the data echoes rows (`data/echo.py`), the
-latest rows' outputs are kept in memory (`target_memo.py`) and each row is read once. Validation reports, besides the per-depth losses and
-accuracies, the acceptance length a chain of drafts would reach with those accuracies (`val/sim_tau_chain`), by which
-the best checkpoint is chosen. The frozen target, checkpoints (keys `drafter.*`, with the drafter config and the draft
+latest rows' outputs are kept in memory (`target_memo.py`) and each row is read once. Validation reports, besides the
+per-depth losses and accuracies, the acceptance length a chain of drafts would reach with those accuracies
+(`val/sim_tau_chain`), by which the best checkpoint is chosen. The frozen target, checkpoints (keys `drafter.*`, with the drafter config and the draft
 vocabulary in their metadata) and the optimizer are `drafter_module.DrafterModule`'s.
 """
 
