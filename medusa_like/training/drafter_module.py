@@ -1,5 +1,6 @@
 """What every drafter's Lightning module shares: a frozen target, checkpoints that hold the drafter alone, the target's
-hidden states (from an optional cache, or with data echoing from a memo of the latest rows), the optimizer and schedule, and the validation metrics.
+hidden states (from an optional cache, or with data echoing from a memo of the latest rows), the optimizer and
+schedule, and the validation metrics.
 
 A drafter's module (`medusa_module.py`, `eagle3_module.py`) names the drafter kind it trains (`kind`), builds itself
 from a training config (`from_config`, called by `build.build_module`), builds its drafter, names it

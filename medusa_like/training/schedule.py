@@ -1,6 +1,6 @@
-"""Learning-rate schedule: linear warmup, then cosine decay to a floor (as a LambdaLR over optimizer steps), and the
-run's length it is fitted to: its optimizer steps and, under a time budget (`trainer.max_time`), its share of the
-budget spent.
+"""Learning-rate schedule: linear warmup, then cosine decay to a floor (as a LambdaLR over optimizer steps), over the
+whole run or only its last share (`decay_ratio`: the peak held until then, warmup-stable-decay), and the run's length
+it is fitted to: its optimizer steps and, under a time budget (`trainer.max_time`), its share of the budget spent.
 
 A budget that ends the epoch early would otherwise stop the run with the learning rate still near its peak (as the
 default experiment's budget does on a slow fp32-only CPU, docs/training.md). So the decay follows whichever is
