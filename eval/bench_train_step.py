@@ -65,16 +65,16 @@ def main() -> None:
     batches = iter(datamodule._loader(datamodule.train_set, shuffle=False))
     times: dict[str, list[float]] = {phase: [] for phase in PHASES}
     layers = module.drafter.config.aux_layer_ids
-    rows = module.drafter.token_ids
+    rows, k = module.drafter.token_ids, module.top_k
     for step in range(args.steps + 1):
         batch = next(batches)
         wanted = module._wanted(batch, training=True)
         with autocast:
             read, hidden = timed(lambda: module.target_hidden(batch, layers))  # noqa: B023
             last = hidden[..., -module.target.config.get_text_config().hidden_size :][wanted]  # [n, h]
-            with torch.no_grad():
-                full, _ = timed(lambda: output_logits(module.target, last).float()[:, rows].topk(module.top_k))  # noqa: B023
-                draft, _ = timed(lambda: output_logits(module.target, last, rows).float().topk(module.top_k))  # noqa: B023
+            with torch.no_grad():  # the labels' projection with the vocabulary check, then the draft rows alone
+                full, _ = timed(lambda: output_logits(module.target, last).float()[:, rows].topk(k))  # noqa: B023
+                draft, _ = timed(lambda: output_logits(module.target, last, rows).float().topk(k))  # noqa: B023
             outputs = module._compute_target_outputs(batch, wanted, module.vocab_check)
             module._target_outputs = lambda *_: outputs  # noqa: B023  the drafter's part alone from here
             forward, (loss, *_) = timed(lambda: module._forward(batch, training=True))  # noqa: B023

@@ -133,7 +133,11 @@ class CountTrainingReads(Callback):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("drafter", ["eagle3", "medusa"])
-def test_training_with_echo_reads_the_target_once_per_row_and_steps_on_every_batch(tmp_path, data_dir, drafter):  # noqa: F811
+def test_training_with_echo_reads_the_target_once_per_row_and_steps_on_every_batch(
+    tmp_path,
+    data_dir,  # noqa: F811
+    drafter,
+):
     echo = ("data.module.echo=2", "data.module.echo_window=2", "data.module.batch_size=2")
     cfg = compose_train(
         tmp_path, data_dir, f"drafter={drafter}", "trainer.max_epochs=1", "export_drafter=false", *echo,

@@ -7,8 +7,8 @@ With `target_cache_dir`, both are computed once for every row before the first s
 epoch reads them back: training runs no target forward at all. When the data echoes rows (`data/echo.py`), the
 latest rows' outputs are kept in memory (`target_memo.py`) and each row is read once. Validation reports, besides the
 per-depth losses and accuracies, the acceptance length a chain of drafts would reach with those accuracies
-(`val/sim_tau_chain`), by which the best checkpoint is chosen. The frozen target, checkpoints (keys `drafter.*`, with the drafter config and the draft
-vocabulary in their metadata) and the optimizer are `drafter_module.DrafterModule`'s.
+(`val/sim_tau_chain`), by which the best checkpoint is chosen. The frozen target, checkpoints (keys `drafter.*`, with
+the drafter config and the draft vocabulary in their metadata) and the optimizer are `drafter_module.DrafterModule`'s.
 """
 
 import logging
