@@ -1,8 +1,9 @@
 """Learning curve of an EAGLE-3 drafter: held-out acceptance and the drafter's own tau against supervised tokens seen.
 
     python -m train.train experiment=smollm2_eagle3_curve hydra.run.dir=runs/curve/train   # checkpoints at milestones
-    python -m train.train experiment=smollm2_eagle3_long hydra.run.dir=runs/long/train     # several epochs
-    python -m eval.learning_curve runs/curve/train --epochs-run runs/long/train            # curve.json, curve.png
+    python -m train.train experiment=smollm2_eagle3_long_cached hydra.run.dir=runs/long_cached/train   # 8 epochs
+    python -m eval.learning_curve runs/curve/train --epochs-run runs/long_cached/train    # curve.json, curve.png
+    python -m eval.learning_curve runs/long/train --epochs-run runs/long/train    # smollm2_eagle3_long: both in one run
 
 The training run saves `checkpoints/tokens-<n>.ckpt` when the supervised tokens it trained on reach each milestone
 (`training.checkpoints.TokenMilestones`). For each, this script measures on the run's own validation rows the per-depth
@@ -11,14 +12,17 @@ drafter's tau alone when it decodes validation prompts (first turns, the target'
 tree): generated tokens per target forward, bonus token included. It prints a table, writes `curve.json` and draws
 `curve.png` in the run directory. Decoding is lossless by construction; tau, not speed, is measured here.
 
-`--epochs-run` adds a run of several epochs over the same data (the long recipe): its validation at each epoch's end,
-read from its CSV log, at the supervised tokens seen by then (epochs x the epoch's supervised tokens, counted from the
-data as TokenMilestones counts them), and the tau alone of the drafter it exported (its best checkpoint). Every point
-is written to curve.json as soon as it is measured, and a rerun with the same settings measures only what is missing.
+`--epochs-run` adds the validations of another run over the same data, read from its CSV log (every epoch's end in
+the cached long recipe; every few hundred steps of the single epoch of `smollm2_eagle3_long`, which can also be the
+run itself), at the supervised tokens seen by then (steps x an epoch's supervised tokens / its steps, counted from the
+data as TokenMilestones counts them, an echoed row once per serving), and the tau alone of the drafter it exported (its
+best checkpoint). Every point is written to curve.json as soon as it is measured, and a rerun with the same settings
+measures only what is missing.
 """
 
 import argparse
 import csv
+import itertools
 import json
 import logging
 from pathlib import Path
@@ -43,12 +47,17 @@ log = logging.getLogger(__name__)
 @torch.no_grad()
 def held_out(cfg, target, datamodule, checkpoint: Path) -> dict[str, float]:
     """The run's validation metrics for the drafter of `checkpoint` (per-depth accuracies, chain tau), computed as
-    the training run's validation computes them, from its target cache when it had one."""
+    the training run's validation computes them: on its rows (the first `trainer.limit_val_batches` batches where it
+    set a number), from its target cache when it had one."""
     module = build_module(cfg, target)
     module.load_state_dict(torch.load(checkpoint, map_location="cpu", weights_only=False)["state_dict"])
     module.prepare_target_cache(datamodule)
     module.eval()
-    for index, batch in enumerate(datamodule.val_dataloader()):
+    limit = cfg.trainer.get("limit_val_batches")
+    batches = datamodule.val_dataloader()
+    if isinstance(limit, int):
+        batches = itertools.islice(batches, limit)
+    for index, batch in enumerate(batches):
         module.validation_step(batch, index)
     metrics = {f"val/{name}": float(m.compute()) for name, m in module.val_metrics.items() if m.update_count}
     depths = range(1, module.ttt_steps + 1)
@@ -82,6 +91,7 @@ def epoch_points(run_dir: Path, datamodule) -> list[dict]:
                 step = int(row["step"]) + 1  # Lightning logs validation at the last finished step's index
                 point = {k: float(v) for k, v in row.items() if k.startswith("val/") and v}
                 point.update(tokens=round(step * per_epoch / steps_per_epoch), step=step, run="epochs")
+                point["epoch_tokens"] = per_epoch
                 point["source"] = f"{run_dir}@step{step}"
                 point["exported"] = step in best
                 points.append(point)
@@ -111,10 +121,10 @@ def plot(points: list[dict], path: Path, depths: int) -> None:
         label="tau decoding alone (dynamic tree)",
     )  # fmt: skip
     right.set(xscale="log", xlabel="supervised tokens seen", ylabel="tokens per target forward")
-    repeats = [p["tokens"] for p in points if p.get("run") == "epochs"]
-    if repeats:  # past one epoch the tokens are the same conversations again, not new ones
+    epochs = [p["epoch_tokens"] for p in points if p.get("epoch_tokens") and p["tokens"] > p["epoch_tokens"]]
+    if epochs:  # past one epoch the tokens are the same conversations again, not new ones
         for axis in (left, right):
-            axis.axvline(min(repeats), color="gray", linestyle=":", label="one epoch: later points repeat the data")
+            axis.axvline(min(epochs), color="gray", linestyle=":", label="one epoch: later points repeat the data")
     left.legend()
     right.legend()
     fig.tight_layout()
@@ -128,13 +138,17 @@ def main() -> None:
     parser.add_argument("--max-new-tokens", type=int, default=96)
     parser.add_argument("--tree", default="dynamic", help="the tree the drafter decodes with alone")
     parser.add_argument(
-        "--epochs-run", type=Path, action="append", default=[], help="a run of several epochs on the same data"
+        "--epochs-run",
+        type=Path,
+        action="append",
+        default=[],
+        help="a run on the same data whose CSV log holds its validations",
     )
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     milestones_file = args.run_dir / "checkpoints" / "milestones.json"
     if not milestones_file.is_file():
-        parser.error(f"{milestones_file} does not exist: train with experiment=smollm2_eagle3_curve first")
+        parser.error(f"{milestones_file} does not exist: train with experiment=smollm2_eagle3_curve (or _long) first")
     register_resolvers()
     cfg = OmegaConf.create(OmegaConf.load(args.run_dir / "config.yaml"))
     target, tokenizer = load_model(cfg.model)

@@ -191,7 +191,14 @@ def test_model_dtype_reaches_the_loaded_target(tmp_path, train_cfg):
     # each row read once and served twice, and the rate decaying over the budget's last quarter
     assert eagle3.data.module.echo == 2 and eagle3.module.scheduler.decay_ratio == 0.25
     assert eagle3.drafter.module.vocab_check is False  # training's labels from the draft vocabulary's logits alone
-    for measured in ("long", "ablation", "curve"):  # keep the recipe they were measured with
+    long = compose_config("train", tmp_path, "experiment=smollm2_eagle3_long")
+    # the default recipe for 90 minutes, on conversations of its own (every step reads new ones), 3 unrolled steps
+    assert long.data.module.echo == 2 and long.module.scheduler.decay_ratio == 0.25 and long.trainer.max_epochs == 1
+    assert long.trainer.max_time == "00:01:30:00" and long.drafter.module.ttt_steps == 3
+    assert long.data.num_conversations == 10000 and long.data.dir != eagle3.data.dir
+    assert long.trainer.limit_val_batches == eagle3.trainer.limit_val_batches  # make run's held-out rows
+    assert long.drafter.module.target_cache_dir is None and long.drafter.module.vocab_check is False
+    for measured in ("long_cached", "ablation", "curve"):  # keep the recipe they were measured with
         cfg = compose_config("train", tmp_path, f"experiment=smollm2_eagle3_{measured}")
         assert cfg.drafter.module.train_on == "assistant" and cfg.data.num_conversations == 800
         assert cfg.data.dir != eagle3.data.dir and cfg.trainer.limit_val_batches is None

@@ -218,7 +218,8 @@ def test_train_with_the_cache_exports_the_best_checkpoint(tmp_path, data_dir):  
 @pytest.mark.slow
 def test_token_milestones_make_a_learning_curve(tmp_path, data_dir, monkeypatch):  # noqa: F811
     """A run with TokenMilestones saves a checkpoint per milestone (and stops after the last); eval.learning_curve
-    measures each on the validation rows and by decoding, and writes the table, curve.json and the plot."""
+    measures each on the run's validation rows (as many batches as the run validated on) and by decoding, and writes
+    the table, curve.json and the plot."""
     import sys
 
     from eval import learning_curve
@@ -232,8 +233,10 @@ def test_token_milestones_make_a_learning_curve(tmp_path, data_dir, monkeypatch)
         "+callbacks.token_milestones._target_=medusa_like.training.checkpoints.TokenMilestones",
         f"+callbacks.token_milestones.dirpath={tmp_path / 'checkpoints'}",
         "+callbacks.token_milestones.milestones=[20,40,80]",
+        "+trainer.limit_val_batches=1",
+        "data.module.batch_size=2",  # two validation batches or more, of which the run validates on the first
     )
-    train(cfg)
+    metrics = train(cfg)
     saved = json.loads((tmp_path / "checkpoints" / "milestones.json").read_text())
     assert [s["milestone"] for s in saved] == [20, 40, 80]
     assert all(s["tokens"] >= s["milestone"] for s in saved)
@@ -242,6 +245,17 @@ def test_token_milestones_make_a_learning_curve(tmp_path, data_dir, monkeypatch)
     learning_curve.main()
     curve = json.loads((tmp_path / "curve.json").read_text())
     assert [p["milestone"] for p in curve["points"]] == [20, 40, 80]
+    # a point is what the run's own validation reports for the same weights, on the same rows: the run's last
+    # checkpoint against its last validation
+    from hydra.utils import instantiate
+
+    target, _ = instantiate(cfg.model.loader)
+    datamodule = instantiate(cfg.data.module)
+    datamodule.setup("fit")
+    last = learning_curve.held_out(cfg, target, datamodule, tmp_path / "checkpoints" / "last.ckpt")
+    run_val = {k: v for k, v in metrics.items() if k.startswith("val/")}
+    assert "val/loss" in run_val and "val/sim_tau_chain" in run_val
+    assert {k: last[k] for k in run_val} == pytest.approx(run_val, rel=1e-5)
     for point in curve["points"]:
         assert 1.0 <= point["val/sim_tau_chain"] <= 1 + cfg.drafter.module.ttt_steps
         assert point["tau_alone"] >= 1.0
