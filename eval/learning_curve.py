@@ -47,15 +47,17 @@ log = logging.getLogger(__name__)
 @torch.no_grad()
 def held_out(cfg, target, datamodule, checkpoint: Path) -> dict[str, float]:
     """The run's validation metrics for the drafter of `checkpoint` (per-depth accuracies, chain tau), computed as
-    the training run's validation computes them: on its rows (the first `trainer.limit_val_batches` batches where it
-    set a number), from its target cache when it had one."""
+    the training run's validation computes them: on its rows (the first `trainer.limit_val_batches` batches, or that
+    share of them, where it set one), from its target cache when it had one."""
     module = build_module(cfg, target)
     module.load_state_dict(torch.load(checkpoint, map_location="cpu", weights_only=False)["state_dict"])
     module.prepare_target_cache(datamodule)
     module.eval()
-    limit = cfg.trainer.get("limit_val_batches")
     batches = datamodule.val_dataloader()
-    if isinstance(limit, int):
+    limit = cfg.trainer.get("limit_val_batches")
+    if isinstance(limit, float):  # a share of the batches, as Lightning counts it
+        limit = int(len(batches) * limit)
+    if limit is not None:
         batches = itertools.islice(batches, limit)
     for index, batch in enumerate(batches):
         module.validation_step(batch, index)
