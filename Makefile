@@ -33,16 +33,17 @@ $(STAMP): pyproject.toml setup.py
 	@touch $(STAMP)
 
 # train the EAGLE-3-style drafter on ShareGPT conversations read by the target (resumable data build), then search the
-# combined tree (the drafter + lookup, one cost-aware tree) and transformers' prompt-lookup setting for this machine on
-# validation prompts, and evaluate on other validation prompts (never trained on): the drafter alone, lookup alone and
-# combined, against transformers' greedy and (tuned) prompt-lookup decoding with the same layers, and transformers'
-# greedy as it ships (stock nn.Linear); tau, speed, losslessness
+# combined tree (the drafter + lookup, one cost-aware tree), the drafter's own tree alone (its dynamic trees up to 9
+# nodes: larger ones are slower on a CPU) and transformers' prompt-lookup setting for this machine on validation
+# prompts, and evaluate on other validation prompts (never trained on): the drafter alone, lookup alone and combined,
+# against transformers' greedy and (tuned) prompt-lookup decoding with the same layers, and transformers' greedy as it
+# ships (stock nn.Linear); tau, speed, losslessness
 EVAL_METHODS := [hf_greedy,hf_prompt_lookup,hf_greedy_stock,learned,lookup,speculative]
 run: $(STAMP)
 	$(PY) -m train.train experiment=smollm2_eagle3 hydra.run.dir=$(RUN_DIR)/train
 	$(PY) -m eval.tree_search drafter.path=$(RUN_DIR)/train/drafter tree_search.calibration.limit=4 \
-	  tree_search.timing_prompts=3 eval.max_new_tokens=64 tree_search.out=$(RUN_DIR)/tree.json \
-	  hydra.run.dir=$(RUN_DIR)/tree_search
+	  tree_search.timing_prompts=3 eval.max_new_tokens=64 'tree_search.dynamic=[[1,4,4],[2,2,2],[2,4,4],[3,4,6],[4,4,8]]' \
+	  tree_search.out=$(RUN_DIR)/tree.json hydra.run.dir=$(RUN_DIR)/tree_search
 	rm -rf $(RUN_DIR)/eval
 	$(PY) -m eval.evaluate drafter.path=$(RUN_DIR)/train/drafter tree=$(RUN_DIR)/tree.json data.source=validation \
 	  data.skip=8 data.limit=16 data.max_turns=1 eval.max_new_tokens=96 eval.sweep.prompts=0 \

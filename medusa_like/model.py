@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from medusa_like.cpu.few_row_linear import measure_row_plans, use_few_row_linears, worth_swapping
+from medusa_like.cpu.few_row_linear import linear_kernel, measure_row_plans, use_few_row_linears, worth_swapping
 from medusa_like.decoding.attention import pick_backend
 from medusa_like.decoding.checks import (
     check_lengths,
@@ -29,7 +29,13 @@ from medusa_like.decoding.checks import (
     sampling_generator,
     token_ids,
 )
-from medusa_like.decoding.cost_cache import activate, active_cost_model, cost_model_from_file, measure_and_cache
+from medusa_like.decoding.cost_cache import (
+    activate,
+    active_cost_model,
+    cached_cost_model,
+    cost_model_from_file,
+    measure_and_cache,
+)
 from medusa_like.decoding.cost_model import CostModel
 from medusa_like.decoding.generate import GenerateOutput, StopChecker, speculative_generate
 from medusa_like.decoding.tree import TreeSpec
@@ -40,7 +46,8 @@ from medusa_like.formats import resolve_drafter
 from medusa_like.targets import DEFAULT_TARGET, chat_input_ids, eos_token_ids, freeze, load_target
 
 DEFAULT_DRAFTER = "lookup"  # without a trained drafter: lookup drafting from the context and earlier outputs
-TREE_FILE_SETTINGS = ("cost_model", "prompt_lookup_num_tokens")  # what a tree search's file holds besides the tree
+# what a tree search's file holds besides the tree (`learned_alone`: the learned drafter's own tree, decoding alone)
+TREE_FILE_SETTINGS = ("cost_model", "prompt_lookup_num_tokens", "learned_alone")
 
 log = logging.getLogger(__name__)
 _announced = []  # a swap was announced in this process: the first is a warning, later ones are logged at info level
@@ -87,6 +94,7 @@ class MedusaLikeModel:
                 use_few_row_linears(self.target, plans="cached"), use_few_row_linears(self.drafter, plans="cached")
             )
         self._tree_files: dict[tuple, dict] = {}  # (path, mtime, size) of each tree file read -> its settings
+        self._kernels_looked_up = False  # `settle_kernels` looked for this machine's cached cost model
         self.backend = pick_backend(backend, self.device)
         self.target_name = target_name or getattr(target.config, "name_or_path", None)
         self._lock, self._generating = threading.Lock(), None  # `generate` serves one thread at a time
@@ -203,6 +211,21 @@ class MedusaLikeModel:
             measure_row_plans(self.target)
             measure_row_plans(self.drafter)
 
+    def settle_kernels(self) -> None:
+        """Before a generation with a drafter that sizes no tree by a cost model (Medusa heads, an EAGLE-3 drafter
+        alone): unless a cost model set the target's kernels in this process (a tree file's, a measured one), set
+        those of the cost model cached for this machine, so that its verification runs the kernels measured fastest
+        here, as a combined or lookup drafter's does (they settle theirs when they size a tree). Looked up once per
+        model; without one cached, the few-row layers run their row plans (`measure_cost_model` or a tree search
+        measures one)."""
+        if self._kernels_looked_up or self.drafter_kind in ("combined", "lookup"):
+            return
+        self._kernels_looked_up = True
+        if linear_kernel(self.target) == "few_row" and active_cost_model(self.target) is None:
+            cost = cached_cost_model(self.target)
+            if cost is not None:
+                activate(cost, self.target)
+
     def _use(self, cost: CostModel) -> CostModel:
         use_cost_model(self.drafter, activate(cost, self.target))
         return cost
@@ -256,7 +279,8 @@ class MedusaLikeModel:
         input_ids = prompt_tensor(input_ids)
         check_prompt(self.target, input_ids)
         with self._one_generation():
-            spec = self.resolve_tree(tree)
+            spec = self.resolve_tree(tree)  # a tree file's cost model, if it has one, sets the kernels first
+            self.settle_kernels()
             check_room(self.target, input_ids.shape[1], spec, max_new_tokens, max_cache_len)
             out = speculative_generate(
                 self.target,

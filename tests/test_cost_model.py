@@ -15,7 +15,7 @@ from medusa_like.cpu import row_plans
 from medusa_like.cpu.few_row_linear import FewRowLinear
 from medusa_like.cpu.kernel_choice import current_kernels
 from medusa_like.cpu.machine import machine_identity
-from medusa_like.decoding.cost_cache import cache_key, cache_path
+from medusa_like.decoding.cost_cache import cache_key, cache_path, store
 from medusa_like.decoding.cost_measure import QUICK_SIZES, measure_cost_model
 from medusa_like.decoding.cost_model import CostModel, CostModelError, CostModelMismatchError, InvalidCostModelError
 from medusa_like.decoding.tree import BudgetedTreeSpec
@@ -273,6 +273,31 @@ def test_the_first_generation_measures_a_quick_estimate_and_no_row_plan_and_a_se
     assert second.cost_model.source == f"cache:{cache_path(second.target)}"
     assert second.cost_model.verify_ms == pytest.approx(first.verify_ms, abs=1e-3)
     assert second.cost_model.measured_at == first.measured_at
+
+
+def test_a_learned_drafter_alone_verifies_with_the_kernels_of_this_machines_cached_cost_model(cache_dir):
+    """A drafter that sizes no tree by a cost model (an EAGLE-3 drafter alone) still verifies on the target's few-row
+    layers: from its first generation they run the kernels of the cost model cached for this machine, and none is
+    measured; without one cached they keep their plans."""
+
+    def plans(model):  # a layer's plan for 1, 3 and 5 rows
+        return [model.target.model.layers[1].mlp.down_proj.plan[n - 1] for n in (1, 3, 5)]
+
+    target = tiny_target("llama")
+    model = MedusaLikeModel(target, None, EAGLE3.fresh(target), backend="sdpa")
+    as_built = plans(model)
+    assert as_built != [1, 4, 8]  # not what the cached cost model below sets
+    assert_lossless(model, prompts=1)
+    assert plans(model) == as_built and not cache_path(model.target).exists()
+
+    cached = cost_json(target, nodes=[1, 3, 5], verify_ms=[10.0, 11.0, 12.0])
+    rows = {"1": "weight_first", "3": "padded", "5": "padded"}
+    store(CostModel.from_json(cached | {"kernels": {**cached["kernels"], "rows": rows}}, target), target)
+    fresh = tiny_target("llama")  # another copy, as in a new process
+    alone = MedusaLikeModel(fresh, None, EAGLE3.fresh(fresh), backend="sdpa")
+    assert plans(alone) != [1, 4, 8]
+    assert_lossless(alone, prompts=1)
+    assert plans(alone) == [1, 4, 8]  # weight-first over 1 row, padded to 4 and 8: the cached cost model's kernels
 
 
 @pytest.mark.slow

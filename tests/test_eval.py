@@ -335,6 +335,26 @@ def test_eagle3_drafter_is_evaluated_with_a_searched_tree(tmp_path, small_eval):
     assert set(report["methods"]) == {"plain_loop", "learned", "lookup", "speculative"}
 
 
+def test_learned_alone_decodes_with_its_own_tree_resolved_by_the_learned_drafter(tmp_path, eval_cfg):
+    """make_runners' `learned_tree` (a tree file's `learned_alone`) is what the learned drafter alone decodes with, in
+    place of the combined tree's learned part: a tree deeper than its 4 heads is refused before the prompt runs, a
+    tree it can fill decodes losslessly."""
+    from medusa_like.decoding.tree import InvalidTreeError
+    from medusa_like.evaluation.methods import make_runners
+
+    cfg = eval_cfg(f"data.path={write_jsonl(tmp_path / 'q.jsonl', QUESTIONS)}", "eval.max_new_tokens=8")
+    model = load_model(cfg)
+    tree = model.resolve_tree({"dynamic": {"depth": 1, "top_k": 2, "num_nodes": 2}})
+    ids = model.chat_ids([{"role": "user", "content": QUESTIONS[0]["turns"][0]}])
+    too_deep = {"paths": [[0], [0, 0], [0, 0, 0], [0] * 4, [0] * 5]}
+    with pytest.raises(InvalidTreeError, match="depth 5 but .* 4 deep"):
+        make_runners(model, tree, 3, ["learned"], learned_tree=too_deep)["learned"](ids, 8)
+    runners = make_runners(model, tree, 3, ["learned"], learned_tree={"paths": [[0], [1], [0, 0]]})
+    tokens, stats = runners["learned"](ids, 8)
+    assert tokens == runners["hf_greedy"](ids, 8)[0]
+    assert all(a <= 2 for a in stats["accepted_draft"])  # the static tree is 2 deep
+
+
 @pytest.mark.slow
 def test_combined_evaluation_times_each_source_and_never_leaks_an_answer_into_the_store(tmp_path, eval_cfg):
     """drafter.mode=combined (the default): the learned drafter alone, lookup alone and combined on the same prompts,

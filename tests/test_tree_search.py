@@ -152,8 +152,9 @@ def test_tree_search_app_saves_a_tree_eval_uses(tmp_path, eval_cfg):
 
 @pytest.mark.slow
 def test_tree_search_of_a_combined_drafter_saves_its_cost_model_and_prompt_lookup(tmp_path, eval_cfg):
-    """drafter.mode=combined: budgeted trees are timed, the winner is saved with this machine's cost model and the
-    fastest prompt_lookup_num_tokens, and evaluation reads both back from the tree file."""
+    """drafter.mode=combined: budgeted trees are timed, the winner is saved with this machine's cost model, the
+    fastest prompt_lookup_num_tokens and the learned drafter's own fastest tree alone, and evaluation reads them back
+    from the tree file."""
     from eval.evaluate import evaluate
     from eval.tree_search import tree_search
 
@@ -169,6 +170,7 @@ def test_tree_search_of_a_combined_drafter_saves_its_cost_model_and_prompt_looku
             f"tree_search.calibration.path={questions}",
             "tree_search.budgeted.learned=[[1,2,2]]",
             "tree_search.budgeted.num_nodes=[2,4]",
+            "tree_search.budgets=[1,3]",  # the learned drafter alone: Medusa heads, static trees of these budgets
             "tree_search.prompt_lookup=[2,3]",
             "tree_search.timing_prompts=1",
             f"tree_search.out={tree_path}",
@@ -182,6 +184,9 @@ def test_tree_search_of_a_combined_drafter_saves_its_cost_model_and_prompt_looku
     saved = json.loads(tree_path.read_text())
     assert saved["budgeted"]["num_nodes"] in (2, 4) and saved["prompt_lookup_num_tokens"] in (2, 3)
     assert saved["cost_model"]["nodes"] == list(SIZES) and len(saved["cost_model"]["verify_ms"]) == len(SIZES)
+    # the learned drafter's own tree, timed alone: the fastest of its budgets, saved for the learned-alone method
+    assert {r["budget"] for r in saved["learned_alone_timings"]} == {1, 3}
+    assert len(saved["learned_alone"]["paths"]) == result["learned_alone"]["label"]
     report = evaluate(
         eval_cfg(
             "eval.max_new_tokens=6",
@@ -192,4 +197,5 @@ def test_tree_search_of_a_combined_drafter_saves_its_cost_model_and_prompt_looku
         )
     )
     assert report["setup"]["prompt_lookup_num_tokens"] == saved["prompt_lookup_num_tokens"]
+    assert report["setup"]["tree"]["learned_alone"]["paths"] == saved["learned_alone"]["paths"]
     assert report["summary"]["losslessness"] == 1.0

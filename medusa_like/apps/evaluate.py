@@ -78,7 +78,8 @@ def evaluate(cfg: DictConfig) -> dict:
     prompt_lookup = cfg.eval.prompt_lookup_num_tokens
     if prompt_lookup == "auto":
         prompt_lookup = settings.get("prompt_lookup_num_tokens", DEFAULT_PROMPT_LOOKUP)
-    runners = make_runners(model, tree, prompt_lookup, cfg.eval.methods)
+    learned_tree = settings.get("learned_alone")  # the tree file's tree for the learned drafter alone, if any
+    runners = make_runners(model, tree, prompt_lookup, cfg.eval.methods, learned_tree)
 
     total = sum(min(len(q.turns), cfg.data.max_turns) for q in questions)
     if cfg.eval.warmup:
@@ -89,7 +90,17 @@ def evaluate(cfg: DictConfig) -> dict:
             model, questions, runners, cfg.eval.max_new_tokens, cfg.data.max_turns, tree, log_path, bar
         )
     return build_report(
-        cfg, model, records, tree, tree_name, search_result, questions, out_dir, prompt_lookup, store_filling
+        cfg,
+        model,
+        records,
+        tree,
+        tree_name,
+        search_result,
+        questions,
+        out_dir,
+        prompt_lookup,
+        store_filling,
+        learned_tree,
     )
 
 

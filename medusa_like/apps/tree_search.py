@@ -8,9 +8,13 @@ Calibration prompts: the first turns of `tree_search.calibration` (the validatio
 Medusa heads: each head's top-1..top-10 accuracy is measured teacher-forced over the target's greedy answers, the best
 tree of each budget is built best-first, and every budget is timed. EAGLE-3: every (depth, top_k, num_nodes) of
 `tree_search.dynamic` is timed. Combined and lookup drafters (`drafter.mode`): every budgeted tree of
-`tree_search.budgeted` is timed, and the machine's cost model is saved with the winner. transformers' prompt lookup is
-timed at each `tree_search.prompt_lookup` value, for the evaluation's baseline. The fastest is saved as a tree JSON that `tree=` accepts. `tree_search(cfg)` is
-importable; `main` is the Hydra app behind `medusa-tree-search` and `python -m eval.tree_search`.
+`tree_search.budgeted` is timed, and the machine's cost model is saved with the winner; with
+`tree_search.learned_alone`, the learned drafter's own trees are timed too, alone (`tree_search.dynamic` for EAGLE-3,
+`tree_search.budgets` for Medusa heads), and the fastest is saved beside the winner as `learned_alone`, the tree the
+evaluation's learned-alone method decodes with. transformers' prompt lookup is timed at each
+`tree_search.prompt_lookup` value, for the evaluation's baseline. The fastest is saved as a tree JSON that `tree=`
+accepts. `tree_search(cfg)` is importable; `main` is the Hydra app behind `medusa-tree-search` and
+`python -m eval.tree_search`.
 """
 
 import logging
@@ -31,29 +35,42 @@ log = logging.getLogger(__name__)
 COLUMNS = ("tree", "nodes", "depth", "tau", "accepted draft/step", "draft ms/step", "verify ms/step", "tokens/s")
 
 
+def timings_table(rows: list[dict], chosen, title: str) -> Table:
+    """The timed trees as a table, the chosen one starred."""
+    table = Table(title=title)
+    for col in COLUMNS:
+        table.add_column(col, justify="right")
+    for r in rows:
+        mark = " *" if r["budget"] == chosen else ""
+        table.add_row(
+            f"{r['budget']}{mark}",
+            str(r["nodes"]),
+            str(r["depth"]),
+            f"{r['tau']:.2f}",
+            f"{r['mean_accepted_draft']:.2f}",
+            f"{r['draft_ms_per_step']:.1f}",
+            f"{r['verify_ms_per_step']:.1f}",
+            f"{r['tokens_per_second']:.1f}",
+        )
+    return table
+
+
 def print_search(result: dict, console: Console | None = None) -> None:
     console = console or Console()
     if result["timings"]:
-        table = Table(title="tree budgets (calibration prompts)")
-        for col in COLUMNS:
-            table.add_column(col, justify="right")
-        for r in result["timings"]:
-            mark = " *" if r["budget"] == result["label"] else ""
-            table.add_row(
-                f"{r['budget']}{mark}",
-                str(r["nodes"]),
-                str(r["depth"]),
-                f"{r['tau']:.2f}",
-                f"{r['mean_accepted_draft']:.2f}",
-                f"{r['draft_ms_per_step']:.1f}",
-                f"{r['verify_ms_per_step']:.1f}",
-                f"{r['tokens_per_second']:.1f}",
-            )
-        console.print(table)
+        console.print(timings_table(result["timings"], result["label"], "tree budgets (calibration prompts)"))
     if result["topk"]:
         console.print("head top-1 accuracy: " + ", ".join(f"{t[0]:.2f}" for t in result["topk"]))
+    alone = result.get("learned_alone")
+    if alone and alone["timings"]:
+        console.print(
+            timings_table(alone["timings"], alone["label"], "the learned drafter alone (calibration prompts)")
+        )
     console.print(f"fastest transformers prompt lookup: prompt_lookup_num_tokens={result['prompt_lookup_num_tokens']}")
-    console.print(f"saved tree {result['label']} to {result['path']}")
+    saved = f"saved tree {result['label']}"
+    if alone:
+        saved += f" (the learned drafter alone: {alone['label']})"
+    console.print(f"{saved} to {result['path']}")
 
 
 def tree_search(cfg: DictConfig) -> dict:

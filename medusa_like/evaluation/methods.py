@@ -28,31 +28,35 @@ class MethodContext:
     eos: list[int]
     pad: int | None
     prompt_lookup_num_tokens: int
+    learned_tree: object = None  # the learned drafter's own tree decoding alone (a tree file's `learned_alone`)
 
     @property
     def combined(self) -> bool:
         return self.model.drafter_kind == "combined"
 
     def alone(self, part: str):
-        """The combined drafter's learned drafter or lookup decoding alone, on the same target. Lookup alone budgets
-        its trees by the combined drafter's cost model (`settle_cost_model`): it never measures one of its own, which
-        would set other kernels on the shared target for every method after it. The learned drafter alone fills a
-        fixed part of the tree and consults no cost model."""
-        model = self.model
-        if part == "learned":
-            drafter = model.drafter.learned
-        else:
-            drafter = model.drafter.lookup
-            use_cost_model(drafter, session_cost_model(model.drafter))
-        # few_row_linear=False: the target's and drafters' layers stay as the evaluated model chose them
-        return type(model)(
-            model.target,
-            model.tokenizer,
-            drafter,
-            backend=model.backend,
-            target_name=model.target_name,
-            few_row_linear=False,
-        )
+        return alone(self.model, part)
+
+
+def alone(model, part: str):
+    """A combined model's learned drafter or lookup decoding alone, on the same target. Lookup alone budgets its trees
+    by the combined drafter's cost model (`settle_cost_model`): it never measures one of its own, which would set
+    other kernels on the shared target for every method after it. The learned drafter alone fills a dynamic or static
+    tree and consults no cost model."""
+    if part == "learned":
+        drafter = model.drafter.learned
+    else:
+        drafter = model.drafter.lookup
+        use_cost_model(drafter, session_cost_model(model.drafter))
+    # few_row_linear=False: the target's and drafters' layers stay as the evaluated model chose them
+    return type(model)(
+        model.target,
+        model.tokenizer,
+        drafter,
+        backend=model.backend,
+        target_name=model.target_name,
+        few_row_linear=False,
+    )
 
 
 def hf_runner(target, eos: list[int], pad: int | None, prompt_lookup: int | None = None) -> Runner:
@@ -78,6 +82,15 @@ def loop_runner(model, tree, eos: list[int]) -> Runner:
         return out.new_tokens.tolist(), out.stats.as_dict()
 
     return run
+
+
+def learned_alone_runner(c: MethodContext) -> Runner:
+    """Method (e): the learned drafter alone, with the tree the search found for it alone (`c.learned_tree`, resolved
+    by the learned drafter itself: a combined drafter would merge lookup into it), else with the part of the combined
+    tree it fills."""
+    model = c.alone("learned")
+    tree = c.tree.learned_part if c.learned_tree is None else model.resolve_tree(c.learned_tree)
+    return loop_runner(model, tree, c.eos)
 
 
 @dataclass(frozen=True)
@@ -114,8 +127,9 @@ METHODS: dict[str, Method] = {
     ),
     "learned": Method(
         "(e) learned drafter alone",
-        "(e) the combined tree's learned drafter alone, with its part of the tree",
-        lambda c: loop_runner(c.alone("learned"), c.tree.learned_part, c.eos),
+        "(e) the combined drafter's learned drafter alone, with its own searched tree (the tree file's "
+        "`learned_alone`), else with its part of the combined tree",
+        learned_alone_runner,
         lambda c: c.combined,
     ),
     "lookup": Method(
@@ -139,22 +153,25 @@ def label(name: str) -> str:
 
 def settle_cost_model(model) -> None:
     """Give a combined or lookup drafter its cost model before any method runs: the tree file's (loaded by
-    `setup.apply_tree_settings`), else one measured now. Measuring sets the target's row and prefill kernels, so it
-    happens once, here; every method then runs the kernels the cost model chose, and none measures again."""
+    `setup.apply_tree_settings`), else one measured now; other drafters the kernels of the tree file's or this
+    machine's cached one (`MedusaLikeModel.settle_kernels`). A cost model sets the target's row and prefill kernels,
+    so this happens once, here; every method, transformers' included, then runs the same kernels."""
     if model.drafter_kind in ("combined", "lookup"):
         cost_model_for(model.drafter.state, model.target)
+    else:
+        model.settle_kernels()
 
 
-def make_runners(model, tree, prompt_lookup_num_tokens: int, names=None) -> dict[str, Runner]:
+def make_runners(model, tree, prompt_lookup_num_tokens: int, names=None, learned_tree=None) -> dict[str, Runner]:
     """One runner per registered method that applies to `model`'s drafter (or per method of `names`), with the
-    evaluated `tree`. The reference, stock greedy (where it differs from the reference's layers), the baselines and
-    the speculative method always run. A combined or lookup drafter's cost model is settled first
-    (`settle_cost_model`)."""
+    evaluated `tree` (and `learned_tree`, any tree the learned drafter alone decodes with; None: `tree`'s learned
+    part). The reference, stock greedy (where it differs from the reference's layers), the baselines and the
+    speculative method always run. A combined or lookup drafter's cost model is settled first (`settle_cost_model`)."""
     settle_cost_model(model)
     eos = model.eos_token_ids()
     pad = model.tokenizer.pad_token_id
     context = MethodContext(
-        model, tree, eos, pad if pad is not None else (eos[0] if eos else None), prompt_lookup_num_tokens
+        model, tree, eos, pad if pad is not None else (eos[0] if eos else None), prompt_lookup_num_tokens, learned_tree
     )
     unknown = set(names or ()) - set(METHODS)
     if unknown:

@@ -220,6 +220,12 @@ def cost_model_sentence(cost_models: dict) -> str:
     return "Cost models (tree sizes against verification ms): " + "; ".join(described) + "."
 
 
+def learned_alone_words(tree: dict) -> str:
+    """ "; the learned drafter alone: `d2k4n4`" when the run timed it (reports of older versions say nothing)."""
+    learned = tree.get("learned_alone")
+    return f"; the learned drafter alone: `{learned['label']}`" if learned else ""
+
+
 def markdown(report: dict) -> str:
     s, setup, speed = report["summary"], report["setup"], report["speed"]
     parts = []
@@ -230,7 +236,8 @@ def markdown(report: dict) -> str:
     parts.append(
         f"Target `{setup['target']}`, {setup['drafter_kind']} drafter `{setup['drafter']}` "
         f"({setup['drafter_parameters'] / 1e6:.1f}M parameters), tree `{setup['tree']['name']}` "
-        f"({setup['tree']['nodes']} nodes, depth {setup['tree']['depth']}); {setup['data']['source']} "
+        f"({setup['tree']['nodes']} nodes, depth {setup['tree']['depth']}{learned_alone_words(setup['tree'])}); "
+        f"{setup['data']['source']} "
         f"({setup['data']['questions']} questions, {report['losslessness']['prompts']} prompts), "
         f"max_new_tokens {setup['max_new_tokens']}; {setup['dtype']} on {setup['device']} ({setup['threads']} threads), "
         f"backend {setup['backend']}, torch {setup['torch']}, transformers {setup['transformers']}."

@@ -7,12 +7,14 @@ from pathlib import Path
 import torch
 from omegaconf import DictConfig
 
+from medusa_like.cpu.few_row_linear import linear_kernel
 from medusa_like.data.prepare import load_model as load_target_model
 from medusa_like.data.split import draft_vocab_from_training_split, training_answers
 from medusa_like.decoding.tree_files import save_tree
 from medusa_like.drafters.combined import COMBINED
 from medusa_like.drafters.lookup import LOOKUP, OutputStore
 from medusa_like.drafters.medusa import MEDUSA
+from medusa_like.evaluation.methods import alone
 from medusa_like.evaluation.questions import Question, load_questions, select
 from medusa_like.evaluation.tree_search import fastest_prompt_lookup, search
 from medusa_like.formats import load_drafter
@@ -150,12 +152,18 @@ def calibration_prompts(cfg: DictConfig, model) -> list[torch.Tensor]:
 
 def run_search(cfg: DictConfig, model, out_path: Path) -> dict:
     """Search with `cfg.tree_search`, save the chosen tree to `out_path` with what a run of it needs on this machine
-    (the cost model of a budgeted tree, the fastest `prompt_lookup_num_tokens`); return what was measured."""
+    (the cost model that sizes a budgeted tree or picked the target's few-row kernels, the fastest
+    `prompt_lookup_num_tokens`, and for a combined drafter with `tree_search.learned_alone` the learned drafter's own
+    tree when it decodes alone); return what was measured."""
     prompts = calibration_prompts(cfg, model)
     ts = cfg.tree_search
     timing = prompts[: max(ts.timing_prompts, 1)]
-    if ts.get("budgeted") is not None and model.drafter_kind in ("combined", "lookup"):
-        model.measure_cost_model()  # budgeted trees are timed, and the winner saved, with a full cost model
+    budgeted = ts.get("budgeted") is not None and model.drafter_kind in ("combined", "lookup")
+    cost = None
+    if budgeted or linear_kernel(model.target) == "few_row":
+        # budgeted trees are sized by a full cost model; and any tree is timed, and saved, with the few-row kernels
+        # it measured fastest on this machine, which the tree file sets again wherever it is used
+        cost = model.measure_cost_model()
     result = search(
         model,
         prompts,
@@ -167,6 +175,12 @@ def run_search(cfg: DictConfig, model, out_path: Path) -> dict:
         cfg.eval.k_max,
         ts.get("budgeted"),
     )
+    learned_alone = None
+    if ts.get("learned_alone") and model.drafter_kind == "combined":
+        # after the combined search: the learned drafter alone runs the kernels its cost model chose on the target
+        alone_model = alone(model, "learned")
+        args = (ts.timing_prompts, cfg.eval.max_new_tokens, ts.budget, ts.budgets, ts.dynamic, cfg.eval.k_max)
+        learned_alone = search(alone_model, prompts, *args)
     prompt_lookup, prompt_lookup_rows = fastest_prompt_lookup(model, timing, cfg.eval.max_new_tokens, ts.prompt_lookup)
     meta = dict(
         calibration={"source": ts.calibration.source, "prompts": len(prompts)},
@@ -178,7 +192,11 @@ def run_search(cfg: DictConfig, model, out_path: Path) -> dict:
     )
     if result["kind"] == "static":
         meta.update(budget=result["label"], predicted_tau=result["predicted_tau"], head_topk_accuracy=result["topk"])
-    if result["kind"] == "budgeted":
-        meta.update(cost_model=model.cost_model.to_json())
+    if cost is not None:
+        meta.update(cost_model=cost.to_json())
+    if learned_alone is not None:
+        learned_spec = alone_model.resolve_tree(learned_alone["spec"])
+        meta.update(learned_alone=learned_spec.to_json(), learned_alone_timings=learned_alone["timings"])
+        learned_alone = {**learned_alone, "spec": learned_spec.to_json()}
     save_tree(model.resolve_tree(result["spec"]), out_path, **meta)
-    return {**result, "path": str(out_path), "prompt_lookup_num_tokens": prompt_lookup}
+    return {**result, "path": str(out_path), "prompt_lookup_num_tokens": prompt_lookup, "learned_alone": learned_alone}

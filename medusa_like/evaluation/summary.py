@@ -11,6 +11,7 @@ import torch
 import transformers
 
 from medusa_like.cpu.few_row_linear import linear_kernel, with_stock_linears
+from medusa_like.decoding.tree_files import spec_from_json
 from medusa_like.drafters.merge import session_cost_model
 from medusa_like.evaluation import metrics
 from medusa_like.evaluation.methods import BASELINES, METHODS, REFERENCE, SPECULATIVE, STOCK
@@ -266,16 +267,30 @@ def drafter_parameters(model) -> int:
 
 
 def setup_section(
-    cfg, model, tree, tree_name: str, questions: list, methods: list[str], prompt_lookup, store_filling=None
+    cfg,
+    model,
+    tree,
+    tree_name: str,
+    questions: list,
+    methods: list[str],
+    prompt_lookup,
+    store_filling=None,
+    learned_tree=None,
 ) -> dict:
     """The run's setup; `lookup_store`: how the lookup store was filled before the first prompt, as it happened
-    (`evaluation.setup.output_store`), None for a drafter without one."""
+    (`evaluation.setup.output_store`), None for a drafter without one; `tree.learned_alone`: the tree the learned
+    drafter decoded with alone (`learned_tree`, the tree file's, else the combined tree's learned part): its label and
+    JSON."""
+    learned_alone = None
+    if "learned" in methods:
+        spec = tree.learned_part if learned_tree is None else spec_from_json(learned_tree, "learned_alone")
+        learned_alone = {"label": spec.label, **spec.to_json()}
     return {
         "target": str(cfg.model.name_or_path),
         "drafter": None if cfg.drafter.path is None else str(cfg.drafter.path),
         "drafter_kind": model.drafter_kind,
         "drafter_parameters": drafter_parameters(model),
-        "tree": {"name": tree_name, "nodes": tree.max_nodes, "depth": tree.max_depth},
+        "tree": {"name": tree_name, "nodes": tree.max_nodes, "depth": tree.max_depth, "learned_alone": learned_alone},
         "lookup_store": store_filling,
         "data": {"source": cfg.data.source, "path": cfg.data.path, "questions": len(questions)},
         "max_new_tokens": cfg.eval.max_new_tokens,
@@ -329,9 +344,20 @@ def teacher_forced_topk(model, records: list[dict], k_max: int) -> list[list[flo
 
 
 def build_report(
-    cfg, model, all_records, tree, tree_name, search_result, questions, out_dir, prompt_lookup=None, store_filling=None
+    cfg,
+    model,
+    all_records,
+    tree,
+    tree_name,
+    search_result,
+    questions,
+    out_dir,
+    prompt_lookup=None,
+    store_filling=None,
+    learned_tree=None,
 ) -> dict:
-    """The report (json, markdown, plots) from the per-prompt records; `store_filling`: `setup_section`'s."""
+    """The report (json, markdown, plots) from the per-prompt records; `store_filling` and `learned_tree`:
+    `setup_section`'s."""
     skipped = [r for r in all_records if r.get("skipped")]
     records = [r for r in all_records if not r.get("skipped")]
     if not records:
@@ -344,7 +370,7 @@ def build_report(
     acceptance = acceptance_section(records)
     speed = metrics.speed_summary([{m: r[m]["tps"] for m in methods} for r in records], BASELINES)
     lossless = losslessness_section(model, records, methods)
-    setup = setup_section(cfg, model, tree, tree_name, questions, methods, prompt_lookup, store_filling)
+    setup = setup_section(cfg, model, tree, tree_name, questions, methods, prompt_lookup, store_filling, learned_tree)
     prompts = [torch.tensor(r["prompt_ids"])[None] for r in records]
     report = {
         "summary": summary_section(acceptance, speed, lossless, setup["tree"]),
