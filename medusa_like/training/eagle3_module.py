@@ -73,6 +73,7 @@ class Eagle3Module(DrafterModule):
         ttt_steps: int = 4,  # unrolled draft steps (EAGLE-3: 7)
         decay: float = DECAY,  # step j's loss is weighted decay^j
         init_from_target: bool = True,  # start lm_head and the final norm from the target's
+        freeze_lm_head: bool = False,  # keep lm_head at the target's rows, untrained (EAGLE-1/2 reuse the target's head)
         init_layer_from_target: int | str | None = None,  # a target layer's index, or "high" (the one the last aux
         # stream enters): start the decoder layer from that layer's weights
         top_k: int | None = 64,  # labels: the target's k most likely draft tokens (null: the whole draft vocabulary)
@@ -101,6 +102,10 @@ class Eagle3Module(DrafterModule):
         self.drafter = Eagle3Drafter(config, vocab)
         if init_from_target:
             self.drafter.init_from_target(target)
+        if freeze_lm_head:
+            if not init_from_target:
+                raise ValueError("freeze_lm_head=true keeps the target's rows: it needs init_from_target=true")
+            self.drafter.lm_head.weight.requires_grad_(False)
         layers = target.config.get_text_config().num_hidden_layers
         if (index := layer_index(init_layer_from_target, config.aux_layer_ids, layers)) is not None:
             self.drafter.init_layer_from_target(target, index)
@@ -130,6 +135,7 @@ class Eagle3Module(DrafterModule):
                 "loss": loss,
                 "train_on": train_on,
                 "vocab_check": vocab_check,
+                "freeze_lm_head": freeze_lm_head,
             }
         )
         names = [f"{m}_depth{d}" for d in range(1, ttt_steps + 1) for m in ("loss", "acc_top1", "acc_top4")]
