@@ -137,6 +137,27 @@ def test_without_the_vocabulary_check_training_projects_onto_the_draft_vocabular
     assert torch.equal(module._target_outputs(batch, wanted)["labelled"], checked["labelled"]) and projections
 
 
+def test_a_frozen_projection_keeps_the_targets_rows_while_the_rest_trains():
+    """`freeze_lm_head=true`: after optimizer steps the projection still holds the target's rows of the draft
+    vocabulary while the decoder layer moved; without the target's rows to keep it is refused."""
+    target = tiny_target("llama")
+    vocab = DraftVocab(torch.arange(0, VOCAB, 2), VOCAB)
+    common = dict(optimizer=partial(torch.optim.AdamW, lr=3e-3), ttt_steps=2)
+    module = Eagle3Module(target, vocab, "tiny_llama", freeze_lm_head=True, **common)
+    rows = target.get_output_embeddings().weight[vocab.token_ids].detach().clone()
+    layer = module.drafter.mlp.down_proj.weight.detach().clone()
+    optimizer = module.configure_optimizers()
+    for seed in range(2):
+        loss, _, _, _ = module._forward(small_batch(seed))
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    assert torch.equal(module.drafter.lm_head.weight, rows)
+    assert not torch.equal(module.drafter.mlp.down_proj.weight, layer)
+    with pytest.raises(ValueError, match="freeze_lm_head=true keeps the target's rows"):
+        Eagle3Module(target, vocab, "tiny_llama", freeze_lm_head=True, init_from_target=False, **common)
+
+
 def test_a_layer_started_from_the_target_computes_that_layer_on_the_high_stream():
     """`init_layer_from_target(target, i)` with the high aux stream entering layer i: the drafter's step equals the
     target's layer i on that stream (hidden_states[i + 1]), whatever the token embeddings."""
