@@ -36,7 +36,7 @@ from medusa_like.cpu.few_row_linear import (
     with_stock_linears,
     worth_swapping,
 )
-from medusa_like.cpu.kernel_choice import pick_row_kernels
+from medusa_like.cpu.kernel_choice import apply_kernels, every_row_count, pick_row_kernels
 from medusa_like.cpu.row_plans import PLANNED_ROWS, measure_row_plan, row_plan, valid_plan
 from medusa_like.decoding.cost_measure import measure_cost_model
 from medusa_like.decoding.cost_model import CostModel, CostModelMismatchError, InvalidCostModelError
@@ -377,6 +377,18 @@ def test_a_row_kernel_changes_only_its_row_count_in_every_planned_layer():
     with pytest.raises(ValueError, match="MKL packs serve 1..32"):
         kernel_rows("packed", KERNEL_ROWS + 1, 0)
     assert kernel_rows("linear", 7, 8) == 0
+
+
+def test_a_cost_models_kernels_cover_the_row_counts_between_its_sizes():
+    """A cost model measures some tree sizes and interpolates between them: a row count it does not name runs the
+    kernel of the next larger size it names (past the largest, the largest's), never the layers' own plans."""
+    target = tiny_target("llama", tie_word_embeddings=False)
+    use_few_row_linears(target)
+    apply_kernels({"linears": "few_row", "rows": {"1": "linear", "4": "weight_first", "6": "padded"}}, target)
+    assert every_row_count({"4": "padded", "1": "linear"}) == {1: "linear", **dict.fromkeys(range(2, 33), "padded")}
+    for m in few_row_layers(target):
+        assert m.plan[:6] == (0, 2, 3, 4, 8, 8)  # F.linear; weight-first over 2, 3, 4; padded to 8 for 5 and 6
+        assert m.plan[8] == 16 and m.plan[16] == 32 and m.plan[31] == 32  # past 6: padded, the largest size's
 
 
 def few_row_layers(model) -> list[FewRowLinear]:

@@ -118,15 +118,30 @@ def check_kernels(record, target: nn.Module) -> None:
 
 
 def apply_kernels(record, target: nn.Module) -> None:
-    """Set the record's kernels on `target`'s planned layers (after `check_kernels`), and make the packs they run."""
+    """Set the record's kernels on `target`'s planned layers (after `check_kernels`), for every row count it covers
+    (`every_row_count`), and make the packs they run."""
     record = validate_record(record)
     if record is None or not has_row_plans(target):
         return
-    for size, kernel in (record["rows"] or {}).items():
-        set_row_kernel(target, int(size), kernel)
+    for rows, kernel in every_row_count(record["rows"] or {}).items():
+        set_row_kernel(target, rows, kernel)
     if record["prefill"] is not None:
         set_prefill_kernel(target, record["prefill"])
     sync_packs(target)
+
+
+def every_row_count(rows: dict[str, str]) -> dict[int, str]:
+    """A record's row kernels (tree size as a string -> kernel) for every row count from 1 to KERNEL_ROWS: a count it
+    does not name runs the kernel of the next larger size it names (of the largest, past it). A cost model measures
+    some sizes (1-16, 20, 24, 32) and interpolates the times between them; a verification of 17 nodes must run the
+    kernel whose times it interpolates, not the layers' own plans (twice as slow where oneDNN's pack wins)."""
+    named = sorted((int(size), kernel) for size, kernel in rows.items())
+    if not named:
+        return {}
+    return {
+        count: next((kernel for size, kernel in named if size >= count), named[-1][1])
+        for count in range(1, KERNEL_ROWS + 1)
+    }
 
 
 def layers_identity(target: nn.Module) -> str:
