@@ -221,7 +221,8 @@ def cost_model_sentence(cost_models: dict) -> str:
 
 
 def learned_alone_words(tree: dict) -> str:
-    """ "; the learned drafter alone: `d2k4n4`" when the run timed it (reports of older versions say nothing)."""
+    """The words naming the tree the learned drafter decoded with alone (`; the learned drafter alone: d2k4n4`), or
+    nothing where the run did not time it (or its report predates them)."""
     learned = tree.get("learned_alone")
     return f"; the learned drafter alone: `{learned['label']}`" if learned else ""
 
