@@ -415,6 +415,8 @@ def test_the_cost_model_picks_a_row_kernel_per_size_and_sets_it_where_it_is_load
     own = row_plan(down.weight)
     for size in cost.nodes:  # the measured target runs what was picked
         assert down.plan[size - 1] == kernel_rows(rows[str(size)], size, own[size - 1])
+    for count, size in ((2, 3), (4, 5), (6, 5), (32, 5)):  # and between and past the sizes, the next (or last) pick
+        assert down.plan[count - 1] == kernel_rows(rows[str(size)], count, own[count - 1])
 
     loaded = tiny_target("llama")  # same seed and config: the same target in another process
     use_few_row_linears(loaded)

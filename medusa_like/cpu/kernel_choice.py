@@ -189,12 +189,10 @@ def fastest_kernel(medians: dict, kernels) -> str:
 
 def pick_row_kernels(target: nn.Module, sizes, medians: dict, kernels: tuple[str, ...]) -> list[str]:
     """Per size, the fastest row kernel of `kernels` by `fastest_kernel` (`medians[(size, kernel)]`); sets the target's
-    layers to them and drops unused packs."""
-    picked = []
-    for size in sizes:
-        kernel = fastest_kernel({k: medians[(size, k)] for k in kernels}, kernels)
-        set_row_kernel(target, size, kernel)
-        picked.append(kernel)
+    layers to them, for the row counts between the sizes too (`every_row_count`), and drops unused packs."""
+    picked = [fastest_kernel({k: medians[(size, k)] for k in kernels}, kernels) for size in sizes]
+    for rows, kernel in every_row_count({str(s): k for s, k in zip(sizes, picked, strict=True)}).items():
+        set_row_kernel(target, rows, kernel)
     sync_packs(target)
     return picked
 
