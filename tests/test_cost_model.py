@@ -296,7 +296,9 @@ def test_a_learned_drafter_alone_verifies_with_the_kernels_of_this_machines_cach
     fresh = tiny_target("llama")  # another copy, as in a new process
     alone = MedusaLikeModel(fresh, None, EAGLE3.fresh(fresh), backend="sdpa")
     assert plans(alone) != [1, 4, 8]
+    stored = cache_path(fresh).read_text()
     assert_lossless(alone, prompts=1)
+    assert cache_path(fresh).read_text() == stored  # read, not measured again
     assert plans(alone) == [1, 4, 8]  # weight-first over 1 row, padded to 4 and 8: the cached cost model's kernels
 
 

@@ -134,7 +134,8 @@ def every_row_count(rows: dict[str, str]) -> dict[int, str]:
     """A record's row kernels (tree size as a string -> kernel) for every row count from 1 to KERNEL_ROWS: a count it
     does not name runs the kernel of the next larger size it names (of the largest, past it). A cost model measures
     some sizes (1-16, 20, 24, 32) and interpolates the times between them; a verification of 17 nodes must run the
-    kernel whose times it interpolates, not the layers' own plans (twice as slow where oneDNN's pack wins)."""
+    kernel whose times it interpolates, not the layers' own plans (slower where oneDNN's pack wins: measured in
+    docs/cpu-kernels.md)."""
     named = sorted((int(size), kernel) for size, kernel in rows.items())
     if not named:
         return {}
