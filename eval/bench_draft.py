@@ -4,6 +4,7 @@
     python -m eval.bench_draft --drafter runs/make_run/train/drafter
     python -m eval.bench_draft --steps 80 --threads 2 --out bench_draft.json
     python -m eval.bench_draft --linears nn.Linear              # without the few-row layers decoding gives it
+    python -m eval.bench_draft --drafter-dtype float32          # the drafter in the target's fp32 (default: auto)
 
 Each tree (dynamic d2k4n4, d4k4n8, d5k6n16 and a chain of 4) is drafted for `--steps` steps after a real prompt: the
 target's own features of the prompt start the drafter, then every step proposes a tree and accepts a path of 0-2
@@ -35,6 +36,7 @@ from medusa_like.drafters.eagle3 import Eagle3Config, Eagle3Drafter, Eagle3Propo
 from medusa_like.drafters.vocab import DraftVocab
 from medusa_like.formats import load_drafter
 from medusa_like.io import write_json
+from medusa_like.model import drafting_dtype
 from medusa_like.targets import DEFAULT_TARGET, load_target
 
 PROMPT = (
@@ -109,6 +111,11 @@ def main(argv=None) -> dict:
         choices=["few_row", "nn.Linear"],
         help="few_row: the row-planned layers the decoding loop gives target and drafter on fp32 CPUs",
     )
+    parser.add_argument(
+        "--drafter-dtype",
+        default="auto",
+        help="what the drafter computes in, as decoding casts it (model.drafting_dtype): auto, or a dtype name",
+    )
     parser.add_argument("--out", default="bench_draft.json")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
@@ -118,6 +125,8 @@ def main(argv=None) -> dict:
     )
     if drafter.kind != "eagle3":
         raise ValueError(f"--drafter {args.drafter!r} is not an EAGLE-3 drafter (a {drafter.kind} drafter)")
+    dtype = drafting_dtype(drafter, target, args.drafter_dtype, few_row=args.linears == "few_row")
+    drafter = drafter.to(dtype=dtype)
     if args.linears == "few_row":
         use_few_row_linears(target)
         use_few_row_linears(drafter)
@@ -127,7 +136,10 @@ def main(argv=None) -> dict:
         for name in args.trees:
             results[name] = bench_tree(target, drafter, prompt_ids, TREES[name], args.steps, args.warmup)
 
-    table = Table(title=f"EAGLE-3 drafting, {args.target}, {args.linears} layers, {torch.get_num_threads()} threads")
+    table = Table(
+        title=f"EAGLE-3 drafting, {args.target}, {args.linears} layers, drafter in {dtype}, "
+        f"{torch.get_num_threads()} threads"
+    )
     for column in ("tree", "depth", "ms/step", "ms/depth", "p10 ms/step", "cpu ms/step", "drafts"):
         table.add_column(column, no_wrap=True)
     for name, row in results.items():
@@ -144,6 +156,7 @@ def main(argv=None) -> dict:
     report = {
         "target": args.target,
         "linears": args.linears,
+        "drafter_dtype": str(dtype),
         "drafter": args.drafter or f"random init, draft vocabulary {drafter.config.draft_vocab_size}",
         "draft_vocab_size": drafter.config.draft_vocab_size,
         "torch_threads": torch.get_num_threads(),

@@ -18,7 +18,13 @@ from pathlib import Path
 
 import torch
 
-from medusa_like.cpu.few_row_linear import linear_kernel, measure_row_plans, use_few_row_linears, worth_swapping
+from medusa_like.cpu.few_row_linear import (
+    linear_kernel,
+    measure_row_plans,
+    onednn_bf16_packs_available,
+    use_few_row_linears,
+    worth_swapping,
+)
 from medusa_like.decoding.attention import pick_backend
 from medusa_like.decoding.checks import (
     check_lengths,
@@ -67,6 +73,29 @@ def announce_swap(target_layers: int, drafter_layers: int) -> None:
         _announced.append(True)
 
 
+def drafting_dtype(drafter, target, requested: torch.dtype | str | None = "auto", few_row: bool = False) -> torch.dtype:
+    """The dtype a learned drafter computes in beside `target`: `requested` (a torch dtype or its name; None: the
+    target's), or for "auto" bfloat16 where a drafting level then reads half the bytes at no cost: a drafter that casts
+    what it reads (`computes_in_own_dtype`: EAGLE-3) beside an fp32 target on a CPU whose few-row layers (`few_row`)
+    run bf16 natively on oneDNN's pack; the target's dtype elsewhere. Only the drafts change: the target verifies in
+    its own dtype, so the output is the target's whichever the drafter computes in."""
+    own = getattr(drafter, "computes_in_own_dtype", False)
+    if requested == "auto":
+        native = target.device.type == "cpu" and few_row and onednn_bf16_packs_available()
+        return torch.bfloat16 if own and native and target.dtype == torch.float32 else target.dtype
+    if requested is None:
+        return target.dtype
+    dtype = requested if isinstance(requested, torch.dtype) else getattr(torch, str(requested), None)
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        raise ValueError(f"drafter dtype {requested!r}: expected auto, null or a floating torch dtype (e.g. bfloat16)")
+    if dtype != target.dtype and not own:
+        raise ValueError(
+            f"a {drafter.kind} drafter computes with the target's own states and layers: it runs in the target's "
+            f"dtype ({target.dtype}), not {dtype} (drafter dtype auto or null)"
+        )
+    return dtype
+
+
 class MedusaLikeModel:
     def __init__(
         self,
@@ -76,6 +105,7 @@ class MedusaLikeModel:
         backend: str = "auto",
         target_name: str | None = None,
         few_row_linear: bool | None = None,
+        drafter_dtype: torch.dtype | str | None = "auto",
     ):
         """Wrap `target` (frozen: eval mode, no gradients) and `drafter` for speculative decoding.
 
@@ -84,12 +114,17 @@ class MedusaLikeModel:
         model you pass: its `nn.Linear` layers, and the drafter's, are replaced in place by `FewRowLinear` layers
         that share their parameters (same state dict, no copy) and differ from `nn.Linear` only in fp32 rounding; the
         log says so. Pass False to keep them (`cpu.few_row_linear.with_stock_linears` gives a copy with them back).
-        Their row plans come from this machine's cache: construction measures none (`measure_row_plans`)."""
+        Their row plans come from this machine's cache: construction measures none (`measure_row_plans`).
+
+        `drafter_dtype`: what a learned drafter computes in (`drafting_dtype`; "auto": bf16 where that is cheaper and
+        the drafter allows it, else the target's dtype). The drafter you pass is cast in place."""
         drafter.check_fits(target)
         self.target = freeze(target)
         self.tokenizer = tokenizer
-        self.drafter = drafter.to(device=self.device, dtype=self.target.dtype).eval()
-        if few_row_linear if few_row_linear is not None else worth_swapping(self.target):
+        few_row = few_row_linear if few_row_linear is not None else worth_swapping(self.target)
+        dtype = drafting_dtype(drafter, self.target, drafter_dtype, few_row)
+        self.drafter = drafter.to(device=self.device, dtype=dtype).eval()
+        if few_row:
             announce_swap(
                 use_few_row_linears(self.target, plans="cached"), use_few_row_linears(self.drafter, plans="cached")
             )
@@ -109,11 +144,12 @@ class MedusaLikeModel:
         dtype: torch.dtype | str | None = None,
         device: torch.device | str | None = None,
         few_row_linear: bool | None = None,
+        drafter_dtype: torch.dtype | str | None = "auto",
         **drafter_options,
     ) -> "MedusaLikeModel":
         """`target`: a hub id, a local directory, the default's name, or a loaded model (then pass `tokenizer`). A
         model you pass is changed in place: its `nn.Linear` layers become few-row layers sharing their parameters,
-        unless `few_row_linear=False` (see `__init__`).
+        unless `few_row_linear=False`, and a learned drafter is cast to `drafter_dtype` (see `__init__`).
 
         `drafter`: a drafter directory (native Medusa heads or EAGLE-3 drafter, the Medusa, vLLM, TGI or EAGLE-3
         serving layouts), a training checkpoint, a drafter object, or the name of a drafter kind for a fresh one built
@@ -128,7 +164,15 @@ class MedusaLikeModel:
         if drafter is None:
             drafter = DEFAULT_DRAFTER
         drafter = resolve_drafter(drafter, target, **drafter_options)
-        return cls(target, tokenizer, drafter, backend=backend, target_name=target_name, few_row_linear=few_row_linear)
+        return cls(
+            target,
+            tokenizer,
+            drafter,
+            backend=backend,
+            target_name=target_name,
+            few_row_linear=few_row_linear,
+            drafter_dtype=drafter_dtype,
+        )
 
     @property
     def device(self) -> torch.device:
@@ -137,6 +181,12 @@ class MedusaLikeModel:
     @property
     def drafter_kind(self) -> str:
         return self.drafter.kind
+
+    @property
+    def drafter_dtype(self) -> torch.dtype | None:
+        """What the learned drafter computes in (None: lookup alone, no weights)."""
+        weight = next((p for m in self.drafter.modules() for p in m.parameters(recurse=False)), None)
+        return None if weight is None else weight.dtype
 
     @property
     def max_depth(self) -> int | None:

@@ -303,8 +303,9 @@ def test_a_prompt_longer_than_the_context_is_reported_and_skipped(small_eval):
 
 @pytest.mark.slow
 def test_eagle3_drafter_is_evaluated_with_a_searched_tree(tmp_path, small_eval):
-    """An EAGLE-3 drafter (saved natively for the tiny llama) through `evaluate` with `tree=auto`: the tree search
-    picks a dynamic-tree budget, every prompt is lossless, and the report describes the EAGLE-3 drafter."""
+    """An EAGLE-3 drafter (saved natively for the tiny llama) through `evaluate` with `tree=auto`, drafting in bf16:
+    the tree search picks a dynamic-tree budget, every prompt is lossless, and the report describes the EAGLE-3
+    drafter and its dtype."""
     import torch
 
     from medusa_like import DraftVocab, Eagle3Config, Eagle3Drafter
@@ -324,10 +325,13 @@ def test_eagle3_drafter_is_evaluated_with_a_searched_tree(tmp_path, small_eval):
             "tree_search.calibration.source=jsonl",
             f"tree_search.calibration.path={questions}",
             "tree_search.timing_prompts=1",
+            "drafter.dtype=bfloat16",  # drafts only: the target verifies in fp32
         )
     )
     assert report["summary"]["lossless"] and report["losslessness"]["fraction"] == 1.0
     assert report["acceptance"]["prompts"] == 3
+    assert report["setup"]["dtype"] == "torch.float32" and report["setup"]["drafter_dtype"] == "torch.bfloat16"
+    assert "torch.float32, the drafter in torch.bfloat16 on cpu" in (tmp_path / "run" / "report.md").read_text()
     # combined (the default): a budgeted tree whose learned part is a dynamic tree: depth, top-k, nodes
     assert re.fullmatch(r"d\d+k\d+n\d+\+lookup\d+n\d+", report["tree_search"]["label"])
     assert "eagle3" in json.dumps(report["setup"]).lower()

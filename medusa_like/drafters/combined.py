@@ -31,6 +31,10 @@ class CombinedDrafter:
     def max_depth(self) -> int | None:
         return self.learned.max_depth
 
+    @property
+    def computes_in_own_dtype(self) -> bool:
+        return getattr(self.learned, "computes_in_own_dtype", False)
+
     def proposer(self, target) -> CombinedProposer:
         return CombinedProposer(target, self.learned, self.lookup.sources(), self.state)
 

@@ -95,6 +95,7 @@ class Eagle3Drafter(LearnedDrafter, nn.Module):
     """The draft model's weights and its one-step forward; `Eagle3Proposer` drives it at inference."""
 
     kind = "eagle3"
+    computes_in_own_dtype = True  # `fuse` and `forward` cast the target's states and embeddings; logits leave in fp32
 
     def __init__(self, config: Eagle3Config, vocab: DraftVocab | None = None):
         super().__init__()

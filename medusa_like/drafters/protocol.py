@@ -52,6 +52,9 @@ class Drafter(Protocol):
 
     kind: str  # its `DrafterKind`'s name in the registry
     max_depth: int | None  # the deepest static tree it can fill; None: any
+    # casts the target's states it reads to its own dtype, so it may compute in another than the target's
+    # (`model.drafting_dtype`); absent: False
+    computes_in_own_dtype: bool
 
     def proposer(self, target) -> Proposer:
         """A fresh proposer for one generation with `target`."""

@@ -48,7 +48,7 @@ def alone(model, part: str):
     else:
         drafter = model.drafter.lookup
         use_cost_model(drafter, session_cost_model(model.drafter))
-    # few_row_linear=False: the target's and drafters' layers stay as the evaluated model chose them
+    # few_row_linear=False, drafter_dtype: the target's and drafters' layers and dtypes stay as the evaluated model's
     return type(model)(
         model.target,
         model.tokenizer,
@@ -56,6 +56,7 @@ def alone(model, part: str):
         backend=model.backend,
         target_name=model.target_name,
         few_row_linear=False,
+        drafter_dtype=model.drafter_dtype if part == "learned" else None,
     )
 
 

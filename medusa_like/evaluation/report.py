@@ -227,6 +227,12 @@ def learned_alone_words(tree: dict) -> str:
     return f"; the learned drafter alone: `{learned['label']}`" if learned else ""
 
 
+def drafter_dtype_words(setup: dict) -> str:
+    """ ", the drafter in torch.bfloat16" where the drafter computes in another dtype than the target (drafts only)."""
+    dtype = setup.get("drafter_dtype")  # absent in reports written before it was recorded
+    return f", the drafter in {dtype}" if dtype and dtype != setup["dtype"] else ""
+
+
 def markdown(report: dict) -> str:
     s, setup, speed = report["summary"], report["setup"], report["speed"]
     parts = []
@@ -240,7 +246,8 @@ def markdown(report: dict) -> str:
         f"({setup['tree']['nodes']} nodes, depth {setup['tree']['depth']}{learned_alone_words(setup['tree'])}); "
         f"{setup['data']['source']} "
         f"({setup['data']['questions']} questions, {report['losslessness']['prompts']} prompts), "
-        f"max_new_tokens {setup['max_new_tokens']}; {setup['dtype']} on {setup['device']} ({setup['threads']} threads), "
+        f"max_new_tokens {setup['max_new_tokens']}; {setup['dtype']}{drafter_dtype_words(setup)} on {setup['device']} "
+        f"({setup['threads']} threads), "
         f"backend {setup['backend']}, torch {setup['torch']}, transformers {setup['transformers']}."
     )
     if setup.get("lookup_store"):

@@ -37,6 +37,7 @@ COMMON_KEYS = (
     "target.few_row_linear",
     "drafter.path",
     "drafter.mode",
+    "drafter.dtype",
     "drafter.draft_vocab_size",
     "drafter.vocab_data",
     "tree",
@@ -107,12 +108,14 @@ def config_settings(cfg: DictConfig) -> dict:
 
 def loaded_settings(model, searched_tree: str | None) -> dict:
     """The settings known once the model is loaded and the tree chosen: the target's architecture fingerprint and dtype,
-    the learned drafter's kind, and the hash of the tree file that `tree=auto` searched (None for other trees)."""
+    the learned drafter's kind and dtype (`drafter.dtype=auto` depends on the machine), and the hash of the tree file
+    that `tree=auto` searched (None for other trees)."""
     drafter = model.drafter.learned if model.drafter_kind == "combined" else model.drafter
     return {
         "target fingerprint": target_fingerprint(model.target.config),
         "target dtype": str(model.target.dtype),
         "drafter type": drafter.kind,
+        "drafter dtype": str(model.drafter_dtype),
         "sha256(searched tree)": file_sha256(searched_tree),
     }
 

@@ -68,6 +68,7 @@ def load_eval_setup(cfg: DictConfig) -> tuple[MedusaLikeModel, dict | None]:
         backend=cfg.target.backend,
         target_name=cfg.model.name_or_path,
         few_row_linear=cfg.target.get("few_row_linear"),
+        drafter_dtype=cfg.drafter.get("dtype", "auto"),
     )
     model.measure_row_plans()  # every method runs measured row plans (once per machine: then cached)
     return model, store_filling

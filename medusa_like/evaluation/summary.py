@@ -296,6 +296,7 @@ def setup_section(
         "max_new_tokens": cfg.eval.max_new_tokens,
         "prompt_lookup_num_tokens": prompt_lookup,
         "dtype": str(model.target.dtype),
+        "drafter_dtype": None if model.drafter_dtype is None else str(model.drafter_dtype),
         "device": str(model.device),
         "backend": model.backend,
         "threads": torch.get_num_threads(),
