@@ -124,16 +124,18 @@ def eagle3_from_target(target) -> Eagle3Drafter:
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    ("kind", "tree", "temperature", "top_k", "top_p", "n"),
+    ("kind", "tree", "temperature", "top_k", "top_p", "n", "drafter_dtype"),
     [
-        ("medusa", "small", 0.05, 4, 1.0, 400),
-        ("eagle3", "dynamic", 0.03, 0, 0.8, 600),
-        ("eagle3", "small", 0.05, 5, 0.9, 400),
+        ("medusa", "small", 0.05, 4, 1.0, 400, None),
+        ("eagle3", "dynamic", 0.03, 0, 0.8, 600, None),
+        ("eagle3", "small", 0.05, 5, 0.9, 400, "bfloat16"),  # drafting in bf16, the target in fp32
     ],
 )
-def test_both_drafters_sample_the_targets_two_token_distribution(kind, tree, temperature, top_k, top_p, n):
+def test_both_drafters_sample_the_targets_two_token_distribution(
+    kind, tree, temperature, top_k, top_p, n, drafter_dtype
+):
     """On a sliding-window target (Mistral, prompt longer than the window), the first two tokens drawn by speculative
-    sampling with each drafter, through `MedusaLikeModel.generate`, follow the target's exact joint distribution
+    sampling with each drafter (EAGLE-3 drafting in fp32 and in bf16), through `MedusaLikeModel.generate`, follow the target's exact joint distribution
     p(t1) p(t2 | t1) under temperature, top-k and top-p: the empirical TV distance stays below a bound derived from
     the sample size (false failure probability 1e-3), which the always-accept-the-top-candidate distribution exceeds."""
     target = tiny_target("mistral")
@@ -145,7 +147,7 @@ def test_both_drafters_sample_the_targets_two_token_distribution(kind, tree, tem
     assert 0.5 * (wrong - exact).abs().sum() > 2 * bound  # the test can tell a biased sampler apart
 
     drafter = random_heads(std=0.0) if kind == "medusa" else eagle3_from_target(target)
-    model = MedusaLikeModel(target, None, drafter, backend="sdpa")
+    model = MedusaLikeModel(target, None, drafter, backend="sdpa", drafter_dtype=drafter_dtype)
     counts, accepted = torch.zeros_like(exact), 0
     for seed in range(n):
         out = model.generate(

@@ -52,7 +52,7 @@ class Drafter(Protocol):
 
     kind: str  # its `DrafterKind`'s name in the registry
     max_depth: int | None  # the deepest static tree it can fill; None: any
-    # casts the target's states it reads to its own dtype, so it may compute in another than the target's
+    # casts the target's states it reads to its own dtype, so it may compute in another dtype than the target
     # (`model.drafting_dtype`); absent: False
     computes_in_own_dtype: bool
 

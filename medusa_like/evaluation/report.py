@@ -228,7 +228,7 @@ def learned_alone_words(tree: dict) -> str:
 
 
 def drafter_dtype_words(setup: dict) -> str:
-    """ ", the drafter in torch.bfloat16" where the drafter computes in another dtype than the target (drafts only)."""
+    """Where the drafter computes in another dtype than the target (its drafts only), the words saying so."""
     dtype = setup.get("drafter_dtype")  # absent in reports written before it was recorded
     return f", the drafter in {dtype}" if dtype and dtype != setup["dtype"] else ""
 
