@@ -1,5 +1,5 @@
-"""What a learned drafter computes in (`model.drafting_dtype`): bf16 where a drafting level is cheaper so, the target's
-greedy output whatever the drafter's dtype, and a clear error where a drafter cannot leave the target's dtype."""
+"""What a learned drafter computes in (`model.drafting_dtype`): bf16 where that makes a drafting level cheaper, the
+target's greedy output whatever the drafter's dtype, and a clear error where a drafter cannot leave the target's."""
 
 import pytest
 import torch
@@ -71,7 +71,7 @@ def test_explicit_drafter_dtypes_are_taken_or_refused_clearly():
 
 def test_a_combined_drafters_parts_alone_keep_its_dtype():
     """The evaluation's learned-alone method shares the combined model's drafter: it drafts in the same dtype, and
-    building it leaves the combined model's alone (an `alone` that cast it to the target's dtype would cast the shared drafter)."""
+    building it does not cast the shared drafter back to the target's dtype under the combined model."""
     target = tiny_target("llama")
     combined = COMBINED.fresh(target, random_drafter(target))
     model = MedusaLikeModel(target, None, combined, backend="sdpa", drafter_dtype="bfloat16")
