@@ -172,6 +172,7 @@ EVAL_CHECKS = {
     "eval.max_new_tokens": Number(min=1),
     "eval.prompt_lookup_num_tokens": NumberOrWord(min=1, words=("auto",)),
     "model.dtype": FloatDtype(optional=True),
+    "drafter.dtype": FloatDtype(optional=True, words=("auto",)),
     "eval.k_max": Number(min=1),
     "eval.warmup": Flag(),
     "eval.head_accuracy": Flag(),

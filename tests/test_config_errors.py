@@ -55,6 +55,11 @@ def write_jsonl(path: Path, records) -> Path:
         ("data.skip='2'", "data.skip: expected an integer >= 0, got '2'"),
         ("eval.resume=yes", "eval.resume: expected true or false, got 'yes'"),
         ("eval.warmup=1", "eval.warmup: expected true or false, got 1"),
+        (
+            "drafter.dtype=bf16",
+            "drafter.dtype: expected a torch floating-point dtype name such as float32 or bfloat16 or null "
+            "(or one of ['auto']), got 'bf16'",
+        ),
     ],
 )
 def test_bad_eval_values_are_refused_before_any_work(tmp_path, eval_cfg, override, message):

@@ -20,8 +20,8 @@ from rich.table import Table
 from medusa_like.evaluation.metrics import median, tokens_per_second
 
 Runner = Callable[[torch.Tensor, int], tuple[list[int], dict | None]]
-# new tokens of the untimed first run: enough to touch the allocator, the kernels and the thread pools (a whole
-# 96-token answer per method cost `make run`'s evaluation about 50 s on a 2-core CPU)
+# new tokens of the untimed first run: enough to touch the allocator, the kernels and the thread pools; a whole answer
+# per method would add a full answer's time per method to every evaluation (docs/results.md, commit a580579)
 WARMUP_TOKENS = 8
 
 
