@@ -8,6 +8,7 @@ from medusa_like.evaluation.methods import METHODS, REFERENCE, SPECULATIVE
 from medusa_like.evaluation.timing import (
     WARMUP_TOKENS,
     alternating_medians,
+    geometric_mean_tps,
     median_tps,
     ms_table,
     rotated,
@@ -47,6 +48,18 @@ def test_warm_up_then_every_prompt_in_rotated_order():
             assert r["tps"] == pytest.approx(len(r["tokens"]) / r["seconds"])
         middle = sorted(r["tps"] for r in runs)[1:3]  # four prompts: the median is the mean of the middle two
         assert median_tps(runs) == pytest.approx(sum(middle) / 2)
+
+
+def test_geometric_mean_counts_every_prompt():
+    # three prompts: the median is the middle one whatever the others do; the geometric mean moves with each
+    a = [{"tps": 10.0}, {"tps": 20.0}, {"tps": 40.0}]
+    b = [{"tps": 10.0}, {"tps": 20.0}, {"tps": 80.0}]
+    assert geometric_mean_tps(a) == pytest.approx(20.0)
+    assert median_tps(a) == median_tps(b) and geometric_mean_tps(b) > geometric_mean_tps(a)
+    # a paired ranking: scaling every prompt of one method by r scales its geometric mean by r
+    assert geometric_mean_tps([{"tps": 1.1 * r["tps"]} for r in a]) == pytest.approx(1.1 * geometric_mean_tps(a))
+    with pytest.raises(ValueError, match="no results"):
+        geometric_mean_tps([])
 
 
 def test_warm_up_is_short_but_never_longer_than_the_answer():

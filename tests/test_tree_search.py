@@ -101,13 +101,15 @@ def test_head_rank_counts_positions(tiny_model):
 
 
 def test_time_trees_rows(tiny_model):
-    ids = tiny_model.chat_ids([{"role": "user", "content": "hi"}])
+    prompts = [tiny_model.chat_ids([{"role": "user", "content": text}]) for text in ("hi", "hello there")]
     trees = {0: [], 2: [(0,), (0, 0)]}
-    rows = time_trees(tiny_model, [ids], trees, max_new_tokens=5)
+    rows = time_trees(tiny_model, prompts, trees, max_new_tokens=5)
     by_budget = {r["budget"]: r for r in rows}
     assert by_budget[0]["tau"] == 1.0 and by_budget[0]["nodes"] == 1
     assert by_budget[2]["nodes"] == 3 and by_budget[2]["depth"] == 2
-    assert all(r["tokens_per_second"] > 0 for r in rows)
+    for r in rows:  # the speed the search ranks by: the geometric mean of the prompts' own
+        first, second = r["tokens_per_second_per_prompt"]
+        assert r["tokens_per_second"] == pytest.approx((first * second) ** 0.5)
 
 
 @pytest.mark.slow

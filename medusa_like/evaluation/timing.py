@@ -2,14 +2,16 @@
 
 A method is a runner, `run(ids [1, T], max_new_tokens) -> (new token ids, DecodeStats.as_dict() or None)`. Every runner
 first runs once untimed (allocator, kernels, thread pools); then, per prompt, every runner runs once, in an order
-rotated from prompt to prompt so that drift on a shared machine hits every method alike. A method's speed is the median
-of its per-prompt tokens/s (`metrics.median`), new tokens over wall seconds of the whole call, prefill included.
+rotated from prompt to prompt so that drift on a shared machine hits every method alike. A method's speed in the
+evaluation is the median of its per-prompt tokens/s (`metrics.median`), new tokens over wall seconds of the whole call,
+prefill included; the tree search ranks its few prompts' figures by their geometric mean (`geometric_mean_tps`).
 
     runners = {"plain": loop_runner(model, "none", eos), "spec": loop_runner(model, tree, eos)}
     results = time_methods(runners, prompts, max_new_tokens=128)      # {"plain": [per-prompt result, ...], ...}
     median_tps(results["spec"])
 """
 
+import math
 import statistics
 import time
 from collections.abc import Callable, Sequence
@@ -79,6 +81,15 @@ def time_methods(
 def median_tps(results: Sequence[dict]) -> float:
     """The median tokens/s of one method's per-prompt results."""
     return median(r["tps"] for r in results)
+
+
+def geometric_mean_tps(results: Sequence[dict]) -> float:
+    """The geometric mean of one method's per-prompt tokens/s. Where methods ran the same prompts, ranking by it ranks
+    by the mean log speed ratio between them, prompt by prompt: every prompt counts, where a median of a few prompts is
+    one prompt's figure (the tree search's choices)."""
+    if not results:
+        raise ValueError("geometric mean of no results")
+    return math.exp(statistics.fmean(math.log(r["tps"]) for r in results))
 
 
 def alternating_medians(

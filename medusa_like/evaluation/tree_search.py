@@ -12,6 +12,9 @@ Both are then timed the same way, and the fastest is kept (`tree=auto`):
     rows = time_trees(model, prompts, trees, 128)          # tau and tokens/s per tree, interleaved per prompt
     best = fastest(rows)
 
+A tree's speed here is the geometric mean of its per-prompt tokens/s (`timing.geometric_mean_tps`): every tree runs the
+same few prompts, and a median of three is one prompt's figure, where trees a few percent apart swap places by chance.
+
 A budget counts candidate nodes, the root (the target's own next token) excluded: budget 0 is plain decoding.
 """
 
@@ -30,7 +33,7 @@ from medusa_like.evaluation.metrics import (
     target_ranks,
     topk_from_counts,
 )
-from medusa_like.evaluation.timing import median_tps, time_methods
+from medusa_like.evaluation.timing import geometric_mean_tps, time_methods
 
 Path_ = tuple[int, ...]
 
@@ -133,7 +136,8 @@ def time_trees(
                 "depth": tree.max_depth,
                 "tau": summary["tau"],
                 "mean_accepted_draft": summary["mean_accepted_draft"],
-                "tokens_per_second": median_tps(results[b]),
+                "tokens_per_second": geometric_mean_tps(results[b]),
+                "tokens_per_second_per_prompt": [r["tps"] for r in results[b]],
                 "draft_ms_per_step": summary["draft_ms_per_step"],
                 "verify_ms_per_step": summary["verify_ms_per_step"],
             }
@@ -142,7 +146,7 @@ def time_trees(
 
 
 def fastest(rows: Sequence[dict]) -> dict:
-    """The row with the highest median tokens/s (ties: the smaller budget)."""
+    """The row with the highest tokens/s (ties: the smaller budget)."""
     if not rows:
         raise ValueError("no timed budgets to choose from")
     return max(rows, key=lambda r: (r["tokens_per_second"], -r["nodes"]))
@@ -179,12 +183,12 @@ def budgeted_candidates(learned_grid, num_nodes, lookup_depth: int, with_learned
 
 def fastest_prompt_lookup(model, prompts, max_new_tokens: int, candidates) -> tuple[int, list[dict]]:
     """transformers' prompt lookup at each `prompt_lookup_num_tokens` of `candidates`, timed with the harness: the
-    fastest value on this machine and the rows (value, median tokens/s)."""
+    fastest value on this machine and the rows (value, tokens/s: the geometric mean over prompts)."""
     eos = model.eos_token_ids()
     pad = model.tokenizer.pad_token_id if model.tokenizer.pad_token_id is not None else (eos[0] if eos else None)
     runners = {int(n): hf_runner(model.target, eos, pad, int(n)) for n in candidates}
     results = time_methods(runners, prompts, max_new_tokens)
-    rows = [{"prompt_lookup_num_tokens": n, "tokens_per_second": median_tps(results[n])} for n in runners]
+    rows = [{"prompt_lookup_num_tokens": n, "tokens_per_second": geometric_mean_tps(results[n])} for n in runners]
     return max(rows, key=lambda r: r["tokens_per_second"])["prompt_lookup_num_tokens"], rows
 
 
