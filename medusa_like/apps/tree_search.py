@@ -32,7 +32,16 @@ from medusa_like.evaluation.setup import load_eval_model, run_dir, run_search, s
 
 log = logging.getLogger(__name__)
 
-COLUMNS = ("tree", "nodes", "depth", "tau", "accepted draft/step", "draft ms/step", "verify ms/step", "tokens/s")
+COLUMNS = (
+    "tree",
+    "nodes",
+    "depth",
+    "tau",
+    "accepted draft/step",
+    "draft ms/step",
+    "verify ms/step",
+    "tokens/s, geo. mean",
+)
 
 
 def timings_table(rows: list[dict], chosen, title: str) -> Table:

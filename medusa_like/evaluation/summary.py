@@ -32,7 +32,8 @@ DEFINITIONS = {
     "draft_ms_per_step": "milliseconds per tree step spent in the drafter proposing the tree",
     "verify_ms_per_step": "milliseconds per tree step spent verifying it: target forward, acceptance, commits",
     "prefill_share": "share of a method's decoding time spent on the prompt's forward, which greedy pays too",
-    "tokens_per_second": "new tokens / wall seconds of the whole call (prefill included); median over prompts",
+    "tokens_per_second": "new tokens / wall seconds of the whole call (prefill included); median over prompts (a tree "
+    "sweep's rows: the geometric mean over the sweep's prompts, as the tree search ranks trees)",
     "speedup": "median tokens/s of the method / median tokens/s of the baseline (paired: median of per-prompt ratios)",
     "losslessness": "share of prompts whose speculative tokens equal (a)'s, transformers' greedy with the same layers: "
     "same length, equal token for token; lossless: every method of this project does so on every prompt",
