@@ -22,14 +22,13 @@ from rich.console import Console
 from rich.table import Table
 
 from medusa_like.decoding.attention import pick_backend, tree_attention
-from medusa_like.decoding.cost_measure import Forwards
+from medusa_like.decoding.cost_measure import PREFIX, Forwards
 from medusa_like.io import write_json
 from medusa_like.model import MedusaLikeModel
 from medusa_like.targets import DEFAULT_TARGET
 
-PREFIX = 128
 # the operators the few-row layers' kernels run (cpu/few_row_linear.py), and SDPA's
-PRODUCTS = ("aten::mm", "aten::addmm", "aten::bmm", "mkldnn::_linear_pointwise", "mkl::_mkl_linear")
+PRODUCTS = ("aten::mm", "aten::addmm", "mkldnn::_linear_pointwise", "mkl::_mkl_linear")
 ATTENTION = "scaled_dot_product"
 
 
