@@ -543,3 +543,19 @@ def test_training_reads_the_target_on_onednn_with_the_same_hidden_states():
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
     with pytest.raises(ValueError, match=r"expected one of \['auto', 'onednn', 'linear'\], got 'mkl'"):
         few_row_linear.use_read_kernel(target.base_model, "mkl")
+
+
+def test_a_target_that_trains_on_another_device_keeps_its_own_kernels():
+    """A trainer on a GPU moves the target there after the train app builds it on the CPU: `use_read_kernel` told the
+    device leaves nn.Linear (auto) or refuses (onednn), and a few-row layer that was moved anyway computes F.linear
+    there, making no CPU pack (the meta device stands in for the GPU: no kernel of the CPU's runs on it)."""
+    target = tiny_target("llama")
+    assert not few_row_linear.use_read_kernel(target.base_model, "auto", device="cuda")
+    assert linear_kernel(target) == "nn.Linear"
+    with pytest.raises(ValueError, match="needs an fp32 model on a CPU"):
+        few_row_linear.use_read_kernel(target.base_model, "onednn", device="cuda")
+    layer = FewRowLinear.sharing(nn.Linear(48, 32)).to("meta")
+    layer.plan, layer.prefill = (ONEDNN,) * PLANNED_ROWS, ONEDNN
+    for rows in (1, 3, PLANNED_ROWS + 5):
+        assert layer(torch.empty(rows, 48, device="meta")).shape == (rows, 32)
+    assert len(layer.packs) == 0

@@ -173,12 +173,32 @@ def test_the_schedule_decays_with_the_steps_or_the_time_budget_whichever_is_furt
     assert by_steps[0] < by_steps[4] < by_steps[5] == pytest.approx(lr)  # 5 warmup steps, then the peak
     assert all(a >= b for a, b in zip(by_steps[5:-1], by_steps[6:], strict=True)) and by_steps[-1] > floor
     assert rates(lambda: spent[0]) == pytest.approx(by_steps)  # no time spent: the steps decide
-    spent[0] = 0.5  # half the budget gone: from the warmup's end on, at least half-way down the cosine
+    spent[0] = 0.5  # half the budget gone: the warmup over, at least half-way down the cosine
     half = rates(lambda: spent[0])
-    assert half[:5] == pytest.approx(by_steps[:5])
-    assert half[5] == pytest.approx(floor + (lr - floor) / 2) and half[-1] == pytest.approx(by_steps[-1])
+    assert half[:6] == pytest.approx([floor + (lr - floor) / 2] * 6) and half[-1] == pytest.approx(by_steps[-1])
     spent[0] = 1.0  # the budget is out: the floor
     assert rates(lambda: spent[0])[5:] == pytest.approx([floor] * (total - 5))
+
+
+def test_a_budget_that_ends_long_before_the_steps_warms_up_and_decays_by_its_time():
+    """`trainer.max_epochs` set high for a time budget to stop the run (many epochs on a GPU): the steps counted are 20
+    times those the budget reaches. The warmup ends at its share of the budget, the peak holds, and the floor comes
+    when the budget runs out, instead of the whole run climbing a warmup sized for the steps never reached."""
+    total, reached, floor = 2000, 100, 0.1
+    done = [0]  # optimizer steps taken; the budget's share spent is done / reached
+    optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
+    scheduler = cosine_with_warmup(
+        optimizer, total, warmup_ratio=0.05, min_lr_ratio=floor, decay_ratio=0.25, time_spent=lambda: done[0] / reached
+    )
+    rates = []
+    for _ in range(reached):
+        rates.append(optimizer.param_groups[0]["lr"])
+        optimizer.step()
+        done[0] += 1
+        scheduler.step()
+    assert all(a < b for a, b in zip(rates[:5], rates[1:6], strict=True)) and rates[4] == pytest.approx(0.8)
+    assert rates[5:75] == pytest.approx([1.0] * 70)  # the peak from 5% of the budget to 75%
+    assert rates[-1] == pytest.approx(floor, abs=0.01)  # the budget's last step: the floor
 
 
 def test_warmup_stable_decay_keeps_the_peak_until_its_last_share():

@@ -44,13 +44,14 @@ def train(cfg: DictConfig) -> dict[str, float]:
     save_config(run_config, out_dir)
     target, tokenizer = load_model(cfg.model)
     ensure_dataset(cfg, target, tokenizer)
-    if use_read_kernel(target.base_model, cfg.target_read_kernel):  # the decoder's products; the head keeps F.linear
-        log.info("the frozen target's layers read the training rows on oneDNN's packed weights (target_read_kernel)")
     datamodule = instantiate(cfg.data.module)
     module = build_module(cfg, target)
     callbacks = instantiate_all(cfg.get("callbacks"))
     loggers = instantiate_all(cfg.get("logger"))
     trainer: L.Trainer = instantiate(cfg.trainer, callbacks=callbacks, logger=loggers or False)
+    # the decoder's products (the head keeps F.linear), on the device the trainer moves the target to
+    if use_read_kernel(target.base_model, cfg.target_read_kernel, device=trainer.strategy.root_device):
+        log.info("the frozen target's layers read the training rows on oneDNN's packed weights (target_read_kernel)")
     for logger in trainer.loggers:
         logger.log_hyperparams(run_config)
 

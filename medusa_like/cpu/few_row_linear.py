@@ -137,6 +137,8 @@ def few_row_product(
     ONEDNN -> oneDNN's packed product (both need `packs`). Row counts the plan does not cover: weight-first for
     2..MAX_ROWS; over MAX_ROWS (a prefill) the entry `prefill`, 0 or ONEDNN. bf16 with `packs` where oneDNN's bf16
     packs run: oneDNN for any row count, whatever the plan."""
+    if weight.device.type != "cpu":  # CPU kernels: a layer moved to another device (a trainer's GPU) runs F.linear
+        return F.linear(x, weight, bias)
     if packs is not None and runs_onednn_bf16(weight):
         return onednn_product(x, packs, weight, bias)
     rows = x.numel() // x.shape[-1]
@@ -310,13 +312,15 @@ def check_read_kernel(kernel) -> str:
     return kernel
 
 
-def use_read_kernel(model: nn.Module, kernel: str = "auto") -> bool:
+def use_read_kernel(model: nn.Module, kernel: str = "auto", device: torch.device | str | None = None) -> bool:
     """Let a frozen model that training reads teacher-forced (many rows per product) compute every product over
     MAX_ROWS rows on oneDNN's pack (`onednn`; `auto`: where the model is fp32 on a CPU that runs the packs), or keep
-    F.linear (`linear`). Only fp32 rounding changes. Returns whether oneDNN now reads it."""
+    F.linear (`linear`). `device`: where the model will run, if not where its weights are now (a trainer moves it to
+    its accelerator). Only fp32 rounding changes. Returns whether oneDNN now reads it."""
     check_read_kernel(kernel)
     weight = next(model.parameters())
-    usable = weight.device.type == "cpu" and weight.dtype == torch.float32 and onednn_packs_available()
+    on_cpu = torch.device(device or weight.device).type == "cpu"
+    usable = on_cpu and weight.device.type == "cpu" and weight.dtype == torch.float32 and onednn_packs_available()
     if kernel == "linear" or (kernel == "auto" and not usable):
         return False
     if not usable:

@@ -3,9 +3,11 @@ whole run or only its last share (`decay_ratio`: the peak held until then, warmu
 it is fitted to: its optimizer steps and, under a time budget (`trainer.max_time`), its share of the budget spent.
 
 A budget that ends the epoch early would otherwise stop the run with the learning rate still near its peak (as the
-default experiment's budget does on a slow fp32-only CPU, docs/training.md). So the decay follows whichever is
-further along, the steps or the time: the cosine reaches its floor when the budget runs out. The rate of a step then
-depends on the machine's speed, as the number of steps under a budget does already.
+default experiment's budget does on a slow fp32-only CPU, docs/training.md), and a budget far shorter than its epochs
+(many epochs on a GPU, `trainer.max_epochs` set high for the budget to stop) inside a warmup sized for all of them. So
+the warmup and the decay follow whichever is further along, the steps or the time: the warmup ends by its share of the
+budget, and the cosine reaches its floor when the budget runs out. The rate of a step then depends on the machine's
+speed, as the number of steps under a budget does already.
 """
 
 import math
@@ -37,11 +39,13 @@ def cosine_with_warmup(
     warmup = int(total_steps * warmup_ratio)
 
     def factor(step: int) -> float:
-        if step < warmup:
-            return (step + 1) / (warmup + 1)
-        progress = (step - warmup) / max(1, total_steps - warmup)
-        if time_spent is not None:
-            progress = max(progress, time_spent())
+        spent = time_spent() if time_spent is not None else 0.0
+        ramp = (step + 1) / (warmup + 1)
+        if warmup_ratio > 0:
+            ramp = max(ramp, spent / warmup_ratio)  # the warmup's share of the budget gone: the warmup is over
+        if step < warmup and ramp < 1:
+            return ramp
+        progress = max(0.0, (step - warmup) / max(1, total_steps - warmup), spent)
         progress = min(1.0, max(0.0, progress - (1 - decay_ratio)) / decay_ratio)
         return min_lr_ratio + (1 - min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
 
