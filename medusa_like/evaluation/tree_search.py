@@ -18,12 +18,15 @@ same few prompts, and a median of three is one prompt's figure, where trees a fe
 A budget counts candidate nodes, the root (the target's own next token) excluded: budget 0 is plain decoding.
 """
 
+import copy
+import dataclasses
 from collections.abc import Callable, Sequence
 
 import torch
 
 from medusa_like.decoding.tree import BudgetedTreeSpec, DynamicTreeSpec
 from medusa_like.decoding.tree_presets import expected_acceptance, greedy_tree
+from medusa_like.drafters.merge import SessionState
 from medusa_like.evaluation.methods import hf_runner, loop_runner
 from medusa_like.evaluation.metrics import (
     TOPK_MAX,
@@ -106,6 +109,28 @@ def predicted_tau(paths, topk: Sequence[Sequence[float]]) -> float:
 # Timing
 
 
+def own_session(model, runner):
+    """`runner`, its calls made with a session state of its own (calibration, the learned drafter's gate), started
+    from a copy of the model's drafter's. A combined or lookup drafter learns across generations: candidates timed on
+    the same model would otherwise learn from each other's steps, and a tree's speed would depend on the trees timed
+    beside it. The model's own state is left as it was. Other drafters learn nothing: `runner` itself."""
+    drafter = model.drafter
+    shared = getattr(drafter, "state", None)
+    if not isinstance(shared, SessionState):
+        return runner
+    own = copy.deepcopy(dataclasses.replace(shared, cost_model=None))
+    own.cost_model = shared.cost_model  # the machine's measurement: shared, never learned
+
+    def run(ids: torch.Tensor, max_new_tokens: int):
+        saved, drafter.state = drafter.state, own
+        try:
+            return runner(ids, max_new_tokens)
+        finally:
+            drafter.state = saved
+
+    return run
+
+
 def time_trees(
     model,
     prompts: Sequence[torch.Tensor],
@@ -118,13 +143,14 @@ def time_trees(
     rotated order, after a short warm-up on the first prompt).
 
     `trees` maps a key (a node budget, or a label) to anything `model.resolve_tree` takes: rank paths or a
-    `DynamicTreeSpec`. Returns one row per tree: key, nodes, depth, measured tau, mean accepted draft tokens, median
-    tokens/s and the milliseconds per step spent drafting and verifying.
+    `DynamicTreeSpec`. Each tree learns across the prompts in a session state of its own (`own_session`). Returns one
+    row per tree: key, nodes, depth, measured tau, mean accepted draft tokens, tokens/s (the geometric mean of the
+    prompts') and the milliseconds per step spent drafting and verifying.
     """
     if not prompts:
         raise ValueError("timing trees needs at least one prompt")
     compiled = {b: model.resolve_tree(spec) for b, spec in trees.items()}
-    runners = {b: loop_runner(model, tree, eos_token_id) for b, tree in compiled.items()}
+    runners = {b: own_session(model, loop_runner(model, tree, eos_token_id)) for b, tree in compiled.items()}
     results = time_methods(runners, prompts, max_new_tokens, progress=progress)
     rows = []
     for b, tree in compiled.items():
