@@ -118,10 +118,18 @@ def test_time_trees_rows(tiny_model):
         assert r["tokens_per_second"] == pytest.approx((first * second) ** 0.5)
 
 
-def test_each_timed_tree_learns_in_a_session_of_its_own():
+def test_each_timed_tree_learns_in_a_session_of_its_own(monkeypatch):
     """A lookup drafter learns across generations (its calibration). Timed together, each tree learns from its own
-    steps in a session state of its own: the model's state learns nothing from the search, though the trees' drafts
-    were accepted (what they learned from)."""
+    steps in a session state of its own: two trees decode with two states, neither the model's, each of which learned
+    from the drafts it saw accepted, while the model's state learns nothing from the search."""
+    used = []  # the session state each generation's proposer is made with
+    make_proposer = LookupDrafter.proposer
+
+    def recording_proposer(self, target):
+        used.append(self.state)
+        return make_proposer(self, target)
+
+    monkeypatch.setattr(LookupDrafter, "proposer", recording_proposer)
     target = tiny_target("llama")
     model = MedusaLikeModel(target, None, LookupDrafter(), backend="sdpa")
     nodes = [1, 2, 4, 8, 16, 32, 64]
@@ -134,6 +142,9 @@ def test_each_timed_tree_learns_in_a_session_of_its_own():
     rows = time_trees(model, prompts, trees, max_new_tokens=24)
     assert all(r["tau"] > 1 for r in rows)  # drafts accepted: each tree's calibration learned from them
     shared = model.drafter.state
+    states = {id(state): state for state in used}
+    assert len(states) == len(trees) and id(shared) not in states
+    assert all(state.calibration.trials for state in states.values())
     assert shared.calibration.trials == {} and shared.steps == {} and shared.learned_ms is None
 
 
