@@ -179,6 +179,29 @@ def test_a_layer_started_from_the_target_computes_that_layer_on_the_high_stream(
     assert not torch.allclose(before, hidden[2], atol=1e-2)  # a random layer does not
 
 
+def test_the_embedding_half_starts_at_zero_or_as_the_feature_half_where_named():
+    """`init_embedding_from_feature`: the named projections' embedding half holds the started layer's weights, the
+    others' is zero, so only the named ones let the next token's embedding in at the first step; an unknown name, or
+    the option without a layer from the target, is refused."""
+    target = tiny_target("llama", num_hidden_layers=3)
+    common = dict(optimizer=partial(torch.optim.AdamW, lr=3e-3), aux_layer_ids=[0, 1, 2], init_layer_from_target=2)
+    module = Eagle3Module(target, DraftVocab.full(VOCAB), "tiny_llama", init_embedding_from_feature=["v_proj"], **common)
+    attn, source = module.drafter.self_attn, target.base_model.layers[2].self_attn
+    hidden = target.config.hidden_size
+    for name in ("q_proj", "k_proj", "v_proj"):
+        weight, theirs = getattr(attn, name).weight, getattr(source, name).weight
+        torch.testing.assert_close(weight[:, hidden:], theirs)
+        if name == "v_proj":
+            torch.testing.assert_close(weight[:, :hidden], theirs)
+        else:
+            assert not weight[:, :hidden].any()
+    with pytest.raises(ValueError, match="embedding_from_feature names projections of"):
+        Eagle3Module(target, DraftVocab.full(VOCAB), "tiny_llama", init_embedding_from_feature=["o_proj"], **common)
+    with pytest.raises(ValueError, match="it needs a layer from the target"):
+        Eagle3Module(target, DraftVocab.full(VOCAB), "tiny_llama", optimizer=common["optimizer"],
+                     init_layer_from_target=None, init_embedding_from_feature=["v_proj"])  # fmt: skip
+
+
 def test_high_starts_the_layer_the_last_aux_stream_enters_and_bad_names_are_refused():
     """`init_layer_from_target="high"` (the default recipe's) is the layer the last aux stream enters, which `fc`
     passes through; anything but an index, "high" or null is refused when the module is built."""

@@ -19,6 +19,7 @@ own `TreeKVCache` at inference.
 """
 
 import copy
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 
 import torch
@@ -33,6 +34,7 @@ from .base import LearnedDrafter
 from .kinds import WeightsKind
 from .vocab import DraftVocab
 
+_QKV = ("q_proj", "k_proj", "v_proj")  # the attention's projections, which read [embedding; feature]
 # Config fields that describe a target family's decoder layer; anything else (token ids, dtype, names) is dropped.
 _DROPPED_FIELDS = ("architectures", "auto_map", "name_or_path", "_name_or_path", "transformers_version", "dtype")
 
@@ -107,7 +109,7 @@ class Eagle3Drafter(LearnedDrafter, nn.Module):
         norms = [copy.deepcopy(layer.input_layernorm) for _ in config.aux_layer_ids] if config.norm_aux else []
         self.aux_norms = nn.ModuleList(norms)
         self.self_attn = layer.self_attn
-        for name in ("q_proj", "k_proj", "v_proj"):  # attention reads [embedding; feature]
+        for name in _QKV:  # attention reads [embedding; feature]
             old = getattr(self.self_attn, name)
             setattr(self.self_attn, name, nn.Linear(2 * hidden, old.out_features, bias=old.bias is not None))
         self.mlp = layer.mlp
@@ -150,11 +152,18 @@ class Eagle3Drafter(LearnedDrafter, nn.Module):
             self.norm.weight.copy_(target_norm.weight)
 
     @torch.no_grad()
-    def init_layer_from_target(self, target, layer_index: int) -> None:
+    def init_layer_from_target(self, target, layer_index: int, embedding_from_feature: Sequence[str] = ()) -> None:
         """Start the decoder layer from the target's layer `layer_index`: its attention, MLP and norms as they are,
-        q/k/v reading the feature half of [embedding; feature] with the target's weights (the embedding half starts
-        at zero), and `fc` passing the last aux stream through unchanged. The drafter then starts as one more target
-        layer applied to the high stream, a representation the target's own head (`init_from_target`) can read."""
+        q/k/v reading the feature half of [embedding; feature] with the target's weights, and `fc` passing the last
+        aux stream through unchanged. The drafter then starts as one more target layer applied to the high stream, a
+        representation the target's own head (`init_from_target`) can read.
+
+        The embedding half of q/k/v starts at zero, except for the projections named in `embedding_from_feature`
+        (of q_proj, k_proj, v_proj), whose embedding half starts as a copy of their feature half: the next token's
+        embedding then enters through them from the first step."""
+        unknown = set(embedding_from_feature) - set(_QKV)
+        if unknown:
+            raise ValueError(f"embedding_from_feature names projections of {list(_QKV)}, got {sorted(unknown)}")
         layers = target.base_model.layers
         if not 0 <= layer_index < len(layers):
             raise ValueError(f"init_layer_from_target={layer_index}: the target has layers 0..{len(layers) - 1}")
@@ -163,11 +172,15 @@ class Eagle3Drafter(LearnedDrafter, nn.Module):
             raise ValueError("init_layer_from_target needs the drafter's width to equal the target's")
         own = {name: p for name, p in self.named_parameters()}
         for name, param in source.named_parameters():
-            if name.startswith("self_attn.") and name.split(".")[1] in ("q_proj", "k_proj", "v_proj"):
+            if name.startswith("self_attn.") and name.split(".")[1] in _QKV:
                 mine = own[name]
                 if name.endswith("weight"):
-                    mine.zero_()
-                    mine[:, hidden:].copy_(param)  # the feature half; the embedding half stays zero
+                    mine[:, hidden:].copy_(param)  # the feature half
+                    embedding_half = mine[:, :hidden]
+                    if name.split(".")[1] in embedding_from_feature:
+                        embedding_half.copy_(param)
+                    else:
+                        embedding_half.zero_()
                 else:
                     mine.copy_(param)
             elif name in own and own[name].shape == param.shape:

@@ -76,6 +76,8 @@ class Eagle3Module(DrafterModule):
         freeze_lm_head: bool = False,  # keep lm_head at the target's rows, untrained (EAGLE-1/2 reuse the target's head)
         init_layer_from_target: int | str | None = None,  # a target layer's index, or "high" (the one the last aux
         # stream enters): start the decoder layer from that layer's weights
+        init_embedding_from_feature: list[str] | None = None,  # of q_proj, k_proj, v_proj: their embedding half
+        # starts as a copy of their feature half (the started layer's weights), not at zero
         top_k: int | None = 64,  # labels: the target's k most likely draft tokens (null: the whole draft vocabulary)
         norm_aux: bool = False,  # normalise each captured state before fc (EAGLE-3.1)
         loss: str = "soft_ce",  # per step: soft_ce, tv, lk or a weighted sum ("0.1*soft_ce+0.9*tv"), `ttt.loss_function`
@@ -108,7 +110,10 @@ class Eagle3Module(DrafterModule):
             self.drafter.lm_head.weight.requires_grad_(False)
         layers = target.config.get_text_config().num_hidden_layers
         if (index := layer_index(init_layer_from_target, config.aux_layer_ids, layers)) is not None:
-            self.drafter.init_layer_from_target(target, index)
+            self.drafter.init_layer_from_target(target, index, tuple(init_embedding_from_feature or ()))
+        elif init_embedding_from_feature:
+            raise ValueError("init_embedding_from_feature copies the started layer's weights: it needs a layer from "
+                             "the target (init_layer_from_target)")  # fmt: skip
         self.ttt_steps, self.decay, self.train_on, self.vocab_check = ttt_steps, decay, train_on, vocab_check
         self.loss_fn = loss_function(loss)
         self.top_k = min(top_k or vocab.size, vocab.size)
@@ -136,6 +141,7 @@ class Eagle3Module(DrafterModule):
                 "train_on": train_on,
                 "vocab_check": vocab_check,
                 "freeze_lm_head": freeze_lm_head,
+                "init_embedding_from_feature": list(init_embedding_from_feature or ()),
             }
         )
         names = [f"{m}_depth{d}" for d in range(1, ttt_steps + 1) for m in ("loss", "acc_top1", "acc_top4")]
