@@ -185,7 +185,9 @@ def test_the_embedding_half_starts_at_zero_or_as_the_feature_half_where_named():
     the option without a layer from the target, is refused."""
     target = tiny_target("llama", num_hidden_layers=3)
     common = dict(optimizer=partial(torch.optim.AdamW, lr=3e-3), aux_layer_ids=[0, 1, 2], init_layer_from_target=2)
-    module = Eagle3Module(target, DraftVocab.full(VOCAB), "tiny_llama", init_embedding_from_feature=["v_proj"], **common)
+    module = Eagle3Module(
+        target, DraftVocab.full(VOCAB), "tiny_llama", init_embedding_from_feature=["v_proj"], **common
+    )
     attn, source = module.drafter.self_attn, target.base_model.layers[2].self_attn
     hidden = target.config.hidden_size
     for name in ("q_proj", "k_proj", "v_proj"):
