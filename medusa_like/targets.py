@@ -15,13 +15,14 @@ import hashlib
 import inspect
 import json
 import os
+import weakref
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
-from .io import atomic_directory, remove_stale_temporaries, user_cache_dir
+from .io import atomic_directory, exclusive_lock, remove_stale_temporaries, user_cache_dir, write_json
 from .package_data import package_file
 
 DEFAULT_TARGET = "smollm2-135m-instruct"
@@ -89,6 +90,7 @@ def load_target(
     tokenizer = AutoTokenizer.from_pretrained(path)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device)
     freeze(model)
+    _remember_files(model, path)
     return model, tokenizer
 
 
@@ -151,6 +153,79 @@ def target_fingerprint(config) -> str:
     }
     blob = json.dumps(fields, sort_keys=True, default=str)
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+WEIGHT_FILES = ("*.safetensors", "*.bin", "*.pt", "*.gguf")  # what a model directory's weights are stored in
+_FINGERPRINTS: "weakref.WeakKeyDictionary[torch.nn.Module, tuple[tuple, str]]" = weakref.WeakKeyDictionary()
+_LOADED: "weakref.WeakKeyDictionary[torch.nn.Module, tuple[tuple, str]]" = weakref.WeakKeyDictionary()
+
+
+def weights_fingerprint(model: torch.nn.Module) -> str:
+    """A short hash of `model`'s weights: every parameter and buffer by name, shape, dtype and bytes. Two checkpoints
+    of one architecture, a fine-tuned copy or the same weights in another dtype differ; where the weights came from
+    does not matter. Anything computed from a target's weights (features and labels, timings, answers) is keyed by it.
+
+    Hashing reads every byte, so it is computed once per model object (again only if a tensor is changed in place or
+    replaced) and, for a model `load_target` read from a local directory and left as loaded, cached on disk by its
+    weight files' sizes and times and the dtype (`fingerprints.json` in `io.user_cache_dir()`): a later process that
+    loads the same files pays nothing."""
+    stamp = _stamp(model)
+    memo = _FINGERPRINTS.get(model)
+    if memo is not None and memo[0] == stamp:
+        return memo[1]
+    loaded = _LOADED.get(model)
+    key = loaded[1] if loaded is not None and loaded[0] == stamp else None
+    path = user_cache_dir() / "fingerprints.json"
+    fingerprint = _read_fingerprints(path).get(key) if key else None
+    if fingerprint is None:
+        fingerprint = _hash_tensors(model)
+        if key:
+            with exclusive_lock(path.with_name(path.name + ".lock"), waiting="another process writes fingerprints"):
+                write_json(path, {**_read_fingerprints(path), key: fingerprint})
+    _FINGERPRINTS[model] = (stamp, fingerprint)
+    return fingerprint
+
+
+def _named_tensors(model: torch.nn.Module):
+    seen = set()
+    for name, tensor in (*model.named_parameters(remove_duplicate=False), *model.named_buffers()):
+        if id(tensor) not in seen:  # tied weights (embeddings and output) count once
+            seen.add(id(tensor))
+            yield name, tensor
+
+
+def _stamp(model: torch.nn.Module) -> tuple:
+    """What changes when a tensor of `model` is replaced or changed in place (inference tensors keep no version)."""
+    return tuple((name, t.data_ptr(), None if t.is_inference() else t._version) for name, t in _named_tensors(model))
+
+
+def _hash_tensors(model: torch.nn.Module) -> str:
+    digest = hashlib.blake2b(digest_size=16)
+    for name, tensor in sorted(_named_tensors(model), key=lambda item: item[0]):
+        data = tensor.detach().to("cpu").contiguous()
+        digest.update(f"{name}|{tuple(data.shape)}|{data.dtype}|".encode())
+        if data.numel():
+            digest.update(data.reshape(-1).view(torch.uint8).numpy().data)
+    return digest.hexdigest()
+
+
+def _remember_files(model: torch.nn.Module, directory: str) -> None:
+    """Note that `model` was just loaded from `directory`'s weight files (`weights_fingerprint`'s disk cache key)."""
+    path = Path(directory)
+    if not path.is_dir():
+        return
+    found = sorted({p.resolve() for pattern in WEIGHT_FILES for p in path.glob(pattern)})
+    if found:
+        files = [[str(p), p.stat().st_size, p.stat().st_mtime_ns] for p in found]
+        _LOADED[model] = (_stamp(model), json.dumps([str(model.dtype), files]))
+
+
+def _read_fingerprints(path: Path) -> dict:
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+        return data if isinstance(data, dict) else {}
+    except (OSError, ValueError):  # missing or unreadable: computed again, nothing lost
+        return {}
 
 
 def eos_token_ids(model, tokenizer=None) -> list[int]:
