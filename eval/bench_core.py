@@ -18,10 +18,6 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
-from medusa_like.decoding.attention import tree_attention
-from medusa_like.decoding.generate import target_forward
-from medusa_like.decoding.kv_cache import TreeKVCache
-from medusa_like.decoding.projection import VocabProjection
 from medusa_like.decoding.tree import TokenTree
 from medusa_like.decoding.tree_presets import PRESET_PRIOR, greedy_tree
 from medusa_like.evaluation.methods import hf_runner, loop_runner
@@ -44,17 +40,18 @@ def time_tree_forward(model: MedusaLikeModel, num_nodes: int, prefix_len: int, r
     tree = TokenTree.from_paths(paths).to(model.device)
     prefix = torch.randint(0, target.config.vocab_size, (1, prefix_len), device=model.device)
     tokens = torch.randint(0, target.config.vocab_size, (1, tree.num_nodes), device=model.device)
-    lm_head = VocabProjection(target)
+    step = model.forward.step
     times = []
-    with torch.inference_mode(), tree_attention(target, model.backend):
-        cache = TreeKVCache.for_model(target, prefix_len + tree.num_nodes)
-        target_forward(target, prefix, torch.arange(prefix_len, device=model.device)[None], cache, None)
+    with torch.inference_mode():
+        cache = step.new_cache(prefix_len + tree.num_nodes)
+        step.forward(prefix, torch.arange(prefix_len, device=model.device)[None], None, cache, last=True)
         cache.commit_all(prefix_len)
         positions = (prefix_len + tree.depth)[None]
         mask = tree.attention_mask[None, None]
         for i in range(repeats + 1):
             start = time.perf_counter()
-            lm_head(target_forward(target, tokens, positions, cache, mask)[0]).argmax(-1)
+            step.forward(tokens, positions, mask, cache)[0].argmax(-1)
+            cache.rewind(prefix_len)
             if model.device.type == "cuda":
                 torch.cuda.synchronize()
             if i:  # the first is a warm-up

@@ -27,16 +27,15 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
-from medusa_like.cpu.few_row_linear import use_few_row_linears
-from medusa_like.decoding.generate import target_forward
-from medusa_like.decoding.kv_cache import TreeKVCache
+from medusa_like.decoding.step import EagerStep
 from medusa_like.decoding.tree import DynamicTreeSpec, TokenTree
 from medusa_like.decoding.tree_presets import chain
 from medusa_like.drafters.eagle3 import Eagle3Config, Eagle3Drafter, Eagle3Proposer
 from medusa_like.drafters.vocab import DraftVocab
 from medusa_like.formats import load_drafter
+from medusa_like.forward.cpu.few_row_linear import use_few_row_linears
+from medusa_like.forward.prepared import PreparedTarget
 from medusa_like.io import write_json
-from medusa_like.model import drafting_dtype
 from medusa_like.targets import DEFAULT_TARGET, load_target
 
 PROMPT = (
@@ -66,10 +65,11 @@ def bench_tree(target, drafter, prompt_ids: torch.Tensor, spec, steps: int, warm
     proposer = Eagle3Proposer(drafter, target)
     layers = proposer.feature_layers
     prompt_len = prompt_ids.numel()
-    cache = TreeKVCache.for_model(target, prompt_len)
+    step = EagerStep(target)
+    cache = step.new_cache(prompt_len)
     positions = torch.arange(prompt_len)[None]
-    hidden, features = target_forward(target, prompt_ids[None], positions, cache, None, layers)  # [P, H], [P, F]
-    root = target.lm_head(hidden[-1]).argmax(-1)
+    logits, features = step.forward(prompt_ids[None], positions, None, cache, layers, last=True)  # [1, V], [P, F]
+    root = logits[0].argmax(-1)
     proposer.begin(prompt_ids, features, root, prompt_len + 3 * (warmup + steps) + 1)
     digest, times, cpu_times = hashlib.sha256(), [], []
     for step in range(warmup + steps):
@@ -114,7 +114,7 @@ def main(argv=None) -> dict:
     parser.add_argument(
         "--drafter-dtype",
         default="auto",
-        help="what the drafter computes in, as decoding casts it (model.drafting_dtype): auto, or a dtype name",
+        help="what the drafter computes in, as decoding casts it (PreparedTarget.drafting_dtype): auto, or a dtype name",
     )
     parser.add_argument("--out", default="bench_draft.json")
     args = parser.parse_args(argv)
@@ -125,7 +125,9 @@ def main(argv=None) -> dict:
     )
     if drafter.kind != "eagle3":
         raise ValueError(f"--drafter {args.drafter!r} is not an EAGLE-3 drafter (a {drafter.kind} drafter)")
-    dtype = drafting_dtype(drafter, target, args.drafter_dtype, few_row=args.linears == "few_row")
+    dtype = PreparedTarget(target, "auto", tuned_layers=args.linears == "few_row").drafting_dtype(
+        drafter, args.drafter_dtype
+    )
     drafter = drafter.to(dtype=dtype)
     if args.linears == "few_row":
         use_few_row_linears(target)

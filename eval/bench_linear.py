@@ -20,9 +20,10 @@ import copy
 import torch
 from rich.console import Console
 
-from medusa_like.cpu.few_row_linear import KERNEL_ROWS, use_few_row_linears
-from medusa_like.decoding.cost_measure import measure_cost_model
 from medusa_like.evaluation.timing import alternating_medians, ms_table
+from medusa_like.forward import prepare_target
+from medusa_like.forward.cost_measure import measure_cost_model
+from medusa_like.forward.cpu.few_row_linear import KERNEL_ROWS, use_few_row_linears
 from medusa_like.io import write_json
 from medusa_like.targets import DEFAULT_TARGET, load_target
 
@@ -51,7 +52,9 @@ def main() -> None:
 
     def pick(target, without=()) -> list[str]:
         """The kernel picked per size ("-" past KERNEL_ROWS), set on `target`."""
-        found = measure_cost_model(target, pickable, without=without).kernels["rows"] if pickable else None
+        found = (
+            measure_cost_model(prepare_target(target), pickable, without=without).kernels["rows"] if pickable else None
+        )
         return [(found or {}).get(str(n), "-") for n in sizes]
 
     kernels, kernels_without = pick(picked), pick(picked_without, without=("onednn",))
@@ -63,7 +66,11 @@ def main() -> None:
         "few_row picked": picked,
     }
     median = alternating_medians(
-        lambda target: measure_cost_model(target, sizes, repeats=1, pick_kernels=False, attempts=1).measured_ms,
+        lambda target: (
+            measure_cost_model(
+                prepare_target(target, tuned_layers=False), sizes, repeats=1, pick_kernels=False, attempts=1
+            ).measured_ms
+        ),
         targets,
         args.rounds,
     )

@@ -20,17 +20,16 @@ import time
 import torch
 from rich.console import Console
 
-from medusa_like.cpu.few_row_linear import (
+from medusa_like.decoding.attention import pick_backend
+from medusa_like.decoding.step import EagerStep
+from medusa_like.evaluation.timing import alternating_medians, ms_table
+from medusa_like.forward.cpu.few_row_linear import (
     PREFILL_KERNELS,
     set_prefill_kernel,
     sync_packs,
     usable_row_kernels,
     use_few_row_linears,
 )
-from medusa_like.decoding.attention import pick_backend, tree_attention
-from medusa_like.decoding.generate import target_forward
-from medusa_like.decoding.kv_cache import TreeKVCache
-from medusa_like.evaluation.timing import alternating_medians, ms_table
 from medusa_like.io import write_json
 from medusa_like.targets import DEFAULT_TARGET, load_target
 
@@ -38,12 +37,12 @@ from medusa_like.targets import DEFAULT_TARGET, load_target
 @torch.inference_mode()
 def prefill_ms(target, ids: torch.Tensor) -> float:
     """ms of the target's forward over `ids` [1, N] into an empty KV cache."""
-    cache = TreeKVCache.for_model(target, ids.shape[1])
+    step = EagerStep(target, pick_backend("auto", ids.device))
+    cache = step.new_cache(ids.shape[1])
     positions = torch.arange(ids.shape[1], device=ids.device)[None]
-    with tree_attention(target, pick_backend("auto", ids.device)):
-        start = time.perf_counter()
-        target_forward(target, ids, positions, cache, None)
-        return 1000 * (time.perf_counter() - start)
+    start = time.perf_counter()
+    step.forward(ids, positions, None, cache, last=True)
+    return 1000 * (time.perf_counter() - start)
 
 
 @torch.inference_mode()

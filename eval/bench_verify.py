@@ -21,8 +21,7 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
-from medusa_like.decoding.attention import pick_backend, tree_attention
-from medusa_like.decoding.cost_measure import PREFIX, Forwards
+from medusa_like.forward.cost_measure import PREFIX, Forwards
 from medusa_like.io import write_json
 from medusa_like.model import MedusaLikeModel
 from medusa_like.targets import DEFAULT_TARGET
@@ -42,11 +41,12 @@ def split(events, forwards: int) -> dict[str, float]:
 
 
 @torch.inference_mode()
-def where_time_goes(target, nodes: list[int], repeats: int) -> list[dict]:
-    """For each node count: the wall ms of one forward (median of `repeats`) and `split` of `repeats` profiled ones."""
-    forwards = Forwards(target, PREFIX, max(nodes))
+def where_time_goes(prepared, nodes: list[int], repeats: int) -> list[dict]:
+    """For each node count: the wall ms of one forward (median of `repeats`) and `split` of `repeats` profiled ones,
+    on `prepared`'s step (`forward.PreparedTarget`)."""
+    forwards = Forwards(prepared.step, PREFIX, max(nodes))
     rows = []
-    with tree_attention(target, pick_backend("auto", target.device)):
+    if True:
         forwards.prefill()
         for n in nodes:
             for _ in range(2):  # warm-up
@@ -82,7 +82,7 @@ def main() -> None:
         model.use_tree_settings(args.tree)
     else:
         model.measure_cost_model()
-    rows = where_time_goes(model.target, nodes, args.repeats)
+    rows = where_time_goes(model.forward, nodes, args.repeats)
     table = Table(title=f"one verification forward after {PREFIX} tokens (ms; profiled: operators' own time)")
     for column in ("nodes", "wall", "products", "attention", "rest", "profiled total"):
         table.add_column(column, justify="right")

@@ -10,7 +10,6 @@ data (datasets) and configs (Hydra) are imported by their own modules when used.
 protocols' internals (`Proposer`, `DraftTree`, the kinds' registry) stay importable from their modules.
 """
 
-from medusa_like.decoding.cost_measure import measure_cost_model
 from medusa_like.decoding.cost_model import CostModel
 from medusa_like.decoding.generate import DecodeStats, GenerateOutput, speculative_generate
 from medusa_like.decoding.kv_cache import CacheOverflowError
@@ -44,7 +43,6 @@ __all__ = [
     "load_tree",
     "save_tree",
     "CostModel",
-    "measure_cost_model",
     # decoding and its output
     "speculative_generate",
     "GenerateOutput",

@@ -30,9 +30,9 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 
-from medusa_like.cpu.few_row_linear import check_read_kernel
 from medusa_like.data.generation import check_engine
 from medusa_like.data.naming import source_name
+from medusa_like.forward.cpu.few_row_linear import check_read_kernel
 from medusa_like.training.ttt import loss_function
 
 log = logging.getLogger(__name__)

@@ -11,89 +11,25 @@ used. Every drafter is lossless; a good one is only faster.
 """
 
 import json
-import logging
 import threading
 from contextlib import contextmanager
 from pathlib import Path
 
 import torch
 
-from medusa_like.cpu.few_row_linear import (
-    linear_kernel,
-    measure_row_plans,
-    onednn_bf16_packs_available,
-    use_few_row_linears,
-    worth_swapping,
-)
-from medusa_like.decoding.attention import pick_backend
-from medusa_like.decoding.checks import (
-    check_lengths,
-    check_prompt,
-    check_room,
-    check_sampling,
-    prompt_tensor,
-    sampling_generator,
-    token_ids,
-)
-from medusa_like.decoding.cost_cache import (
-    activate,
-    active_cost_model,
-    cached_cost_model,
-    cost_model_from_file,
-    measure_and_cache,
-)
+from medusa_like.decoding.checks import check_inputs, prompt_tensor, sampling_generator, token_ids
 from medusa_like.decoding.cost_model import CostModel
-from medusa_like.decoding.generate import GenerateOutput, StopChecker, speculative_generate
+from medusa_like.decoding.generate import GenerateOutput, StopChecker, decode
 from medusa_like.decoding.tree import TreeSpec
 from medusa_like.decoding.tree_files import resolve_tree
-from medusa_like.drafters.merge import session_cost_model, use_cost_model
 from medusa_like.drafters.protocol import Drafter, Proposer
 from medusa_like.formats import resolve_drafter
+from medusa_like.forward import PreparedTarget, prepare_target
 from medusa_like.targets import DEFAULT_TARGET, chat_input_ids, eos_token_ids, freeze, load_target
 
 DEFAULT_DRAFTER = "lookup"  # without a trained drafter: lookup drafting from the context and earlier outputs
 # what a tree search's file holds besides the tree (`learned_alone`: the learned drafter's own tree, decoding alone)
 TREE_FILE_SETTINGS = ("cost_model", "prompt_lookup_num_tokens", "learned_alone")
-
-log = logging.getLogger(__name__)
-_announced = []  # a swap was announced in this process: the first is a warning, later ones are logged at info level
-
-
-def announce_swap(target_layers: int, drafter_layers: int) -> None:
-    """Say in the log that a model's `nn.Linear` layers were replaced in place."""
-    if target_layers or drafter_layers:
-        log.log(
-            logging.INFO if _announced else logging.WARNING,
-            "replaced %d nn.Linear layers of the target and %d of the drafter, in place, by few-row layers sharing "
-            "their parameters (this CPU's fastest kernels for a tree step's few rows; results may differ from "
-            "nn.Linear's in fp32 rounding); few_row_linear=False keeps them",
-            target_layers,
-            drafter_layers,
-        )
-        _announced.append(True)
-
-
-def drafting_dtype(drafter, target, requested: torch.dtype | str | None = "auto", few_row: bool = False) -> torch.dtype:
-    """The dtype a learned drafter computes in beside `target`: `requested` (a torch dtype or its name; None: the
-    target's), or for "auto" bfloat16 where a drafting level then reads half the bytes at no cost: a drafter that casts
-    what it reads (`computes_in_own_dtype`: EAGLE-3) beside an fp32 target on a CPU whose few-row layers (`few_row`)
-    run bf16 natively on oneDNN's pack; the target's dtype elsewhere. Only the drafts change: the target verifies in
-    its own dtype, so the output is the target's whichever the drafter computes in."""
-    own = getattr(drafter, "computes_in_own_dtype", False)
-    if requested == "auto":
-        native = target.device.type == "cpu" and few_row and onednn_bf16_packs_available()
-        return torch.bfloat16 if own and native and target.dtype == torch.float32 else target.dtype
-    if requested is None:
-        return target.dtype
-    dtype = requested if isinstance(requested, torch.dtype) else getattr(torch, str(requested), None)
-    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
-        raise ValueError(f"drafter dtype {requested!r}: expected auto, null or a floating torch dtype (e.g. bfloat16)")
-    if dtype != target.dtype and not own:
-        raise ValueError(
-            f"a {drafter.kind} drafter computes with the target's own states and layers: it runs in the target's "
-            f"dtype ({target.dtype}), not {dtype} (drafter dtype auto or null)"
-        )
-    return dtype
 
 
 class MedusaLikeModel:
@@ -104,34 +40,33 @@ class MedusaLikeModel:
         drafter: Drafter,
         backend: str = "auto",
         target_name: str | None = None,
-        few_row_linear: bool | None = None,
+        tuned_layers: bool | None = None,
         drafter_dtype: torch.dtype | str | None = "auto",
+        compile: bool | str = False,
     ):
-        """Wrap `target` (frozen: eval mode, no gradients) and `drafter` for speculative decoding.
+        """Wrap `target` (frozen: eval mode, no gradients) and `drafter` for speculative decoding. `target` may be a
+        model or a `forward.PreparedTarget` (another `MedusaLikeModel`'s `.forward`: the same step, kernels and
+        compiled code, shared).
 
-        `few_row_linear`: compute the few rows of a tree step by this CPU's fastest kernels (`cpu/few_row_linear.py`);
-        None: on CPUs in fp32, and in bf16 where AMX or AVX512-BF16 run oneDNN's packed product. This changes the
-        model you pass: its `nn.Linear` layers, and the drafter's, are replaced in place by `FewRowLinear` layers
-        that share their parameters (same state dict, no copy) and differ from `nn.Linear` only in fp32 rounding; the
-        log says so. Pass False to keep them (`cpu.few_row_linear.with_stock_linears` gives a copy with them back).
-        Their row plans come from this machine's cache: construction measures none (`measure_row_plans`).
+        How the target computes on this machine is `medusa_like.forward`'s (`prepare_target`): `compile` (False,
+        True or "auto") runs a compiled step where this platform supports one (minutes of compiling on first use,
+        logged; eager otherwise, with a log line saying why); `tuned_layers` (None: where measured faster) computes an
+        eager step's few rows by this CPU's fastest kernels. That changes the model you pass: its `nn.Linear` layers,
+        and the drafter's, are replaced in place by layers that share their parameters (same state dict, no copy) and
+        differ from `nn.Linear` only in fp32 rounding; the log says so. Pass False to keep them.
 
-        `drafter_dtype`: what a learned drafter computes in (`drafting_dtype`; "auto": bf16 where that is cheaper and
-        the drafter allows it, else the target's dtype). The drafter you pass is cast in place."""
-        drafter.check_fits(target)
-        self.target = freeze(target)
+        `drafter_dtype`: what a learned drafter computes in (`PreparedTarget.drafting_dtype`; "auto": bf16 where that
+        is cheaper and the drafter allows it, else the target's dtype). The drafter you pass is cast in place."""
+        self.forward: PreparedTarget = (
+            target if isinstance(target, PreparedTarget) else prepare_target(freeze(target), backend, tuned_layers)
+        )
+        self.forward.use_compiled(compile)
+        self.target = self.forward.target
+        drafter.check_fits(self.target)
+        self.drafter = self.forward.adopt(drafter, drafter_dtype)
         self.tokenizer = tokenizer
-        few_row = few_row_linear if few_row_linear is not None else worth_swapping(self.target)
-        dtype = drafting_dtype(drafter, self.target, drafter_dtype, few_row)
-        self.drafter = drafter.to(device=self.device, dtype=dtype).eval()
-        if few_row:
-            announce_swap(
-                use_few_row_linears(self.target, plans="cached"), use_few_row_linears(self.drafter, plans="cached")
-            )
         self._tree_files: dict[tuple, dict] = {}  # (path, mtime, size) of each tree file read -> its settings
-        self._kernels_looked_up = False  # `settle_kernels` looked for this machine's cached cost model
-        self.backend = pick_backend(backend, self.device)
-        self.target_name = target_name or getattr(target.config, "name_or_path", None)
+        self.target_name = target_name or getattr(self.target.config, "name_or_path", None)
         self._lock, self._generating = threading.Lock(), None  # `generate` serves one thread at a time
 
     @classmethod
@@ -143,13 +78,15 @@ class MedusaLikeModel:
         backend: str = "auto",
         dtype: torch.dtype | str | None = None,
         device: torch.device | str | None = None,
-        few_row_linear: bool | None = None,
+        tuned_layers: bool | None = None,
         drafter_dtype: torch.dtype | str | None = "auto",
+        compile: bool | str = False,
         **drafter_options,
     ) -> "MedusaLikeModel":
         """`target`: a hub id, a local directory, the default's name, or a loaded model (then pass `tokenizer`). A
-        model you pass is changed in place: its `nn.Linear` layers become few-row layers sharing their parameters,
-        unless `few_row_linear=False`, and a learned drafter is cast to `drafter_dtype` (see `__init__`).
+        model you pass is changed in place: its `nn.Linear` layers become this CPU's tuned layers sharing their
+        parameters, unless `tuned_layers=False`, and a learned drafter is cast to `drafter_dtype`. `compile=True`
+        compiles the target's step on first use (see `__init__`).
 
         `drafter`: a drafter directory (native Medusa heads or EAGLE-3 drafter, the Medusa, vLLM, TGI or EAGLE-3
         serving layouts), a training checkpoint, a drafter object, or the name of a drafter kind for a fresh one built
@@ -170,13 +107,19 @@ class MedusaLikeModel:
             drafter,
             backend=backend,
             target_name=target_name,
-            few_row_linear=few_row_linear,
+            tuned_layers=tuned_layers,
             drafter_dtype=drafter_dtype,
+            compile=compile,
         )
 
     @property
     def device(self) -> torch.device:
         return self.target.device
+
+    @property
+    def backend(self) -> str:
+        """The eager step's attention backend (`decoding/attention.py`)."""
+        return self.forward.backend
 
     @property
     def drafter_kind(self) -> str:
@@ -214,11 +157,11 @@ class MedusaLikeModel:
 
     def use_tree_settings(self, tree) -> dict:
         """Put to use what a tree file from the tree search holds besides the tree (`tree`: its path; {} for any
-        other tree): its cost model, checked and refused (`CostModelMismatchError`) when measured for another target,
-        dtype, device or machine, becomes the one this model's budgeted trees are sized by, its kernels (the prefill
-        kernel among them) set on the target; returns the file's `TREE_FILE_SETTINGS` as it holds them. The one rule
-        for the Python API and the evaluation; a file is read once, and its cost model set again whenever another
-        was set since."""
+        other tree): its cost model, checked and refused (`CostModelMismatchError`) when measured for other target
+        weights, dtype, device, machine or step, becomes the one this model's budgeted trees are sized by, its kernels
+        set on the target (a cost model of the compiled step compiles it); returns the file's `TREE_FILE_SETTINGS` as
+        it holds them. The one rule for the Python API and the evaluation; a file is read once, and its cost model set
+        again whenever another was set since."""
         if not (isinstance(tree, (str, Path)) and str(tree).endswith(".json") and Path(tree).is_file()):
             return {}
         path = Path(tree)
@@ -231,54 +174,46 @@ class MedusaLikeModel:
             }
         settings = self._tree_files[stamp]
         if settings.get("cost_model") is not None:
-            cost = active_cost_model(self.target)
+            cost = self.forward.active
             if cost is None or cost.source != f"file:{path}":
-                cost = cost_model_from_file(settings["cost_model"], self.target, path)
-            self._use(cost)
+                cost = self.forward.load_cost_model(settings["cost_model"], f"file:{path}")
+            self.drafter.use_cost_model(cost)
         return settings
 
     @property
     def cost_model(self) -> CostModel | None:
         """The cost model this model's budgeted trees are sized by (a lookup or combined drafter's; None before its
         first generation, or for drafters that consult none). `cost_model.source` says where it came from."""
-        return session_cost_model(self.drafter)
+        return self.drafter.cost_model
 
     def measure_cost_model(self, **options) -> CostModel:
-        """Measure this machine's full cost model for the target (every tree size, the fastest kernels chosen and
-        set, the row plans measured where missing) and use it from now on: it replaces the quick first estimate
+        """Measure this machine's full cost model of the target's step (every tree size, the fastest kernels chosen
+        and set, the row plans measured where missing) and use it from now on: it replaces the quick first estimate
         measured on first use, on disk too, for every later process. Takes a while: it times many forwards.
-        `options`: `cost_measure.measure_cost_model`'s."""
-        self.measure_row_plans()
+        `options`: `forward.cost_measure.measure_cost_model`'s."""
         with self._one_generation():
-            return self._use(measure_and_cache(self.target, **options))
+            cost = self.forward.measure_cost_model(self.drafter, **options)
+            self.drafter.use_cost_model(cost)
+            return cost
 
     def measure_row_plans(self) -> None:
-        """Measure the row plans of the target's and the drafter's few-row layers that this machine's cache lacks (once
-        per weight shape, then cached): what their few-row products run fastest by. Construction only reads the cache,
-        so that a first call never waits for them; until measured, a layer runs `F.linear` for one row and
-        weight-first for more. `measure_cost_model` measures them too."""
+        """Measure what this machine's tuned layers of the target and the drafter run fastest by, where its cache
+        lacks it (once per weight shape, then cached). Construction only reads the cache, so that a first call never
+        waits for it; `measure_cost_model` measures them too."""
         with self._one_generation():
-            measure_row_plans(self.target)
-            measure_row_plans(self.drafter)
+            self.forward.measure_row_plans(self.drafter)
 
-    def settle_kernels(self) -> None:
-        """Before a generation with a drafter that sizes no tree by a cost model (Medusa heads, an EAGLE-3 drafter
-        alone): unless a cost model set the target's kernels in this process (a tree file's, a measured one), set
-        those of the cost model cached for this machine, so that its verification runs the kernels measured fastest
-        here, as a combined or lookup drafter's does (they settle theirs when they size a tree). Looked up once per
-        model; without one cached, the few-row layers run their row plans (`measure_cost_model` or a tree search
-        measures one)."""
-        if self._kernels_looked_up or self.drafter_kind in ("combined", "lookup"):
-            return
-        self._kernels_looked_up = True
-        if linear_kernel(self.target) == "few_row" and active_cost_model(self.target) is None:
-            cost = cached_cost_model(self.target)
-            if cost is not None:
-                activate(cost, self.target)
-
-    def _use(self, cost: CostModel) -> CostModel:
-        use_cost_model(self.drafter, activate(cost, self.target))
-        return cost
+    def settle_cost_model(self) -> None:
+        """Before a generation: a drafter that sizes its trees by a cost model gets this machine's (unless it holds
+        one that fits); for any other, the layers run the kernels of the one cached here, if any."""
+        if self.drafter.wants_cost_model:
+            cost = self.drafter.cost_model
+            if cost is None or not self.forward.fits(cost):
+                self.drafter.use_cost_model(self.forward.cost_model())
+            elif cost is not self.forward.active:
+                self.forward.activate(cost)
+        else:
+            self.forward.settle()
 
     def generate(
         self,
@@ -318,8 +253,6 @@ class MedusaLikeModel:
         one generation); a call from inside a generation on the same model (its streamer) is refused. Arguments are
         checked before any work: a bad one raises a TypeError or ValueError naming it.
         """
-        check_lengths(max_new_tokens, max_cache_len)
-        check_sampling(temperature, top_k, top_p)
         generator = sampling_generator(seed, self.device)
         if not isinstance(remember, bool):
             raise TypeError(f"remember must be True or False, got {remember!r}")
@@ -327,21 +260,23 @@ class MedusaLikeModel:
         eos = self.eos_token_ids() if eos_token_id is None else token_ids("eos_token_id", eos_token_id, vocab)
         stop = StopChecker(eos, () if stop_strings is None else stop_strings, self.tokenizer)
         input_ids = prompt_tensor(input_ids)
-        check_prompt(self.target, input_ids)
         with self._one_generation():
-            spec = self.resolve_tree(tree)  # a tree file's cost model, if it has one, sets the kernels first
-            self.settle_kernels()
-            check_room(self.target, input_ids.shape[1], spec, max_new_tokens, max_cache_len)
-            out = speculative_generate(
-                self.target,
-                self.proposer(),
+            spec = self.drafter.adapt_tree(resolve_tree(tree, self.max_depth))
+            proposer = self.proposer()
+            capacity = check_inputs(
+                self.target, proposer, input_ids, spec, max_new_tokens, max_cache_len, temperature, top_k, top_p
+            )
+            self.use_tree_settings(tree)  # a tree file's cost model sets the kernels (or compiles) first
+            self.settle_cost_model()
+            out = decode(
+                self.forward.step,
+                proposer,
                 input_ids.to(self.device),
                 spec,
                 max_new_tokens,
-                backend=self.backend,
+                capacity,
                 stop=stop,
                 streamer=streamer,
-                max_cache_len=max_cache_len,
                 temperature=temperature,
                 top_k=top_k,
                 top_p=top_p,

@@ -13,11 +13,13 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import open_dict
 
 from medusa_like.cli import register_resolvers
+from medusa_like.decoding.cost_model import CostModel
 from medusa_like.decoding.draft_tree import DraftTree, grow_dynamic, grow_static
 from medusa_like.decoding.tree import DynamicTreeSpec
 from medusa_like.drafters.medusa import HeadsConfig, MedusaHeads
+from medusa_like.forward.cpu.machine import machine_identity
 from medusa_like.io import user_cache_dir
-from medusa_like.targets import DEFAULT_TARGET
+from medusa_like.targets import DEFAULT_TARGET, weights_fingerprint
 from medusa_like.tiny import tiny_model
 
 VOCAB = 97
@@ -36,6 +38,13 @@ os.environ["MEDUSA_LIKE_CACHE_DIR"] = tempfile.mkdtemp(prefix="medusa_like_test_
 atexit.register(shutil.rmtree, os.environ["MEDUSA_LIKE_CACHE_DIR"], ignore_errors=True)
 if (_USER_CACHE / DEFAULT_TARGET / "config.json").is_file():
     (Path(os.environ["MEDUSA_LIKE_CACHE_DIR"]) / DEFAULT_TARGET).symlink_to(_USER_CACHE / DEFAULT_TARGET)
+
+
+def flat_cost(target, per_node_ms: float = 0.0, nodes=(1, 2, 4, 8, 16, 32, 64)) -> CostModel:
+    """A cost model of `target`'s eager step on this machine where verifying n nodes costs 10 ms + `per_node_ms` * n."""
+    times = [10.0 + per_node_ms * n for n in nodes]
+    identity = dict(machine=machine_identity(), step="eager")
+    return CostModel(list(nodes), times, weights_fingerprint(target), str(target.dtype), target.device.type, **identity)
 
 
 def tiny_target(family: str, seed: int = 0, **overrides):
@@ -65,9 +74,10 @@ CONF = Path(__file__).resolve().parents[1] / "conf"
 
 def compose_config(name: str, out_dir: Path, *overrides: str, data_dir: Path | None = None):
     """`conf/<name>.yaml` with `overrides`, its run directory `out_dir` and its data under `data_dir`. An evaluation
-    starts with an empty lookup store unless `overrides` seed it (seeding reads ShareGPT: seconds per test)."""
+    starts with an empty lookup store unless `overrides` seed it (seeding reads ShareGPT: seconds per test), and runs
+    the eager step unless they compile it (compiling takes a while: the compiled step's tests ask for it)."""
     if name == "eval":
-        overrides = ("drafter.seed_store=0", *overrides)
+        overrides = ("drafter.seed_store=0", "target.compile=false", *overrides)
     register_resolvers()
     with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
         cfg = compose(name, return_hydra_config=True, overrides=list(overrides))

@@ -28,8 +28,8 @@ def test_split_puts_each_operator_in_one_part_per_forward():
 @pytest.mark.slow
 def test_where_time_goes_on_a_tiny_target():
     target, tokenizer = tiny_chat_target("llama", hidden_size=64, num_layers=2)
-    model = MedusaLikeModel.from_pretrained(target, drafter="lookup", tokenizer=tokenizer, few_row_linear=True)
-    rows = where_time_goes(model.target, [1, 3], repeats=2)
+    model = MedusaLikeModel.from_pretrained(target, drafter="lookup", tokenizer=tokenizer, tuned_layers=True)
+    rows = where_time_goes(model.forward, [1, 3], repeats=2)
     assert [r["nodes"] for r in rows] == [1, 3]
     for r in rows:
         assert r["products"] > 0 and r["attention"] > 0 and r["wall_ms"] > 0

@@ -25,7 +25,7 @@ QUESTIONS = [
     {"question_id": 1, "category": "writing", "turns": ["Write a haiku about rain."]},
     {"question_id": 2, "category": "math", "turns": ["What is 12 times 7?"]},
 ]
-FAST = ("target.few_row_linear=false", "eval.sweep.prompts=0", "eval.head_accuracy=false", "eval.warmup=false")
+FAST = ("target.tuned_layers=false", "eval.sweep.prompts=0", "eval.head_accuracy=false", "eval.warmup=false")
 
 
 def write_jsonl(path: Path, records) -> Path:

@@ -11,21 +11,22 @@ import platform
 import pytest
 import torch
 
-from medusa_like.cpu import row_plans
-from medusa_like.cpu.few_row_linear import FewRowLinear
-from medusa_like.cpu.kernel_choice import current_kernels
-from medusa_like.cpu.machine import machine_identity
-from medusa_like.decoding.cost_cache import cache_key, cache_path, store
-from medusa_like.decoding.cost_measure import QUICK_SIZES, measure_cost_model
 from medusa_like.decoding.cost_model import CostModel, CostModelError, CostModelMismatchError, InvalidCostModelError
 from medusa_like.decoding.tree import BudgetedTreeSpec
 from medusa_like.decoding.tree_files import save_tree
 from medusa_like.drafters.eagle3 import EAGLE3
 from medusa_like.drafters.lookup import LookupDrafter
 from medusa_like.evaluation.report import markdown
+from medusa_like.forward import prepare_target
+from medusa_like.forward.cost_cache import cache_key, cache_path, store
+from medusa_like.forward.cost_measure import QUICK_SIZES, measure_cost_model
+from medusa_like.forward.cpu import row_plans
+from medusa_like.forward.cpu.few_row_linear import FewRowLinear
+from medusa_like.forward.cpu.kernel_choice import current_kernels
+from medusa_like.forward.cpu.machine import machine_identity
 from medusa_like.io import user_cache_dir
 from medusa_like.model import MedusaLikeModel
-from medusa_like.targets import DEFAULT_TARGET, target_fingerprint
+from medusa_like.targets import DEFAULT_TARGET
 
 from .conftest import greedy_reference, random_prompts, tiny_target
 
@@ -45,16 +46,11 @@ def cache_dir(tmp_path, monkeypatch):
 
 
 def cost_json(target, **changes) -> dict:
-    """A cost model of `target` on this machine as a file holds it, with `changes`."""
+    """A cost model of `target`'s eager step (its layers this machine's) as a file holds it, with `changes`."""
     nodes = [1, 2, 4, 8, 16]
-    cost = CostModel(
-        nodes,
-        [10.0 + 0.25 * n for n in nodes],
-        target_fingerprint(target.config),
-        str(target.dtype),
-        target.device.type,
-        current_kernels(target, nodes),
-    )
+    prepared = prepare_target(target)
+    kernels = current_kernels(target, nodes)
+    cost = CostModel(nodes, [10.0 + 0.25 * n for n in nodes], **prepared.identity(), kernels=kernels)
     return cost.to_json() | changes
 
 
@@ -98,8 +94,7 @@ def assert_lossless(model: MedusaLikeModel, tree="dynamic", prompts: int = 2) ->
         ({"dtype": None}, "dtype must be a non-empty string"),
         ({"threads": 0}, "threads"),
         ({"quick": "no"}, "quick"),
-        ({"kernels": {"linears": "cuBLAS"}}, "kernels.linears"),
-        ({"kernels": {"linears": "nn.Linear", "rows": {"1": "fastest"}}}, r"kernels.rows\[1\]"),
+        ({"step": ""}, "step must be a non-empty string"),
         ({"kernels": [1]}, "kernels must be a JSON object"),
         ({"colour": "red"}, r"unknown fields \['colour'\]"),
     ],
@@ -107,7 +102,20 @@ def assert_lossless(model: MedusaLikeModel, tree="dynamic", prompts: int = 2) ->
 def test_a_malformed_cost_model_is_refused_naming_the_field(changes, field):
     target = tiny_target("llama")
     with pytest.raises(InvalidCostModelError, match=field):
-        CostModel.from_json(cost_json(target, **changes), target)
+        CostModel.from_json(cost_json(target, **changes))
+
+
+@pytest.mark.parametrize(
+    "kernels, field",
+    [
+        ({"linears": "cuBLAS"}, "kernels.linears"),
+        ({"linears": "few_row", "rows": {"1": "fastest"}}, r"kernels.rows\[1\]"),
+    ],
+)
+def test_a_malformed_kernel_record_is_refused_where_the_forward_reads_it(kernels, field):
+    target = tiny_target("llama")
+    with pytest.raises(InvalidCostModelError, match=f"tree.json: cost model: {field}"):
+        prepare_target(target).load_cost_model(cost_json(target, kernels=kernels), "tree.json")
 
 
 def test_a_cost_model_missing_a_field_or_not_an_object_is_refused():
@@ -115,10 +123,10 @@ def test_a_cost_model_missing_a_field_or_not_an_object_is_refused():
     data = cost_json(target)
     del data["dtype"]
     with pytest.raises(InvalidCostModelError, match=r"missing fields \['dtype'\]"):
-        CostModel.from_json(data, target)
+        CostModel.from_json(data)
     for bad in ([1, 2], "cost", None):
         with pytest.raises(InvalidCostModelError, match="JSON object"):
-            CostModel.from_json(bad, target)
+            CostModel.from_json(bad)
     assert issubclass(CostModelError, ValueError)  # never a raw TypeError
 
 
@@ -129,21 +137,16 @@ def test_a_cost_model_missing_a_field_or_not_an_object_is_refused():
         ({"dtype": "torch.float64"}, "dtype"),
         ({"device": "cuda"}, "device"),
         ({"machine": f"{platform.machine()} Another CPU 9000"}, "machine"),
-        ({"machine": "not-this-architecture"}, "machine"),
-        ({"kernels": {"linears": "few_row"}}, "linears"),  # measured with other layers than this target's
+        ({"machine": platform.machine()}, "machine"),  # the architecture alone: not this machine's identity
+        ({"step": "compiled (elsewhere)"}, "step"),
+        ({"kernels": {"linears": "nn.Linear"}}, "linears"),  # measured with other layers than this target's
     ],
 )
 def test_a_cost_model_of_another_setup_is_refused(changes, field):
     target = tiny_target("llama")
-    with pytest.raises(CostModelMismatchError, match=field):
-        CostModel.from_json(cost_json(target, **changes), target)
-
-
-def test_a_cost_model_that_names_only_the_architecture_is_compared_on_it():
-    """Older files named the architecture alone: accepted on the same architecture, refused on another."""
-    target = tiny_target("llama")
-    assert CostModel.from_json(cost_json(target, machine=platform.machine()), target).machine == platform.machine()
     assert cost_json(target)["machine"] == machine_identity()
+    with pytest.raises(CostModelMismatchError, match=f"tree.json: .*{field}"):
+        prepare_target(target).load_cost_model(cost_json(target, **changes), "tree.json")
 
 
 def test_a_measurement_whose_timer_gives_no_valid_time_is_refused_not_kept():
@@ -155,7 +158,7 @@ def test_a_measurement_whose_timer_gives_no_valid_time_is_refused_not_kept():
             return bad
 
         with pytest.raises(InvalidCostModelError, match="verify_ms"):
-            measure_cost_model(target, sizes=(1, 2), prefix=8, repeats=1, timer=broken, attempts=1)
+            measure_cost_model(prepare_target(target), sizes=(1, 2), prefix=8, repeats=1, timer=broken, attempts=1)
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -187,7 +190,7 @@ def calm(nodes: int) -> float:
 def measure(timer, attempts: int = 3) -> CostModel:
     target = tiny_target("llama")
     return measure_cost_model(
-        target, SIZES, prefix=8, repeats=REPEATS, pick_kernels=False, attempts=attempts, timer=timer
+        prepare_target(target), SIZES, prefix=8, repeats=REPEATS, pick_kernels=False, attempts=attempts, timer=timer
     )
 
 
@@ -262,15 +265,15 @@ def test_the_first_generation_measures_a_quick_estimate_and_no_row_plan_and_a_se
     assert not (cache_dir / "row_plans.json").exists()  # nor did the first generation
     # the layers' unmeasured plans (F.linear for a row, weight-first for more), named as they ran
     assert first.kernels["rows"] == {"1": "linear", **{str(n): "weight_first" for n in QUICK_SIZES[1:]}}
-    assert "quick first estimate" in caplog.text and str(cache_path(model.target)) in caplog.text
-    stored = json.loads(cache_path(model.target).read_text())
+    assert "quick first estimate" in caplog.text and str(cache_path(model.forward)) in caplog.text
+    stored = json.loads(cache_path(model.forward).read_text())
     assert (
-        stored["key"] == cache_key(model.target) and stored["cost_model"]["verify_ms"] == first.to_json()["verify_ms"]
+        stored["key"] == cache_key(model.forward) and stored["cost_model"]["verify_ms"] == first.to_json()["verify_ms"]
     )
 
     second = lookup_model()  # another copy of the target, as in a new process: read, not measured
     assert_lossless(second)
-    assert second.cost_model.source == f"cache:{cache_path(second.target)}"
+    assert second.cost_model.source == f"cache:{cache_path(second.forward)}"
     assert second.cost_model.verify_ms == pytest.approx(first.verify_ms, abs=1e-3)
     assert second.cost_model.measured_at == first.measured_at
 
@@ -288,17 +291,17 @@ def test_a_learned_drafter_alone_verifies_with_the_kernels_of_this_machines_cach
     as_built = plans(model)
     assert as_built != [1, 4, 8]  # not what the cached cost model below sets
     assert_lossless(model, prompts=1)
-    assert plans(model) == as_built and not cache_path(model.target).exists()
+    assert plans(model) == as_built and not cache_path(model.forward).exists()
 
     cached = cost_json(target, nodes=[1, 3, 5], verify_ms=[10.0, 11.0, 12.0])
     rows = {"1": "weight_first", "3": "padded", "5": "padded"}
-    store(CostModel.from_json(cached | {"kernels": {**cached["kernels"], "rows": rows}}, target), target)
+    store(CostModel.from_json(cached | {"kernels": {**cached["kernels"], "rows": rows}}), model.forward)
     fresh = tiny_target("llama")  # another copy, as in a new process
     alone = MedusaLikeModel(fresh, None, EAGLE3.fresh(fresh), backend="sdpa")
     assert plans(alone) != [1, 4, 8]
-    stored = cache_path(fresh).read_text()
+    stored = cache_path(alone.forward).read_text()
     assert_lossless(alone, prompts=1)
-    assert cache_path(fresh).read_text() == stored  # read, not measured again
+    assert cache_path(alone.forward).read_text() == stored  # read, not measured again
     assert plans(alone) == [1, 4, 8]  # weight-first over 1 row, padded to 4 and 8: the cached cost model's kernels
 
 
@@ -335,9 +338,9 @@ def test_a_full_measurement_replaces_the_quick_one_on_disk_too(cache_dir):
 )
 def test_a_corrupt_or_foreign_cache_file_is_refused_with_a_log_line_and_measured_again(cache_dir, caplog, content):
     model = lookup_model()
-    path = cache_path(model.target)
+    path = cache_path(model.forward)
     path.parent.mkdir()
-    key, cost = cache_key(model.target), cost_json(model.target)
+    key, cost = cache_key(model.forward), cost_json(model.target)
     if content == "foreign key":  # a valid cost model, cached under another machine's key
         content = json.dumps({"key": key | {"machine": "x86_64 Other"}, "cost_model": cost})
     elif content == "foreign cost model":  # the right key, but a cost model of another dtype
@@ -349,7 +352,8 @@ def test_a_corrupt_or_foreign_cache_file_is_refused_with_a_log_line_and_measured
     assert model.cost_model.source == "measured" and model.cost_model.quick
     stored = json.loads(path.read_text())  # measured again, and cached in its place
     assert (
-        stored["key"] == cache_key(model.target) and stored["cost_model"]["measured_at"] == model.cost_model.measured_at
+        stored["key"] == cache_key(model.forward)
+        and stored["cost_model"]["measured_at"] == model.cost_model.measured_at
     )
 
 
@@ -366,7 +370,7 @@ def test_the_api_sizes_trees_by_a_tree_files_cost_model_and_measures_none(cache_
     path = tree_file(tmp_path, cost_json(model.target))
     assert_lossless(model, tree=str(path))
     assert model.cost_model.source == f"file:{path}" and model.cost_model.verify_ms[0] == 10.25
-    assert not cache_path(model.target).exists()  # nothing was measured
+    assert not cache_path(model.forward).exists()  # nothing was measured
     assert model.use_tree_settings(str(path))["prompt_lookup_num_tokens"] == 3
     model.measure_cost_model(sizes=(1, 2), repeats=1)  # another cost model since: naming the file sets its own again
     model.generate(torch.tensor([[1, 2, 3]]), max_new_tokens=2, tree=str(path), eos_token_id=[])
@@ -382,7 +386,7 @@ def test_the_api_refuses_a_tree_file_measured_for_another_setup_before_any_work(
     bad = tree_file(tmp_path, cost_json(model.target, verify_ms=[10.0, math.nan, 12.0, 13.0, 14.0]), "nan.json")
     with pytest.raises(InvalidCostModelError, match=r"verify_ms\[1\]"):
         model.generate(torch.tensor([[1, 2, 3]]), max_new_tokens=4, tree=str(bad))
-    assert model.cost_model is None and not cache_path(model.target).exists()
+    assert model.cost_model is None and not cache_path(model.forward).exists()
 
 
 @pytest.mark.slow
@@ -416,11 +420,11 @@ def test_the_evaluation_reports_each_methods_cost_model_and_its_source(cache_dir
 
 
 def test_swapping_a_passed_models_layers_is_logged_and_can_be_declined(caplog):
-    with caplog.at_level(logging.INFO, logger="medusa_like.model"):
+    with caplog.at_level(logging.INFO, logger="medusa_like.forward.prepared"):
         lookup_model()
     assert "replaced" in caplog.text and "nn.Linear layers of the target" in caplog.text
     caplog.clear()
     target = tiny_target("llama")
-    with caplog.at_level(logging.INFO, logger="medusa_like.model"):
-        MedusaLikeModel(target, None, LookupDrafter(), few_row_linear=False)
+    with caplog.at_level(logging.INFO, logger="medusa_like.forward.prepared"):
+        MedusaLikeModel(target, None, LookupDrafter(), tuned_layers=False)
     assert "replaced" not in caplog.text and not any(isinstance(m, FewRowLinear) for m in target.modules())

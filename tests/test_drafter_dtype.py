@@ -1,20 +1,26 @@
-"""What a learned drafter computes in (`model.drafting_dtype`): bf16 where that makes a drafting level cheaper, the
-target's greedy output whatever the drafter's dtype, and a clear error where a drafter cannot leave the target's."""
+"""What a learned drafter computes in (`PreparedTarget.drafting_dtype`): bf16 where that makes a drafting level cheaper,
+the target's greedy output whatever the drafter's dtype, and a clear error where a drafter cannot leave the target's."""
 
 import pytest
 import torch
 
-from medusa_like import model as model_module
 from medusa_like.decoding.tree import DynamicTreeSpec
 from medusa_like.drafters.combined import COMBINED
 from medusa_like.drafters.lookup import LookupDrafter
 from medusa_like.evaluation.methods import alone
-from medusa_like.model import MedusaLikeModel, drafting_dtype
+from medusa_like.forward import prepared as prepared_module
+from medusa_like.forward.prepared import PreparedTarget
+from medusa_like.model import MedusaLikeModel
 
 from .conftest import greedy_reference, random_heads, random_prompts, tiny_target
 from .test_eagle3 import random_drafter
 
 NEW_TOKENS = 20
+
+
+def drafting_dtype(drafter, target, requested, few_row: bool = True) -> torch.dtype:
+    """What `drafter` computes in beside `target` prepared with (or without) this CPU's tuned layers."""
+    return PreparedTarget(target, "sdpa", tuned_layers=few_row).drafting_dtype(drafter, requested)
 
 
 @pytest.mark.parametrize("mode", ["learned", "combined"])
@@ -41,15 +47,15 @@ def test_a_bf16_eagle3_drafter_decodes_the_target_greedy_output(family, mode):
 def test_auto_drafts_in_bf16_only_where_few_row_layers_run_bf16_natively_beside_an_fp32_target(monkeypatch):
     target = tiny_target("llama")
     eagle3, heads = random_drafter(target), random_heads()
-    monkeypatch.setattr(model_module, "onednn_bf16_packs_available", lambda: True)  # a CPU with AVX512-BF16 or AMX
+    monkeypatch.setattr(prepared_module, "native_bf16", lambda device: True)  # a CPU with AVX512-BF16 or AMX
     assert drafting_dtype(eagle3, target, "auto", few_row=True) == torch.bfloat16
     assert drafting_dtype(COMBINED.fresh(target, eagle3), target, "auto", few_row=True) == torch.bfloat16
-    assert drafting_dtype(eagle3, target, "auto", few_row=False) == torch.float32  # nn.Linear reorders bf16 weights
+    assert drafting_dtype(eagle3, tiny_target("llama"), "auto", few_row=False) == torch.float32  # nn.Linear reorders
     assert drafting_dtype(heads, target, "auto", few_row=True) == torch.float32  # heads read the target's lm_head
     assert drafting_dtype(LookupDrafter(), target, "auto", few_row=True) == torch.float32
-    assert drafting_dtype(eagle3, target.to(torch.float16), "auto", few_row=True) == torch.float16
-    monkeypatch.setattr(model_module, "onednn_bf16_packs_available", lambda: False)  # AVX2: bf16 emulated
-    assert drafting_dtype(eagle3, target.float(), "auto", few_row=True) == torch.float32
+    assert drafting_dtype(eagle3, tiny_target("llama").to(torch.float16), "auto", few_row=True) == torch.float16
+    monkeypatch.setattr(prepared_module, "native_bf16", lambda device: False)  # AVX2: bf16 emulated
+    assert drafting_dtype(eagle3, tiny_target("llama"), "auto", few_row=True) == torch.float32
 
 
 def test_explicit_drafter_dtypes_are_taken_or_refused_clearly():

@@ -3,7 +3,6 @@ row plans measured once per shape and cached, and lossless decoding with them.""
 
 import copy
 import json
-import platform
 import random
 
 import pytest
@@ -11,8 +10,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from medusa_like.cpu import few_row_linear, row_plans
-from medusa_like.cpu.few_row_linear import (
+from medusa_like.decoding.cost_model import CostModel, CostModelMismatchError, InvalidCostModelError
+from medusa_like.decoding.projection import VocabProjection
+from medusa_like.drafters.registry import kind_named
+from medusa_like.forward import prepare_target
+from medusa_like.forward.cost_measure import measure_cost_model
+from medusa_like.forward.cpu import few_row_linear, row_plans
+from medusa_like.forward.cpu.few_row_linear import (
     ANY_ROWS,
     KERNEL_ROWS,
     MAX_ROWS,
@@ -36,14 +40,9 @@ from medusa_like.cpu.few_row_linear import (
     with_stock_linears,
     worth_swapping,
 )
-from medusa_like.cpu.kernel_choice import apply_kernels, every_row_count, pick_row_kernels
-from medusa_like.cpu.row_plans import PLANNED_ROWS, measure_row_plan, row_plan, valid_plan
-from medusa_like.decoding.cost_measure import measure_cost_model
-from medusa_like.decoding.cost_model import CostModel, CostModelMismatchError, InvalidCostModelError
-from medusa_like.decoding.projection import VocabProjection
-from medusa_like.drafters.registry import kind_named
+from medusa_like.forward.cpu.kernel_choice import apply_kernels, every_row_count, pick_row_kernels
+from medusa_like.forward.cpu.row_plans import PLANNED_ROWS, measure_row_plan, row_plan, valid_plan
 from medusa_like.model import MedusaLikeModel
-from medusa_like.targets import target_fingerprint
 from tests.conftest import greedy_reference, random_heads, random_prompts, tiny_target
 
 
@@ -279,8 +278,8 @@ def test_swapped_layers_and_the_vocabulary_projection_carry_their_weights_plans(
     use_few_row_linears(target)
     layers = [m for m in target.modules() if isinstance(m, FewRowLinear)]
     assert layers and all(m.plan == row_plan(m.weight) for m in layers)
-    projection = VocabProjection(target)
-    assert projection.plan == target.lm_head.plan and valid_plan(projection.plan)
+    projection = VocabProjection(target)  # calls the swapped output layer, which runs its own plan
+    assert isinstance(target.lm_head, FewRowLinear) and valid_plan(target.lm_head.plan)
     hidden = torch.randn(5, target.config.hidden_size)
     torch.testing.assert_close(projection(hidden), F.linear(hidden, target.lm_head.weight), rtol=1e-5, atol=1e-5)
     unplanned = tiny_target("llama")
@@ -306,7 +305,7 @@ def test_on_by_default_for_fp32_cpu_targets_and_drafters_and_off_on_request():
     model = MedusaLikeModel(tiny_target("qwen2"), None, random_heads())
     assert linear_kernel(model.target) == "few_row"
     assert all(type(m) is not nn.Linear for m in model.drafter.modules())
-    stock = MedusaLikeModel(tiny_target("qwen2"), None, random_heads(), few_row_linear=False)
+    stock = MedusaLikeModel(tiny_target("qwen2"), None, random_heads(), tuned_layers=False)
     assert linear_kernel(stock.target) == "nn.Linear"
 
 
@@ -317,7 +316,7 @@ def test_decoding_with_few_row_linears_equals_the_targets_greedy(family, drafter
     """Random Medusa heads (static tree), a random EAGLE-3 drafter (dynamic tree) and lookup (budgeted tree)."""
     target = tiny_target(family)
     fresh = random_heads(num_heads=3) if drafter == "medusa" else kind_named(drafter).fresh(target)
-    model = MedusaLikeModel(target, None, fresh, backend="sdpa", few_row_linear=True)
+    model = MedusaLikeModel(target, None, fresh, backend="sdpa", tuned_layers=True)
     tree = "small" if drafter == "medusa" else "dynamic"
     accepted = 0
     for ids in random_prompts(4, seed=3):
@@ -347,12 +346,12 @@ def test_bf16_decoding_on_onednn_packs_equals_the_targets_greedy(family, drafter
 
 
 def test_a_cost_model_measured_with_other_linears_is_refused():
-    target = tiny_target("llama")
-    stock_cost = measure_cost_model(target, sizes=(1, 4), prefix=8, repeats=1)
-    assert CostModel.from_json(stock_cost.to_json(), target).kernels["linears"] == "nn.Linear"
-    use_few_row_linears(target)
+    stock = prepare_target(tiny_target("llama"), tuned_layers=False)
+    stock_cost = measure_cost_model(stock, sizes=(1, 4), prefix=8, repeats=1)
+    assert stock.load_cost_model(stock_cost.to_json(), "file").kernels["linears"] == "nn.Linear"
+    tuned = prepare_target(tiny_target("llama"), tuned_layers=True)  # the same weights, this CPU's layers
     with pytest.raises(CostModelMismatchError, match="linears"):
-        CostModel.from_json(stock_cost.to_json(), target)
+        tuned.load_cost_model(stock_cost.to_json(), "file")
 
 
 def test_a_row_kernel_changes_only_its_row_count_in_every_planned_layer():
@@ -407,8 +406,9 @@ def with_kernels(cost: CostModel, rows: list[str] | None = None, prefill="keep")
 
 def test_the_cost_model_picks_a_row_kernel_per_size_and_sets_it_where_it_is_loaded(monkeypatch):
     measured = tiny_target("llama")
-    use_few_row_linears(measured)
-    cost = measure_cost_model(measured, sizes=(1, 3, 5), prefix=MAX_ROWS + 8, repeats=1)
+    cost = measure_cost_model(
+        prepare_target(measured, tuned_layers=True), sizes=(1, 3, 5), prefix=MAX_ROWS + 8, repeats=1
+    )
     rows = cost.kernels["rows"]
     assert list(rows) == ["1", "3", "5"] and set(rows.values()) <= set(ROW_KERNELS)
     down = measured.model.layers[0].mlp.down_proj
@@ -419,72 +419,55 @@ def test_the_cost_model_picks_a_row_kernel_per_size_and_sets_it_where_it_is_load
         assert down.plan[count - 1] == kernel_rows(rows[str(size)], count, own[count - 1])
 
     loaded = tiny_target("llama")  # same seed and config: the same target in another process
-    use_few_row_linears(loaded)
-    CostModel.from_json(with_kernels(cost, ["weight_first", "padded", "padded"]), loaded)
+    load = prepare_target(loaded, tuned_layers=True).load_cost_model
+    load(with_kernels(cost, ["weight_first", "padded", "padded"]), "file")
     assert [loaded.model.layers[1].mlp.down_proj.plan[n - 1] for n in (1, 3, 5)] == [1, 4, 8]
     for bad in ({"1": "padded", "33": "linear"}, {"1": "planned", "5": "fastest"}, ["padded"]):
         with pytest.raises(InvalidCostModelError, match="rows"):
-            CostModel.from_json(cost.to_json() | {"kernels": {**cost.kernels, "rows": bad}}, loaded)
+            load(cost.to_json() | {"kernels": {**cost.kernels, "rows": bad}}, "file")
     with_packs = with_kernels(cost, ["planned", "packed", "packed"])
     if mkl_packs_available():
-        CostModel.from_json(with_packs, loaded)
+        load(with_packs, "file")
         assert [loaded.model.layers[1].mlp.down_proj.plan[n - 1] for n in (3, 5)] == [-4, -8]
     prefill = cost.kernels["prefill"]
     assert prefill in PREFILL_KERNELS and down.prefill == (ONEDNN if prefill == "onednn" else 0)
     with_onednn = with_kernels(cost, ["linear", "onednn", "onednn"], prefill="onednn")
     if onednn_packs_available():
-        CostModel.from_json(with_onednn, loaded)
+        load(with_onednn, "file")
         loaded_down = loaded.model.layers[1].mlp.down_proj
         assert [loaded_down.plan[n - 1] for n in (1, 3, 5)] == [0, ONEDNN, ONEDNN] and loaded_down.prefill == ONEDNN
         assert set(loaded_down.packs.packs) == {ANY_ROWS}  # made where it is loaded
-        CostModel.from_json(with_kernels(cost, prefill="linear"), loaded)
+        load(with_kernels(cost, prefill="linear"), "file")
         assert loaded_down.prefill == 0
     with pytest.raises(InvalidCostModelError, match="prefill"):
-        CostModel.from_json(with_kernels(cost, prefill="packed"), loaded)
+        load(with_kernels(cost, prefill="packed"), "file")
     # measured where MKL and oneDNN were, loaded where they are not
     monkeypatch.setattr(few_row_linear, "mkl_packs_available", lambda: False)
     monkeypatch.setattr(few_row_linear, "onednn_packs_available", lambda: False)
     only_prefill = with_kernels(cost, ["linear"] * 3, prefill="onednn")
     for unusable in (with_packs, with_onednn, only_prefill):
         with pytest.raises(CostModelMismatchError, match="cannot run here"):
-            CostModel.from_json(unusable, loaded)
+            load(unusable, "file")
     # not picking: the kernels as they are, named so that another copy of the target runs the same
-    as_they_are = measure_cost_model(loaded, sizes=(1, 2), prefix=8, repeats=1, pick_kernels=False)
+    loaded_prepared = prepare_target(loaded)
+    as_they_are = measure_cost_model(loaded_prepared, sizes=(1, 2), prefix=8, repeats=1, pick_kernels=False)
     assert set(as_they_are.kernels["rows"]) == {"1", "2"}
     again = tiny_target("llama")
-    use_few_row_linears(again)
-    CostModel.from_json(as_they_are.to_json(), again)
+    prepare_target(again, tuned_layers=True).load_cost_model(as_they_are.to_json(), "file")
     for ours, theirs in zip(few_row_layers(loaded), few_row_layers(again), strict=True):
         assert ours.plan[:2] == theirs.plan[:2]
-    short = measure_cost_model(loaded, sizes=(1, 2), prefix=8, repeats=1)  # a context no prefill kernel computes
+    short = measure_cost_model(loaded_prepared, sizes=(1, 2), prefix=8, repeats=1)  # no prefill kernel computes it
     assert short.kernels["rows"] is not None and short.kernels["prefill"] == "linear"  # kept as it was
 
 
-def test_an_older_cost_model_with_flat_kernel_fields_loads_and_sets_its_kernels():
-    """Tree files written before kernel records held `linears`, `row_kernels` (one per size) and `prefill_kernel`."""
+def test_a_cost_model_written_before_steps_were_named_is_refused_saying_to_measure_again():
+    """Tree files of an earlier version name no step (eager or compiled): what their times were measured on is unknown."""
     target = tiny_target("llama")
-    use_few_row_linears(target)
-    old = {
-        "nodes": [1, 3, 5],
-        "verify_ms": [10.0, 11.0, 12.0],
-        "target_fingerprint": target_fingerprint(target.config),
-        "dtype": "torch.float32",
-        "device": "cpu",
-        "linears": "few_row",
-        "machine": platform.machine(),  # older files name the architecture alone
-        "measured_ms": [10.0, 11.0, 12.0],
-        "row_kernels": ["weight_first", "padded", "padded"],
-        "prefill_kernel": None,  # written before prefills were timed: F.linear
-    }
-    cost = CostModel.from_json(old, target, source="file:old.json")
-    assert cost.kernels == {"linears": "few_row", "rows": {"1": "weight_first", "3": "padded", "5": "padded"},
-                            "prefill": "linear"}  # fmt: skip
-    assert [target.model.layers[1].mlp.down_proj.plan[n - 1] for n in (1, 3, 5)] == [1, 4, 8]
-    assert cost.source == "file:old.json" and cost.to_json()["kernels"] == cost.kernels
-    with pytest.raises(InvalidCostModelError, match="row_kernels"):
-        CostModel.from_json(old | {"row_kernels": ["linear"]}, target)
-    with pytest.raises(CostModelMismatchError, match="linears"):
-        CostModel.from_json(old | {"linears": "nn.Linear"}, target)
+    prepared = prepare_target(target, tuned_layers=True)
+    old = measure_cost_model(prepared, sizes=(1, 2), prefix=8, repeats=1).to_json()
+    del old["step"]
+    with pytest.raises(InvalidCostModelError, match=r"missing fields \['step'\] \(written by an earlier version"):
+        prepared.load_cost_model(old, "file:old.json")
 
 
 def test_a_row_kernel_replaces_transformers_own_product_only_where_it_is_clearly_faster():
@@ -508,7 +491,7 @@ def test_decoding_with_any_row_kernels_equals_the_targets_greedy(family, kernel)
     """Every size on one row kernel, or each size on a random one ("mixed"); prompts long enough to be prefilled by the
     prefill kernel (oneDNN's with "onednn", else F.linear)."""
     target = tiny_target(family)
-    model = MedusaLikeModel(target, None, kind_named("lookup").fresh(target), backend="sdpa", few_row_linear=True)
+    model = MedusaLikeModel(target, None, kind_named("lookup").fresh(target), backend="sdpa", tuned_layers=True)
     kernels = usable_row_kernels(model.target)
     if kernel not in ("mixed", *kernels):
         pytest.skip(f"the {kernel} row kernel cannot run here")

@@ -7,10 +7,10 @@ import pytest
 import torch
 from transformers import TextIteratorStreamer, TextStreamer
 
-from medusa_like.decoding.attention import tree_attention
-from medusa_like.decoding.generate import StopChecker, accept_greedy, speculative_generate, target_forward
-from medusa_like.decoding.kv_cache import CacheOverflowError, TreeKVCache
+from medusa_like.decoding.generate import StopChecker, accept_greedy, speculative_generate
+from medusa_like.decoding.kv_cache import CacheOverflowError
 from medusa_like.decoding.projection import VocabProjection
+from medusa_like.decoding.step import EagerStep
 from medusa_like.decoding.tree import DynamicTreeSpec, TokenTree
 from medusa_like.decoding.tree_files import resolve_tree
 from medusa_like.drafters.base import DrafterMismatchError
@@ -88,14 +88,12 @@ def test_every_tree_node_sees_exactly_its_path(family, backend, tree_name):
     g = torch.Generator().manual_seed(3)
     prompt = torch.randint(0, VOCAB, (1, 11), generator=g)
     tokens = torch.randint(0, VOCAB, (tree.num_nodes,), generator=g)
-    cache = TreeKVCache.for_model(target, 64 + tree.num_nodes)
-    with torch.no_grad(), tree_attention(target, backend):
-        target_forward(target, prompt, torch.arange(11)[None], cache, None)
+    step = EagerStep(target, backend)
+    cache = step.new_cache(64 + tree.num_nodes)
+    with torch.no_grad():
+        step.forward(prompt, torch.arange(11)[None], None, cache, last=True)
         cache.commit_all(11)
-        hidden, _ = target_forward(
-            target, tokens[None], (11 + tree.depth)[None], cache, tree.attention_mask[None, None]
-        )
-        tree_logits = target.get_output_embeddings()(hidden)  # [T, V]
+        tree_logits, _ = step.forward(tokens[None], (11 + tree.depth)[None], tree.attention_mask[None, None], cache)
     for node in range(tree.num_nodes):
         ancestors = tree.attention_mask[node].nonzero().flatten()  # ascending = root to node
         sequence = torch.cat([prompt[0], tokens[ancestors]])[None]

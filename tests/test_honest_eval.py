@@ -18,13 +18,12 @@ import pytest
 import torch
 
 from medusa_like.apps import evaluate as app
-from medusa_like.cpu.few_row_linear import FewRowLinear, with_stock_linears
-from medusa_like.decoding.cost_measure import measure_cost_model
 from medusa_like.decoding.tree_files import save_tree
-from medusa_like.drafters.merge import session_cost_model
 from medusa_like.evaluation.methods import REFERENCE, SPECULATIVE, STOCK
 from medusa_like.evaluation.report import markdown
 from medusa_like.evaluation.setup import load_eval_model
+from medusa_like.forward.cost_measure import measure_cost_model
+from medusa_like.forward.cpu.few_row_linear import FewRowLinear, with_stock_linears
 
 from .conftest import compose_config
 
@@ -144,7 +143,7 @@ def test_a_report_without_stock_greedy_says_so(tmp_path, eval_cfg):
     ships, (g) does not run, and the report says why."""
     cfg = eval_cfg(
         f"data.path={questions_file(tmp_path)}",
-        "target.few_row_linear=false",
+        "target.tuned_layers=false",
         "tree=chain",
         "eval.warmup=false",
         *SHORT,
@@ -174,7 +173,7 @@ def test_every_method_runs_the_kernels_the_cost_model_chose(tmp_path, eval_cfg, 
     saved = None
     if tree == "file":
         model = load_eval_model(eval_cfg(*overrides))
-        saved = measure_cost_model(model.target, sizes=(1, 2, 4, 8), prefix=8, repeats=1)
+        saved = measure_cost_model(model.forward, sizes=(1, 2, 4, 8), prefix=8, repeats=1)
         save_tree(model.resolve_tree("dynamic"), tmp_path / "tree.json", cost_model=saved.to_json())
     cfg = eval_cfg(*overrides, f"tree={tmp_path / 'tree.json'}" if saved else "tree=dynamic")
     real_make_runners = app.make_runners
@@ -182,13 +181,13 @@ def test_every_method_runs_the_kernels_the_cost_model_chose(tmp_path, eval_cfg, 
 
     def watched_runners(model, *args, **kwargs):
         runners = real_make_runners(model, *args, **kwargs)
-        seen.update(model=model, kernels=kernels(model.target), cost=session_cost_model(model.drafter), calls=[])
+        seen.update(model=model, kernels=kernels(model.target), cost=model.drafter.cost_model, calls=[])
 
         def watch(name, run):
             def wrapped(ids, max_new_tokens):
                 before = kernels(model.target)
                 out = run(ids, max_new_tokens)
-                costs = (session_cost_model(model.drafter), session_cost_model(model.drafter.lookup))
+                costs = (model.drafter.cost_model, model.drafter.parts()["lookup"].cost_model)
                 seen["calls"].append((name, before == seen["kernels"] == kernels(model.target), costs))
                 return out
 

@@ -10,6 +10,7 @@ import torch
 from medusa_like import MedusaLikeModel
 from medusa_like.decoding.draft_tree import DraftTree
 from medusa_like.drafters.kinds import TrainingFreeKind
+from medusa_like.drafters.protocol import DrafterBase
 from medusa_like.drafters.registry import KINDS, kind_named, register
 from medusa_like.evaluation.setup import load_eval_model
 from medusa_like.formats.common import Codec
@@ -50,7 +51,7 @@ class FollowerProposer:
         return DraftTree.from_parents(tokens, torch.arange(-1, len(chain), device=self.device))  # node i's parent i-1
 
 
-class FollowerDrafter:
+class FollowerDrafter(DrafterBase):  # the protocol's defaults: no cost model, no parts, nothing learned
     kind = "follower"
     max_depth = None
 
@@ -187,5 +188,5 @@ def test_the_evaluation_names_its_decoding_mode_drafter_mode_and_refuses_drafter
         load_eval_model(eval_cfg("drafter.kind=lookup"))
     with pytest.raises(ValueError, match="drafter.mode must be combined, learned or lookup, got 'eagle3'"):
         load_eval_model(eval_cfg("drafter.mode=eagle3"))
-    model = load_eval_model(eval_cfg("drafter.mode=lookup", "target.few_row_linear=false"))
+    model = load_eval_model(eval_cfg("drafter.mode=lookup", "target.tuned_layers=false"))
     assert model.drafter.kind == "lookup"

@@ -7,14 +7,13 @@ import json
 import pytest
 import torch
 
-from medusa_like.cpu.few_row_linear import linear_kernel
-from medusa_like.decoding.cost_measure import measure_cost_model
 from medusa_like.decoding.cost_model import CostModel, CostModelMismatchError, non_decreasing_fit
 from medusa_like.decoding.generate import speculative_generate
 from medusa_like.decoding.sampling import warp_logits
 from medusa_like.decoding.tree import BudgetedTreeSpec, DynamicTreeSpec, TokenTree
 from medusa_like.decoding.tree_files import load_tree, save_tree, spec_from_json
 from medusa_like.drafters.base import DrafterMismatchError
+from medusa_like.drafters.budget import best_rate, lookup_certainty
 from medusa_like.drafters.combined import CombinedDrafter
 from medusa_like.drafters.eagle3 import EAGLE3
 from medusa_like.drafters.lookup import (
@@ -25,20 +24,15 @@ from medusa_like.drafters.lookup import (
     NgramIndex,
     OutputStore,
 )
-from medusa_like.drafters.merge import PROBE_EVERY, CombinedProposer, SessionState, best_rate, lookup_certainty
+from medusa_like.drafters.merged_tree import PROBE_EVERY, MergedTreeProposer, SessionState
+from medusa_like.forward import prepare_target
+from medusa_like.forward.cost_measure import measure_cost_model
 from medusa_like.model import MedusaLikeModel
 from medusa_like.targets import target_fingerprint
 
-from .conftest import FAMILIES, VOCAB, greedy_reference, random_heads, random_prompts, tiny_target
+from .conftest import FAMILIES, VOCAB, flat_cost, greedy_reference, random_heads, random_prompts, tiny_target
 
 BACKENDS = ("eager", "sdpa", "flash")
-
-
-def flat_cost(target, per_node_ms: float = 0.0) -> CostModel:
-    """A cost model where verifying more nodes costs `per_node_ms` each on top of 10 ms."""
-    nodes = [1, 2, 4, 8, 16, 32, 64]
-    times = [10.0 + per_node_ms * n for n in nodes]
-    return CostModel(nodes, times, target_fingerprint(target.config), str(target.dtype), "cpu", linear_kernel(target))
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -203,7 +197,7 @@ class ScriptedSource:
 
 def merged_tree(sources, num_nodes: int, per_node_ms: float = 0.0):
     target = tiny_target("llama")
-    proposer = CombinedProposer(target, None, sources, SessionState(flat_cost(target, per_node_ms)))
+    proposer = MergedTreeProposer(target, None, sources, SessionState(flat_cost(target, per_node_ms)))
     prompt = torch.tensor([1, 2, 3])
     proposer.begin(prompt, torch.zeros(3, 32), torch.tensor(4), capacity=64)
     return proposer, proposer.propose(BudgetedTreeSpec(None, num_nodes, lookup_depth=4))
@@ -268,7 +262,7 @@ def test_the_learned_drafter_is_skipped_only_where_lookup_was_as_sure_when_steps
     state = SessionState(
         flat_cost(target), steps={(3, True): slower, (3, False): faster, (0, True): faster, (0, False): slower}
     )
-    proposer = CombinedProposer(target, EAGLE3.fresh(target), [sure], state)
+    proposer = MergedTreeProposer(target, EAGLE3.fresh(target), [sure], state)
     width = len(proposer.feature_layers) * target.config.hidden_size
     proposer.begin(torch.tensor([1, 2, 3]), torch.zeros(3, width), torch.tensor(4), capacity=64)
     spec = BudgetedTreeSpec(DynamicTreeSpec(1, 2, 2), num_nodes=4, lookup_depth=4)
@@ -289,7 +283,7 @@ def test_the_learned_drafters_gate_measures_each_side_end_to_end_and_probes_the_
     and side; every PROBE_EVERY steps the side judged slower is taken, so a misjudgement can be undone."""
     target = tiny_target("llama")
     state = SessionState(flat_cost(target))
-    proposer = CombinedProposer(target, EAGLE3.fresh(target), [ScriptedSource("context", [])], state)
+    proposer = MergedTreeProposer(target, EAGLE3.fresh(target), [ScriptedSource("context", [])], state)
     width = len(proposer.feature_layers) * target.config.hidden_size
     proposer.begin(torch.tensor([1, 2, 3]), torch.zeros(3, width), torch.tensor(4), capacity=256)
     spec = BudgetedTreeSpec(DynamicTreeSpec(1, 2, 2), num_nodes=4, lookup_depth=4)
@@ -336,20 +330,25 @@ def test_agreement_of_two_sources_is_calibrated_apart_from_either_source_alone()
 # The cost model
 
 
-def test_cost_model_is_saved_with_the_tree_and_refused_for_another_target(tmp_path):
+def test_cost_model_is_saved_with_the_tree_and_refused_for_other_weights_or_dtype(tmp_path):
+    """A tree file's cost model holds for the weights it was measured on: another checkpoint of the same config
+    (another seed) or the same weights in another dtype is refused, naming the fingerprints or dtypes."""
     target = tiny_target("llama")
-    cost = measure_cost_model(target, sizes=(4, 1, 8), prefix=8, repeats=1)
+    prepared = prepare_target(target, tuned_layers=False)
+    cost = measure_cost_model(prepared, sizes=(4, 1, 8), prefix=8, repeats=1)
     assert cost.nodes == [1, 4, 8] and all(ms > 0 for ms in cost.verify_ms)
     assert cost.verify_ms == sorted(cost.verify_ms) and cost.verify_ms == non_decreasing_fit(cost.measured_ms)
     spec = BudgetedTreeSpec(DynamicTreeSpec(2, 2, 3), num_nodes=6, lookup_depth=5)
     path = save_tree(spec, tmp_path / "tree.json", cost_model=cost.to_json())
     assert load_tree(path) == spec
     stored = json.loads(path.read_text())["cost_model"]
-    assert CostModel.from_json(stored, target).verify_ms == pytest.approx(cost.verify_ms, abs=1e-3)
-    with pytest.raises(CostModelMismatchError, match="fingerprint"):
-        CostModel.from_json(stored, tiny_target("qwen2"))
-    with pytest.raises(CostModelMismatchError):
-        CostModel.from_json(stored, target.to(torch.float64))
+    assert prepared.load_cost_model(stored, "file").verify_ms == pytest.approx(cost.verify_ms, abs=1e-3)
+    same_config = prepare_target(tiny_target("llama", seed=1), tuned_layers=False)
+    with pytest.raises(CostModelMismatchError, match=f"target_fingerprint '{cost.target_fingerprint}'"):
+        same_config.load_cost_model(stored, "file")
+    wider = prepare_target(tiny_target("llama").to(torch.float64), tuned_layers=False)
+    with pytest.raises(CostModelMismatchError, match="dtype 'torch.float32' \\(here 'torch.float64'\\)"):
+        wider.load_cost_model(stored, "file")
 
 
 def test_the_cost_fit_never_lets_more_nodes_cost_less_and_keeps_what_already_rises():
@@ -357,15 +356,16 @@ def test_the_cost_fit_never_lets_more_nodes_cost_less_and_keeps_what_already_ris
     assert non_decreasing_fit([1.0, 2.0, 2.0, 7.0]) == [1.0, 2.0, 2.0, 7.0]
     # a file written before the fit (one slow spell at 5 nodes) is fitted on load
     target = tiny_target("llama")
-    raw = CostModel([1, 4, 5, 6], [70.0, 76.0, 108.0, 80.0], target_fingerprint(target.config), "torch.float32", "cpu")
-    loaded = CostModel.from_json(raw.to_json(), target)
+    raw = flat_cost(target, nodes=(1, 4, 5, 6))
+    raw.verify_ms = [70.0, 76.0, 108.0, 80.0]
+    loaded = CostModel.from_json(raw.to_json())
     assert loaded.verify_ms == pytest.approx([70.0, 76.0, 94.0, 94.0])
 
 
 def test_cost_model_interpolates_and_extrapolates():
     target = tiny_target("llama")
-    cost = CostModel([1, 4], [10.0, 16.0], target_fingerprint(target.config), "torch.float32", "cpu")
-    assert cost.verify(1) == 10.0 and cost.verify(2) == pytest.approx(12.0) and cost.verify(7) == pytest.approx(22.0)
+    cost = flat_cost(target, per_node_ms=2.0, nodes=(1, 4))  # 12 and 18 ms
+    assert cost.verify(1) == 12.0 and cost.verify(2) == pytest.approx(14.0) and cost.verify(7) == pytest.approx(24.0)
 
 
 # ---------------------------------------------------------------------------------------------------------------------

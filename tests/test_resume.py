@@ -18,7 +18,7 @@ QUESTIONS = [
     {"question_id": 2, "category": "math", "turns": ["What is 12 times 7?"]},
 ]
 ANSWERS = ["One, two.", "One, two, three.", "One.", "One, two, three, four.", "Zero."]
-FAST = ("target.few_row_linear=false", "eval.sweep.prompts=0", "eval.head_accuracy=false", "eval.warmup=false")
+FAST = ("target.tuned_layers=false", "eval.sweep.prompts=0", "eval.head_accuracy=false", "eval.warmup=false")
 
 
 def write_jsonl(path: Path, records) -> Path:
@@ -97,7 +97,7 @@ def killed(tmp_path_factory):
         ("eval.prompt_lookup_num_tokens=3", ["eval.prompt_lookup_num_tokens: 'auto' in the run, 3 now"]),
         ("eval.threads=1", ["eval.threads: None in the run, 1 now"]),
         ("target.backend=eager", ["target.backend: 'auto' in the run, 'eager' now"]),
-        ("target.few_row_linear=null", ["target.few_row_linear: False in the run, None now"]),
+        ("target.tuned_layers=null", ["target.tuned_layers: False in the run, None now"]),
         ("drafter.seed_store=500", ["drafter.seed_store: 1000 in the run, 500 now"]),
         ("drafter.store_tokens=5000", ["drafter.store_tokens: 2000000 in the run, 5000 now"]),
         ("drafter.store={files}/store.json", ["drafter.store: None in the run, '{files}/store.json' now"]),

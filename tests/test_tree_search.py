@@ -7,9 +7,6 @@ import json
 import pytest
 import torch
 
-from medusa_like.cpu.few_row_linear import linear_kernel
-from medusa_like.decoding.cost_measure import SIZES
-from medusa_like.decoding.cost_model import CostModel
 from medusa_like.decoding.tree_files import load_tree
 from medusa_like.decoding.tree_presets import expected_acceptance
 from medusa_like.drafters.lookup import LookupDrafter
@@ -21,11 +18,11 @@ from medusa_like.evaluation.tree_search import (
     time_trees,
     trees_for_budgets,
 )
+from medusa_like.forward.cost_measure import SIZES
 from medusa_like.model import MedusaLikeModel
-from medusa_like.targets import target_fingerprint
 from medusa_like.tiny import tiny_chat_target
 
-from .conftest import tiny_target
+from .conftest import flat_cost, tiny_target
 
 # head 1: rank 0 right 60%, rank 1 20%, rank 2 15%; head 2: rank 0 50%, rank 1 20%
 TOPK = [[0.6, 0.8, 0.95], [0.5, 0.7, 0.7]]
@@ -132,11 +129,7 @@ def test_each_timed_tree_learns_in_a_session_of_its_own(monkeypatch):
     monkeypatch.setattr(LookupDrafter, "proposer", recording_proposer)
     target = tiny_target("llama")
     model = MedusaLikeModel(target, None, LookupDrafter(), backend="sdpa")
-    nodes = [1, 2, 4, 8, 16, 32, 64]
-    model.drafter.state.cost_model = CostModel(
-        nodes, [10.0 + 0.5 * n for n in nodes], target_fingerprint(target.config), str(target.dtype), "cpu",
-        linear_kernel(model.target),
-    )  # fmt: skip
+    model.drafter.use_cost_model(flat_cost(target, per_node_ms=0.5))
     prompts = [torch.tensor([[5, 6, 7, 8, 9] * 4]), torch.tensor([[11, 12, 13] * 5])]  # repeats: lookup drafts
     trees = {n: {"budgeted": {"num_nodes": n, "lookup_depth": 4, "learned": None}} for n in (4, 12)}
     rows = time_trees(model, prompts, trees, max_new_tokens=24)

@@ -19,9 +19,9 @@ from omegaconf import DictConfig
 
 from medusa_like.apps import CONFIG_DIR
 from medusa_like.cli import TRAIN_CHECKS, check_config, one_line_errors
-from medusa_like.cpu.few_row_linear import use_read_kernel
 from medusa_like.data.prepare import ensure_dataset, load_model
 from medusa_like.formats import save_drafter
+from medusa_like.forward.cpu.few_row_linear import use_read_kernel
 from medusa_like.io import write_json
 from medusa_like.runs import last_checkpoint, resolved, save_config
 from medusa_like.training.build import build_module

@@ -120,9 +120,21 @@ def check_room(target, prompt_len: int, spec, max_new_tokens: int, max_cache_len
     return capacity
 
 
-def check_inputs(target, proposer, input_ids, spec, max_new_tokens: int, max_cache_len: int | None) -> int:
-    """Refuse, before anything runs, what cannot work; return the KV cache capacity."""
+def check_inputs(
+    target,
+    proposer,
+    input_ids,
+    spec,
+    max_new_tokens: int,
+    max_cache_len: int | None,
+    temperature: float = 0.0,
+    top_k: int = 0,
+    top_p: float = 1.0,
+) -> int:
+    """Refuse, before anything runs, what cannot work (the one check of the loop's arguments); return the KV cache
+    capacity."""
     check_lengths(max_new_tokens, max_cache_len)
+    check_sampling(temperature, top_k, top_p)
     check_prompt(target, input_ids)
     check_drafter(spec, proposer.max_depth, proposer.max_rank)
     return check_room(target, input_ids.shape[1], spec, max_new_tokens, max_cache_len)

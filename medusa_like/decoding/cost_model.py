@@ -1,40 +1,29 @@
 """What a decoding step costs on this machine: the target's verification forward against the number of tree nodes,
-as data that is checked, saved with a tree and refused for another setup (measuring it is `cost_measure.py`'s).
+as plain data that is checked, saved with a tree and read back.
 
-    cost = measure_cost_model(target)               # `cost_measure.py`: forwards over 1..32 nodes
     cost.verify(12)                                 # ms, interpolated between measured sizes
     save_tree(spec, "tree.json", cost_model=cost.to_json())             # `tree_files.py`
-    cost = CostModel.from_json(data, target, source="file:tree.json")   # checked, and refused for another setup
+    cost = CostModel.from_json(data, source="file:tree.json")           # checked for form
 
-A budgeted tree (`drafters/merge.py`) picks each step's node budget to maximise expected tokens per second from it:
-where a forward over many nodes costs little more than one over a single token, deep trees pay; where it costs
-much more, shallow ones. Where the cost models of a machine come from (a tree file, the on-disk cache, a measurement
-on first use) is `cost_cache.py`'s business.
+A budgeted tree (`drafters/budget.py`) picks each step's node budget to maximise expected tokens per second from it:
+where a forward over many nodes costs little more than one over a single token, deep trees pay; where it costs much
+more, shallow ones.
+
+Where a cost model comes from and whether it holds for a target is the business of `medusa_like.forward` (the room
+for the forward's machine-specific parts): it measures one, caches it, refuses one measured for other weights, dtype,
+device, machine or forward (`mismatches` compares the fields it is given), and sets the kernels it was measured with
+(`kernels`, an opaque record only that room reads). The decoding core sees milliseconds against node counts.
 
 `verify_ms` is a non-decreasing curve (`non_decreasing_fit`; `measured_ms` keeps the medians it was fitted to), so
-that no leftover blip makes more nodes look cheaper; a file written before the fit is fitted when it is read.
-
-Which kernels computed the times is not this module's business: `kernels` is an opaque record of
-`medusa_like.cpu.kernel_choice`, which checks it against the target, sets it where the cost model is loaded (so that
-the times hold), and chooses among the kernels this machine runs during a full measurement.
+that no leftover blip makes more nodes look cheaper.
 """
 
 import math
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 
-from medusa_like.cpu.kernel_choice import (
-    LEGACY_FIELDS,
-    KernelMismatchError,
-    KernelRecordError,
-    apply_kernels,
-    check_kernels,
-    upgrade_legacy,
-    validate_record,
-)
-from medusa_like.cpu.machine import architecture, machine_identity
-from medusa_like.targets import target_fingerprint
-
-REQUIRED = ("nodes", "verify_ms", "target_fingerprint", "dtype", "device", "machine")
+REQUIRED = ("nodes", "verify_ms", "target_fingerprint", "dtype", "device", "machine", "step")
+# what a cost model must share with the forward it sizes trees for (`medusa_like.forward` supplies the values)
+IDENTITY = ("target_fingerprint", "dtype", "device", "machine", "step")
 
 
 class CostModelError(ValueError):
@@ -53,11 +42,14 @@ class CostModelMismatchError(CostModelError):
 class CostModel:
     nodes: list[int]  # tree sizes measured, root included: unique, ascending, >= 1
     verify_ms: list[float]  # milliseconds of one target forward over that many nodes: the fitted, non-decreasing curve
-    target_fingerprint: str
+    target_fingerprint: str  # the target's weights (`targets.weights_fingerprint`)
     dtype: str
     device: str  # the device type: "cpu", "cuda"
-    kernels: dict | str | None = None  # what computed the layers (`cpu.kernel_choice`'s record; None: not recorded)
-    machine: str = field(default_factory=machine_identity)  # `cpu.machine.machine_identity()` where it was measured
+    machine: str  # where it was measured (`forward.cpu.machine.machine_identity()`)
+    step: str  # what computed the forward ("eager", "compiled (...)": `TargetStep.describe`)
+    kernels: dict | None = (
+        None  # the kernels the layers ran (an opaque record of `medusa_like.forward`; None: as they were)
+    )
     measured_ms: list[float] | None = None  # the per-size medians before the fit
     threads: int | None = None  # torch's intra-op threads during the measurement
     quick: bool = False  # a first estimate (few sizes and rounds), replaced by a full measurement when one is made
@@ -70,7 +62,7 @@ class CostModel:
         check_times("verify_ms", self.verify_ms, len(self.nodes))
         if self.measured_ms is not None:
             check_times("measured_ms", self.measured_ms, len(self.nodes))
-        for name in ("target_fingerprint", "dtype", "device", "machine", "source"):
+        for name in (*IDENTITY, "source"):
             if not isinstance(getattr(self, name), str) or not getattr(self, name):
                 raise InvalidCostModelError(
                     f"cost model: {name} must be a non-empty string, got {getattr(self, name)!r}"
@@ -82,10 +74,8 @@ class CostModel:
             raise InvalidCostModelError(f"cost model: threads must be an integer >= 1 or null, got {self.threads!r}")
         if not isinstance(self.quick, bool):
             raise InvalidCostModelError(f"cost model: quick must be true or false, got {self.quick!r}")
-        try:
-            self.kernels = validate_record(self.kernels)
-        except KernelRecordError as err:
-            raise InvalidCostModelError(f"cost model: {err}") from err
+        if self.kernels is not None and not isinstance(self.kernels, dict):
+            raise InvalidCostModelError(f"cost model: kernels must be a JSON object or null, got {self.kernels!r}")
 
     def verify(self, num_nodes: int) -> float:
         """Milliseconds to verify `num_nodes` nodes: linear between measured sizes, extrapolated beyond them."""
@@ -113,65 +103,39 @@ class CostModel:
         return data
 
     @classmethod
-    def from_json(cls, data, target, source: str = "file") -> "CostModel":
-        """The cost model `to_json` wrote (or an older file's flat kernel fields), checked field by field and refused
-        unless it was measured for this target, dtype, device type, machine and layers; the target's layers are set
-        to the kernels it was measured with, so that its times hold. `source` says where it was read from."""
+    def from_json(cls, data, source: str = "file") -> "CostModel":
+        """The cost model `to_json` wrote, checked field by field (whether it holds for a target is for
+        `medusa_like.forward` to say). `source` says where it was read from."""
         if not isinstance(data, dict):
             raise InvalidCostModelError(f"a cost model must be a JSON object, got {type(data).__name__}: {data!r}")
-        fields = dict(data)
-        missing = [name for name in REQUIRED if name not in fields]
+        missing = [name for name in REQUIRED if name not in data]
         if missing:
-            raise InvalidCostModelError(f"cost model: missing fields {missing}")
-        legacy = {name: fields.pop(name) for name in LEGACY_FIELDS if name in fields}
-        if legacy:
-            if "kernels" in fields:
-                raise InvalidCostModelError(f"cost model: both kernels and the older fields {sorted(legacy)}")
-            check_sizes("nodes", fields["nodes"])
-            try:
-                fields["kernels"] = upgrade_legacy(legacy, fields["nodes"])
-            except KernelRecordError as err:
-                raise InvalidCostModelError(f"cost model: {err}") from err
-        unknown = set(fields) - set(cls.__dataclass_fields__)
+            raise InvalidCostModelError(
+                f"cost model: missing fields {missing} (written by an earlier version? measure it again: "
+                "model.measure_cost_model(), or eval.tree_search)"
+            )
+        unknown = set(data) - set(cls.__dataclass_fields__)
         if unknown:
             raise InvalidCostModelError(f"cost model: unknown fields {sorted(unknown)}")
-        model = cls(**{**fields, "source": source})
-        model.check_fits(target)
-        model.verify_ms = non_decreasing_fit(model.verify_ms)  # files written before the fit hold raw medians
-        apply_kernels(model.kernels, target)
-        return model
+        cost = cls(**{**data, "source": source})
+        cost.verify_ms = non_decreasing_fit(cost.verify_ms)  # a hand-edited or foreign curve must not dip either
+        return cost
 
-    def mismatches(self, target) -> list[str]:
-        """How this cost model's setup differs from `target` on this machine (empty: it fits)."""
-        wanted = {
-            "target_fingerprint": target_fingerprint(target.config),
-            "dtype": str(target.dtype),
-            "device": target.device.type,
-        }
-        found = [f"{name} {getattr(self, name)!r} (here {value!r})" for name, value in wanted.items()
-                 if getattr(self, name) != value]  # fmt: skip
-        here = machine_identity()
-        names_no_cpu = " " not in self.machine  # as older files: compared on the architecture alone
-        if self.machine != here and not (names_no_cpu and self.machine == architecture(here)):
-            found.append(f"machine {self.machine!r} (here {here!r})")
-        try:
-            check_kernels(self.kernels, target)
-        except KernelMismatchError as err:
-            found.append(str(err))
-        return found
+    def mismatches(self, expected: dict) -> list[str]:
+        """How this cost model's setup differs from `expected` ({IDENTITY field: value here}); empty: it fits."""
+        return [
+            f"{name} {getattr(self, name)!r} (here {value!r})"
+            for name, value in expected.items()
+            if getattr(self, name) != value
+        ]
 
-    def fits(self, target) -> bool:
-        return not self.mismatches(target)
 
-    def check_fits(self, target) -> None:
-        """Refuse a cost model of another target, dtype, device type, machine or layers (one that names only the
-        architecture, as older files do, is compared on that)."""
-        found = self.mismatches(target)
-        if found:
-            raise CostModelMismatchError(
-                f"{self.describe()} was measured for another setup: {'; '.join(found)}. Measure it again on this "
-                "machine for this target: model.measure_cost_model(), or eval.tree_search"
-            )
+def mismatch_error(cost: CostModel, found: list[str]) -> CostModelMismatchError:
+    """The refusal of `cost` for the differences `found` (`CostModel.mismatches` and the forward's own checks)."""
+    return CostModelMismatchError(
+        f"{cost.describe()} was measured for another setup: {'; '.join(found)}. Measure it again on this machine for "
+        "this target: model.measure_cost_model(), or eval.tree_search"
+    )
 
 
 def check_sizes(name: str, sizes) -> None:

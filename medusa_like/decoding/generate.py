@@ -22,14 +22,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from medusa_like.targets import cache_keyword
-
-from .attention import tree_attention
-from .checks import check_inputs, check_sampling
+from .checks import check_inputs
 from .draft_tree import DraftTree
-from .kv_cache import TreeKVCache
-from .projection import VocabProjection
 from .sampling import PositionNoise, race, warp_logits
+from .step import EagerStep, TargetStep
 
 
 @dataclass
@@ -82,27 +78,6 @@ class GenerateOutput:
 
 # ---------------------------------------------------------------------------------------------------------------------
 # The tensor functions of a step
-
-
-def target_forward(target, input_ids, position_ids, cache: TreeKVCache, tree_mask, feature_layers=None):
-    """New tokens [1, T] through the target, writing their KV into `cache`.
-
-    Returns (last hidden state [T, H], drafter features [T, F]): the concatenated `hidden_states[i]` for i in
-    `feature_layers`, or the last hidden state itself when None.
-    """
-    model = target.base_model
-    out = model(
-        input_ids=input_ids,
-        position_ids=position_ids,
-        attention_mask=tree_mask,
-        use_cache=True,
-        **{cache_keyword(model): cache},
-        output_hidden_states=feature_layers is not None,
-    )
-    hidden = out.last_hidden_state[0]  # [T, H]
-    if feature_layers is None:
-        return hidden, hidden
-    return hidden, torch.cat([out.hidden_states[i][0] for i in feature_layers], dim=-1)  # [T, n * H]
 
 
 def accept_greedy(tokens: torch.Tensor, predictions: torch.Tensor, tree) -> torch.Tensor:
@@ -187,22 +162,44 @@ def speculative_generate(
     """Tree speculative decoding of one sequence, lossless: at temperature 0 the output is the target's greedy output
     token for token; above it, every token is drawn from the target's own (temperature, top-k, top-p) distribution.
 
-    `proposer` follows `medusa_like.drafters.protocol.Proposer` (Medusa heads, the EAGLE-3 drafter, lookup, their
-    combination, an oracle in tests); `tree` is any `TreeSpec` (`decoding/tree.py`). Verification and acceptance are
-    the same for every drafter and tree, so the output is too.
+    `target` is a model (its forward then runs eagerly with attention `backend`) or a `TargetStep` (`step.py`: what
+    `medusa_like.forward` prepares for this machine). `proposer` follows `medusa_like.drafters.protocol.Proposer`
+    (Medusa heads, the EAGLE-3 drafter, lookup, their combination, an oracle in tests); `tree` is any `TreeSpec`
+    (`decoding/tree.py`). Verification and acceptance are the same for every drafter and tree, so the output is too.
+    Arguments are checked first (`checks.py`); `MedusaLikeModel.generate` checks the rest of its own before this.
     """
-    check_sampling(temperature, top_k, top_p)
-    capacity = check_inputs(target, proposer, input_ids, tree, max_new_tokens, max_cache_len)
+    step = target if isinstance(target, TargetStep) else EagerStep(target, backend)
+    capacity = check_inputs(step.target, proposer, input_ids, tree, max_new_tokens, max_cache_len, temperature,
+                            top_k, top_p)  # fmt: skip
+    return decode(step, proposer, input_ids, tree, max_new_tokens, capacity, stop, streamer, temperature, top_k, top_p,
+                  generator)  # fmt: skip
+
+
+@torch.inference_mode()
+def decode(
+    step: TargetStep,
+    proposer,
+    input_ids: torch.Tensor,
+    tree,
+    max_new_tokens: int,
+    capacity: int,
+    stop: StopChecker | None = None,
+    streamer: Callable | None = None,
+    temperature: float = 0.0,
+    top_k: int = 0,
+    top_p: float = 1.0,
+    generator: torch.Generator | None = None,
+) -> GenerateOutput:
+    """The loop of `speculative_generate`, on arguments `checks.check_inputs` accepted (`capacity`: its answer)."""
     device = input_ids.device
     prompt_len = input_ids.shape[1]
     stop = stop or StopChecker()
     tree = tree.to(device)
-    lm_head = VocabProjection(target)
     layers = proposer.feature_layers
-    cache = TreeKVCache.for_model(target, capacity)
+    cache = step.new_cache(capacity)
     stats = DecodeStats()
-
-    noise = None if temperature == 0 else PositionNoise(lm_head.weight.shape[0], device, generator)
+    vocab = step.target.get_output_embeddings().weight.shape[0]
+    noise = None if temperature == 0 else PositionNoise(vocab, device, generator)
 
     def target_tokens(logits, first: int, depth: torch.Tensor, max_depth: int):  # [T, V] -> [T]
         """The target's token after each node: its argmax, or its pick with the noise of its position (the node's
@@ -212,51 +209,49 @@ def speculative_generate(
         probs = warp_logits(logits, temperature, top_k, top_p)
         return race(probs, noise.take(first, max_depth + 1)[depth])
 
-    with tree_attention(target, backend):
-        start = time.perf_counter()
-        positions = torch.arange(prompt_len, device=device)[None]
-        hidden, features = target_forward(target, input_ids, positions, cache, None, layers)  # [P, H], [P, F]
-        cache.commit_all(prompt_len)
-        root = target_tokens(lm_head(hidden[-1:]), 0, torch.zeros(1, dtype=torch.long, device=device), 0)[0]
-        proposer.begin(input_ids[0], features, root, capacity)
-        stats.target_forwards = 1
-        generated = [int(root)]
-        stats.prefill_seconds = time.perf_counter() - start
-        _emit(streamer, generated)
-        finish = stop.cut(generated, 0)
+    start = time.perf_counter()
+    positions = torch.arange(prompt_len, device=device)[None]
+    logits, features = step.forward(input_ids, positions, None, cache, layers, last=True)  # [1, V], [P, F]
+    cache.commit_all(prompt_len)
+    root = target_tokens(logits, 0, torch.zeros(1, dtype=torch.long, device=device), 0)[0]
+    proposer.begin(input_ids[0], features, root, capacity)
+    stats.target_forwards = 1
+    generated = [int(root)]
+    stats.prefill_seconds = time.perf_counter() - start
+    _emit(streamer, generated)
+    finish = stop.cut(generated, 0)
 
-        start = time.perf_counter()
-        while finish is None and len(generated) < max_new_tokens:
-            step_start = time.perf_counter()
-            draft: DraftTree = proposer.propose(tree)
-            stats.draft_seconds += time.perf_counter() - step_start
-            step_start = time.perf_counter()
-            tokens = draft.tokens  # [T]
-            prefix = cache.length
-            cache.check_room(draft.num_nodes)
-            mask = draft.attention_mask[None, None]  # [1, 1, T, T]
-            hidden, features = target_forward(target, tokens[None], (prefix + draft.depth)[None], cache, mask, layers)
-            logits = lm_head(hidden)  # [T, V]
-            first = prefix - prompt_len + 1  # the token after the root, counted from the first generated token
-            predictions = target_tokens(logits, first, draft.depth, draft.max_depth)  # [T]
-            nodes = accept_greedy(tokens, predictions, draft)  # [n + 1]
-            root = predictions[nodes[-1]]
-            cache.commit(prefix + nodes)
-            proposer.accept(tokens[nodes], features[nodes], root)
-            stats.target_forwards += 1
-            stats.accepted_draft.append(nodes.numel() - 1)
-            count_sources(stats.accepted_by_source, draft, nodes[1:])
+    start = time.perf_counter()
+    while finish is None and len(generated) < max_new_tokens:
+        step_start = time.perf_counter()
+        draft: DraftTree = proposer.propose(tree)
+        stats.draft_seconds += time.perf_counter() - step_start
+        step_start = time.perf_counter()
+        tokens = draft.tokens  # [T]
+        prefix = cache.length
+        cache.check_room(draft.num_nodes)
+        mask = draft.attention_mask[None, None]  # [1, 1, T, T]
+        logits, features = step.forward(tokens[None], (prefix + draft.depth)[None], mask, cache, layers)  # [T, V]
+        first = prefix - prompt_len + 1  # the token after the root, counted from the first generated token
+        predictions = target_tokens(logits, first, draft.depth, draft.max_depth)  # [T]
+        nodes = accept_greedy(tokens, predictions, draft)  # [n + 1]
+        root = predictions[nodes[-1]]
+        cache.commit(prefix + nodes)
+        proposer.accept(tokens[nodes], features[nodes], root)
+        stats.target_forwards += 1
+        stats.accepted_draft.append(nodes.numel() - 1)
+        count_sources(stats.accepted_by_source, draft, nodes[1:])
 
-            new = tokens[nodes[1:]].tolist() + [int(root)]
-            first_new = len(generated)
-            generated.extend(new)
-            del generated[max_new_tokens:]
-            finish = stop.cut(generated, first_new)
-            if finish is not None:
-                del generated[finish[0] :]
-            _emit(streamer, generated[first_new:])
-            stats.verify_seconds += time.perf_counter() - step_start
-        stats.decode_seconds = time.perf_counter() - start
+        new = tokens[nodes[1:]].tolist() + [int(root)]
+        first_new = len(generated)
+        generated.extend(new)
+        del generated[max_new_tokens:]
+        finish = stop.cut(generated, first_new)
+        if finish is not None:
+            del generated[finish[0] :]
+        _emit(streamer, generated[first_new:])
+        stats.verify_seconds += time.perf_counter() - step_start
+    stats.decode_seconds = time.perf_counter() - start
 
     if streamer is not None and hasattr(streamer, "end"):
         streamer.end()

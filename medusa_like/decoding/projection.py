@@ -1,37 +1,30 @@
-"""The target's output projection as a fast function of a few hidden states, optionally restricted to some rows."""
+"""The target's output projection as a function of a few hidden states, optionally restricted to some rows."""
 
 import torch
+import torch.nn.functional as F
 
-from medusa_like.cpu.few_row_linear import FewRowLinear, few_row_product
-from medusa_like.targets import logit_softcap, softcap
+from medusa_like.targets import logit_softcap, output_logits, softcap
 
 
 class VocabProjection:
-    """The target's output projection (and final logit soft-capping, e.g. Gemma's), as `logits = W @ h^T`.
+    """The target's output projection and final logit soft-capping (e.g. Gemma's), as the target computes them.
 
-    Same numbers as calling `lm_head`, computed as `few_row_linear.py` computes few rows: for the rows of a tree step
-    or of the heads, CPU BLAS runs `W @ h^T` several times faster than `F.linear`'s `h @ W^T` on a large vocabulary
-    (docs/results.md), and the output layer's row plan, if it has one, picks the kernel per row count. `rows` [N]
-    restricts it to those token ids (a draft vocabulary): logits [..., N] in that order.
+    Unrestricted, it calls the target's own output layer (whatever `medusa_like.forward` made of it on this machine).
+    `rows` [N] restricts it to those token ids (a draft vocabulary): their rows are copied once, and the logits come
+    back [..., N] in that order.
     """
 
     def __init__(self, target, rows: torch.Tensor | None = None):
-        output = target.get_output_embeddings()
-        weight, bias = output.weight, getattr(output, "bias", None)  # [V, H], [V]
+        self.target, self.rows = target, rows
         if rows is not None:
-            rows = rows.to(weight.device)
-            weight = weight[rows].contiguous()
-            bias = bias[rows] if bias is not None else None
-        self.weight, self.bias = weight, bias
-        self.planned = output if isinstance(output, FewRowLinear) and rows is None else None  # its plan may change
-        self.softcap = logit_softcap(target.config)
-
-    @property
-    def plan(self) -> tuple[int, ...]:
-        return self.planned.plan if self.planned is not None else ()
+            output = target.get_output_embeddings()
+            rows = rows.to(output.weight.device)
+            self.weight = output.weight[rows].contiguous()  # [N, H]
+            self.bias = output.bias[rows] if getattr(output, "bias", None) is not None else None
+            self.softcap = logit_softcap(target.config)
 
     def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [..., H] -> logits [..., V] (or [..., N] for restricted rows)."""
-        packs = self.planned.packs if self.planned is not None else None
-        prefill = self.planned.prefill if self.planned is not None else 0
-        return softcap(few_row_product(hidden, self.weight, self.bias, self.plan, packs, prefill), self.softcap)
+        if self.rows is None:
+            return output_logits(self.target, hidden)
+        return softcap(F.linear(hidden.to(self.weight.dtype), self.weight, self.bias), self.softcap)

@@ -1,10 +1,12 @@
 """The combined drafter kind: a learned drafter (EAGLE-3 or Medusa heads) and lookup (context, output store) merged
-into one cost-aware tree each step by `merge.CombinedProposer` (see `drafters/merge.py`).
+into one cost-aware tree each step by `merged_tree.MergedTreeProposer`.
 
     model = MedusaLikeModel.from_pretrained(target, drafter="combined", learned="runs/x/drafter")
 """
 
+import copy
 from collections.abc import Iterator
+from pathlib import Path
 
 import torch
 
@@ -13,7 +15,7 @@ from medusa_like.decoding.tree import TreeSpec, budgeted
 
 from .kinds import TrainingFreeKind
 from .lookup import LOOKUP
-from .merge import CombinedProposer, SessionState
+from .merged_tree import MergedTreeProposer, SessionState
 from .protocol import Drafter
 
 
@@ -21,6 +23,7 @@ class CombinedDrafter:
     """A learned drafter and lookup sources behind one cost-aware tree."""
 
     kind = "combined"
+    wants_cost_model = True  # its trees are budgeted by this machine's cost model
 
     def __init__(self, learned, lookup, cost_model: CostModel | None = None):
         self.learned = learned
@@ -35,8 +38,23 @@ class CombinedDrafter:
     def computes_in_own_dtype(self) -> bool:
         return getattr(self.learned, "computes_in_own_dtype", False)
 
-    def proposer(self, target) -> CombinedProposer:
-        return CombinedProposer(target, self.learned, self.lookup.sources(), self.state)
+    @property
+    def cost_model(self) -> CostModel | None:
+        return self.state.cost_model
+
+    def use_cost_model(self, cost: CostModel) -> None:
+        self.state.cost_model = cost
+
+    def proposer(self, target) -> MergedTreeProposer:
+        return MergedTreeProposer(target, self.learned, self.lookup.sources(), self.state)
+
+    def parts(self) -> dict[str, Drafter]:
+        return {"learned": self.learned, "lookup": self.lookup}
+
+    def fork(self) -> "CombinedDrafter":
+        forked = copy.copy(self)
+        forked.state = self.state.fork()
+        return forked
 
     def check_fits(self, target) -> None:
         self.learned.check_fits(target)
@@ -60,22 +78,15 @@ class CombinedDrafter:
         return self.learned.modules()
 
 
-def fresh_combined(
-    target, learned: str | Drafter = "eagle3", store=None, cost_model: CostModel | None = None, **options
-) -> CombinedDrafter:
-    """A learned drafter (an object, or the name of a trainable kind such as "eagle3" or "medusa" for a fresh one built
-    with `options`; `formats.resolve_drafter` loads one named by a directory or checkpoint first) with context lookup
-    and an output store (empty, or loaded from `store`)."""
-    if isinstance(learned, str):
-        from .registry import KINDS  # the registry lists this kind too, so it is read when a drafter is built
-
-        trainable = sorted(name for name, kind in KINDS.items() if kind.trainable)
-        if learned not in trainable:
-            raise ValueError(
-                f"learned={learned!r}: a learned drafter, one of {trainable} for a fresh one, or a drafter "
-                "directory or checkpoint through MedusaLikeModel.from_pretrained / formats.resolve_drafter"
-            )
-        learned = KINDS[learned].fresh(target, **options)
+def fresh_combined(target, learned: Drafter, store=None, cost_model: CostModel | None = None) -> CombinedDrafter:
+    """A learned drafter object with context lookup and an output store (empty, or loaded from `store`).
+    `formats.resolve_drafter` makes the learned drafter from what a user names (a trainable kind's name, a directory
+    or a checkpoint)."""
+    if isinstance(learned, (str, Path)):
+        raise TypeError(
+            f"learned={learned!r}: a learned drafter object (MedusaLikeModel.from_pretrained and "
+            "formats.resolve_drafter take a kind's name, a drafter directory or a checkpoint)"
+        )
     return CombinedDrafter(learned, LOOKUP.fresh(target, store=store), cost_model)
 
 

@@ -7,11 +7,12 @@ suffix earlier is a good guess of what follows now.
                      adds its answer once it is done; bounded, oldest answers evicted first; saved and loaded
 
 Both index their text by n-grams (`NgramIndex`) and answer a suffix with a trie of continuations: each node carries
-how often it followed its parent (`Continuation.frequency`), and the match length, which `drafters/merge.py` turns
+how often it followed its parent (`Continuation.frequency`), and the match length, which `drafters/calibration.py` turns
 into a calibrated chance of acceptance. A `LookupDrafter` (kind "lookup") is the two sources behind the combined
 proposer with no learned drafter: `MedusaLikeModel.from_pretrained(target, drafter="lookup")`.
 """
 
+import copy
 import json
 from collections import deque
 from collections.abc import Iterable, Iterator
@@ -27,7 +28,7 @@ from medusa_like.targets import target_fingerprint
 from ..decoding.tree import DEFAULT_LOOKUP_DEPTH, TreeSpec, budgeted
 from .base import DrafterMismatchError, target_name
 from .kinds import TrainingFreeKind
-from .merge import CombinedProposer, SessionState
+from .merged_tree import MergedTreeProposer, SessionState
 
 SEPARATOR = -1  # between documents of a store: no n-gram or continuation crosses it
 STORE_FORMAT = "medusa_like.output_store"
@@ -323,11 +324,12 @@ class OutputStore:
 
 
 class LookupDrafter:
-    """Context lookup and an output store, merged into one cost-aware tree (`drafters/merge.py`) with no learned
-    drafter. Lossless like any drafter; needs no training."""
+    """Context lookup and an output store, merged into one cost-aware tree (`drafters/merged_tree.py`) with no
+    learned drafter. Lossless like any drafter; needs no training."""
 
     kind = "lookup"
     max_depth = None
+    wants_cost_model = True  # its trees are budgeted by this machine's cost model
 
     def __init__(
         self,
@@ -348,8 +350,23 @@ class LookupDrafter:
     def sources(self) -> list:
         return [source for source in (self.context, self.store) if source.name in self.use]
 
-    def proposer(self, target) -> CombinedProposer:
-        return CombinedProposer(target, None, self.sources(), self.state)
+    @property
+    def cost_model(self):
+        return self.state.cost_model
+
+    def use_cost_model(self, cost) -> None:
+        self.state.cost_model = cost
+
+    def proposer(self, target) -> MergedTreeProposer:
+        return MergedTreeProposer(target, None, self.sources(), self.state)
+
+    def parts(self) -> dict:
+        return {}
+
+    def fork(self) -> "LookupDrafter":
+        forked = copy.copy(self)
+        forked.state = self.state.fork()
+        return forked
 
     def check_fits(self, target) -> None:
         self.store.check_fits(target)

@@ -24,6 +24,7 @@ from typing import Protocol
 
 import torch
 
+from ..decoding.cost_model import CostModel
 from ..decoding.draft_tree import DraftTree
 from ..decoding.tree import TreeSpec
 
@@ -48,13 +49,16 @@ class Proposer(Protocol):
 
 
 class Drafter(Protocol):
-    """A drafter object: trained weights (an `nn.Module`) or a training-free source."""
+    """A drafter object: trained weights (an `nn.Module`) or a training-free source. `DrafterBase` below answers
+    `wants_cost_model`, `cost_model`, `use_cost_model`, `parts` and `fork` for the drafters that need nothing else."""
 
     kind: str  # its `DrafterKind`'s name in the registry
     max_depth: int | None  # the deepest static tree it can fill; None: any
     # casts the target's states it reads to its own dtype, so it may compute in another dtype than the target
-    # (`model.drafting_dtype`); absent: False
+    # (`forward.PreparedTarget.drafting_dtype`); absent: False
     computes_in_own_dtype: bool
+    wants_cost_model: bool  # sizes its trees by this machine's cost model (lookup, combined): the framework sets one
+    cost_model: CostModel | None  # the one it sizes trees by (None: none set, or it consults none)
 
     def proposer(self, target) -> Proposer:
         """A fresh proposer for one generation with `target`."""
@@ -72,6 +76,19 @@ class Drafter(Protocol):
         """A finished output of the target (lookup stores learn from it; learned drafters ignore it)."""
         ...
 
+    def use_cost_model(self, cost: CostModel) -> None:
+        """Size trees by `cost` from the next generation on (drafters that consult none ignore it)."""
+        ...
+
+    def parts(self) -> dict[str, "Drafter"]:
+        """The drafters it merges, by role ("learned", "lookup"), each of which can decode alone; {} for one source."""
+        ...
+
+    def fork(self) -> "Drafter":
+        """A drafter sharing its weights, sources and cost model, with its own copy of what it learns across
+        generations (calibration, the learned drafter's gate): what a tree search times each candidate with."""
+        ...
+
     def to(self, device=None, dtype=None) -> "Drafter": ...
 
     def eval(self) -> "Drafter": ...
@@ -79,6 +96,23 @@ class Drafter(Protocol):
     def modules(self) -> Iterator[torch.nn.Module]:
         """The torch modules it computes with (none for lookup), as `nn.Module.modules` gives them."""
         ...
+
+
+class DrafterBase:
+    """The answers of a drafter that sizes no tree by a cost model, merges no parts and learns nothing across
+    generations: subclass it and write the rest of `Drafter`."""
+
+    wants_cost_model = False
+    cost_model = None
+
+    def use_cost_model(self, cost: CostModel) -> None:
+        pass  # its trees are the spec's, whatever the machine
+
+    def parts(self) -> dict:
+        return {}
+
+    def fork(self) -> "DrafterBase":
+        return self
 
 
 class DrafterKind(Protocol):

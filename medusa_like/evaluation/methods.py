@@ -9,8 +9,6 @@ from dataclasses import dataclass
 
 import torch
 
-from medusa_like.cpu.few_row_linear import linear_kernel, with_stock_linears
-from medusa_like.drafters.merge import cost_model_for, session_cost_model, use_cost_model
 from medusa_like.evaluation.timing import Runner
 
 REFERENCE = "hf_greedy"  # the output every method must reproduce token for token: greedy with the same layers
@@ -32,30 +30,27 @@ class MethodContext:
 
     @property
     def combined(self) -> bool:
-        return self.model.drafter_kind == "combined"
+        """Whether the drafter merges parts that can each decode alone (a learned drafter and lookup)."""
+        return bool(self.model.drafter.parts())
 
     def alone(self, part: str):
         return alone(self.model, part)
 
 
 def alone(model, part: str):
-    """A combined model's learned drafter or lookup decoding alone, on the same target. Lookup alone budgets its trees
-    by the combined drafter's cost model (`settle_cost_model`): it never measures one of its own, which would set
-    other kernels on the shared target for every method after it. The learned drafter alone fills a dynamic or static
-    tree and consults no cost model."""
-    if part == "learned":
-        drafter = model.drafter.learned
-    else:
-        drafter = model.drafter.lookup
-        use_cost_model(drafter, session_cost_model(model.drafter))
-    # few_row_linear=False, drafter_dtype: the target's and drafters' layers and dtypes stay as the evaluated model's
+    """A combined model's learned drafter or lookup decoding alone (`Drafter.parts`), on the same prepared target (its
+    step, kernels and compiled code shared). Lookup alone budgets its trees by the combined drafter's cost model
+    (`settle_cost_model`): it never measures one of its own, which would set other kernels on the shared target for
+    every method after it. The learned drafter alone fills a dynamic or static tree and consults no cost model."""
+    drafter = model.drafter.parts()[part]
+    if drafter.wants_cost_model:
+        drafter.use_cost_model(model.drafter.cost_model)
+    # drafter_dtype: the learned drafter's dtype stays the evaluated model's
     return type(model)(
-        model.target,
+        model.forward,
         model.tokenizer,
         drafter,
-        backend=model.backend,
         target_name=model.target_name,
-        few_row_linear=False,
         drafter_dtype=model.drafter_dtype if part == "learned" else None,
     )
 
@@ -118,8 +113,8 @@ METHODS: dict[str, Method] = {
         "(g) transformers generate, greedy, with the target's own nn.Linear layers (not the few-row layers every other "
         "method shares): what transformers does as it ships; a speed baseline, and every output is compared with it "
         "as well as with (a)",
-        lambda c: hf_runner(with_stock_linears(c.model.target), c.eos, c.pad),
-        lambda c: linear_kernel(c.model.target) == "few_row",
+        lambda c: hf_runner(c.model.forward.stock(), c.eos, c.pad),
+        lambda c: c.model.forward.differs_from_stock,
     ),
     "plain_loop": Method(
         "(c) our loop, no drafter",
@@ -154,13 +149,10 @@ def label(name: str) -> str:
 
 def settle_cost_model(model) -> None:
     """Give a combined or lookup drafter its cost model before any method runs: the tree file's (loaded by
-    `setup.apply_tree_settings`), else one measured now; other drafters the kernels of the tree file's or this
-    machine's cached one (`MedusaLikeModel.settle_kernels`). A cost model sets the target's row and prefill kernels,
-    so this happens once, here; every method, transformers' included, then runs the same kernels."""
-    if model.drafter_kind in ("combined", "lookup"):
-        cost_model_for(model.drafter.state, model.target)
-    else:
-        model.settle_kernels()
+    `setup.apply_tree_settings`), else this machine's; other drafters the kernels of the tree file's or this machine's
+    cached one. A cost model sets the target's kernels, so this happens once, here; every method, transformers'
+    included, then runs the same kernels."""
+    model.settle_cost_model()
 
 
 def make_runners(model, tree, prompt_lookup_num_tokens: int, names=None, learned_tree=None) -> dict[str, Runner]:

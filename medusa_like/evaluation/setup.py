@@ -7,7 +7,6 @@ from pathlib import Path
 import torch
 from omegaconf import DictConfig
 
-from medusa_like.cpu.few_row_linear import linear_kernel
 from medusa_like.data.prepare import load_model as load_target_model
 from medusa_like.data.split import draft_vocab_from_training_split, training_answers
 from medusa_like.decoding.tree_files import save_tree
@@ -67,8 +66,9 @@ def load_eval_setup(cfg: DictConfig) -> tuple[MedusaLikeModel, dict | None]:
         drafter,
         backend=cfg.target.backend,
         target_name=cfg.model.name_or_path,
-        few_row_linear=cfg.target.get("few_row_linear"),
+        tuned_layers=cfg.target.get("tuned_layers"),
         drafter_dtype=cfg.drafter.get("dtype", "auto"),
+        compile=cfg.target.get("compile", False),
     )
     model.measure_row_plans()  # every method runs measured row plans (once per machine: then cached)
     return model, store_filling
@@ -159,11 +159,11 @@ def run_search(cfg: DictConfig, model, out_path: Path) -> dict:
     prompts = calibration_prompts(cfg, model)
     ts = cfg.tree_search
     timing = prompts[: max(ts.timing_prompts, 1)]
-    budgeted = ts.get("budgeted") is not None and model.drafter_kind in ("combined", "lookup")
+    budgeted = ts.get("budgeted") is not None and model.drafter.wants_cost_model
     cost = None
-    if budgeted or linear_kernel(model.target) == "few_row":
-        # budgeted trees are sized by a full cost model; and any tree is timed, and saved, with the few-row kernels
-        # it measured fastest on this machine, which the tree file sets again wherever it is used
+    if budgeted or model.forward.differs_from_stock:
+        # budgeted trees are sized by a full cost model; and any tree is timed, and saved, with the step and kernels
+        # measured on this machine, which the tree file sets again wherever it is used
         cost = model.measure_cost_model()
     result = search(
         model,
@@ -177,7 +177,7 @@ def run_search(cfg: DictConfig, model, out_path: Path) -> dict:
         ts.get("budgeted"),
     )
     learned_alone = None
-    if ts.get("learned_alone") and model.drafter_kind == "combined":
+    if ts.get("learned_alone") and "learned" in model.drafter.parts():
         # after the combined search: the learned drafter alone runs the kernels its cost model chose on the target
         alone_model = alone(model, "learned")
         args = (ts.timing_prompts, cfg.eval.max_new_tokens, ts.budget, ts.budgets, ts.dynamic, cfg.eval.k_max)

@@ -10,9 +10,7 @@ import platform
 import torch
 import transformers
 
-from medusa_like.cpu.few_row_linear import linear_kernel, with_stock_linears
 from medusa_like.decoding.tree_files import spec_from_json
-from medusa_like.drafters.merge import session_cost_model
 from medusa_like.evaluation import metrics
 from medusa_like.evaluation.methods import BASELINES, METHODS, REFERENCE, SPECULATIVE, STOCK
 from medusa_like.evaluation.report import print_report, write_plots, write_report
@@ -75,7 +73,7 @@ def losslessness_section(model, records: list[dict], methods: list[str]) -> dict
     against = {REFERENCE: compare(model.target, records, methods, REFERENCE)}
     stock = stock_note(model, methods)
     if stock["compared"]:
-        against[STOCK] = compare(with_stock_linears(model.target), records, methods, STOCK)
+        against[STOCK] = compare(model.forward.stock(), records, methods, STOCK)
     differences = {ref: result["differences"] for ref, result in against.items()}
     section["mismatched"] = [d for d in differences[REFERENCE] if d["method"] == SPECULATIVE]
     ours = our_methods(records, methods)
@@ -95,10 +93,10 @@ def stock_note(model, methods: list[str]) -> dict:
     """Whether (g), transformers' greedy with its own nn.Linear layers, was run and compared, and why not."""
     if STOCK in methods:
         return {"compared": True, "note": "every method compared with (g) as well as with (a)"}
-    if linear_kernel(model.target) == "nn.Linear":
+    if not model.forward.differs_from_stock:
         note = (
-            "(g) not run: the target keeps its own nn.Linear layers (no few-row layers on this device and dtype), so "
-            "(a) is transformers' greedy as it ships"
+            "(g) not run: the target runs eagerly on its own nn.Linear layers (no tuned layers on this device and "
+            "dtype, nothing compiled), so (a) is transformers' greedy as it ships"
         )
     else:
         note = "(g) not run in this run's records: outputs are compared with (a), greedy with the same layers, alone"
@@ -313,8 +311,8 @@ def cost_models_section(model, methods: list[str]) -> dict:
     """The cost model each method sized its trees by (lookup and combined drafters: the speculative method, and lookup
     alone), as used, with its source (`file:`, `cache:` or `measured`) and when it was measured; methods that consult
     none are left out."""
-    drafters = {SPECULATIVE: model.drafter, "lookup": getattr(model.drafter, "lookup", None)}
-    used = {name: session_cost_model(drafter) for name, drafter in drafters.items() if name in methods}
+    drafters = {SPECULATIVE: model.drafter, "lookup": model.drafter.parts().get("lookup")}
+    used = {name: drafter.cost_model for name, drafter in drafters.items() if name in methods and drafter is not None}
     return {name: cost.to_json() for name, cost in used.items() if cost is not None}
 
 

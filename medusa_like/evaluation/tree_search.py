@@ -18,15 +18,12 @@ same few prompts, and a median of three is one prompt's figure, where trees a fe
 A budget counts candidate nodes, the root (the target's own next token) excluded: budget 0 is plain decoding.
 """
 
-import copy
-import dataclasses
 from collections.abc import Callable, Sequence
 
 import torch
 
 from medusa_like.decoding.tree import BudgetedTreeSpec, DynamicTreeSpec
 from medusa_like.decoding.tree_presets import expected_acceptance, greedy_tree
-from medusa_like.drafters.merge import SessionState
 from medusa_like.evaluation.methods import hf_runner, loop_runner
 from medusa_like.evaluation.metrics import (
     TOPK_MAX,
@@ -110,23 +107,20 @@ def predicted_tau(paths, topk: Sequence[Sequence[float]]) -> float:
 
 
 def own_session(model, runner):
-    """`runner`, its calls made with a session state of its own (calibration, the learned drafter's gate), started
-    from a copy of the model's drafter's. A combined or lookup drafter learns across generations: candidates timed on
-    the same model would otherwise learn from each other's steps, and a tree's speed would depend on the trees timed
-    beside it. The model's own state is left as it was. Other drafters learn nothing: `runner` itself."""
-    drafter = model.drafter
-    shared = getattr(drafter, "state", None)
-    if not isinstance(shared, SessionState):
+    """`runner`, its calls made with a drafter that learns in a session of its own (calibration, the learned drafter's
+    gate), started from a copy of the model's drafter's (`Drafter.fork`). A combined or lookup drafter learns across
+    generations: candidates timed on the same model would otherwise learn from each other's steps, and a tree's speed
+    would depend on the trees timed beside it. The model's own drafter is left as it was."""
+    own = model.drafter.fork()
+    if own is model.drafter:  # it learns nothing across generations
         return runner
-    own = copy.deepcopy(dataclasses.replace(shared, cost_model=None))
-    own.cost_model = shared.cost_model  # the machine's measurement: shared, never learned
 
     def run(ids: torch.Tensor, max_new_tokens: int):
-        saved, drafter.state = drafter.state, own
+        saved, model.drafter = model.drafter, own
         try:
             return runner(ids, max_new_tokens)
         finally:
-            drafter.state = saved
+            model.drafter = saved
 
     return run
 

@@ -132,7 +132,7 @@ def measure(cfg) -> dict:
     drafter = load_drafter(cfg.drafter.path, target)
     export = export_drafter(drafter, out_dir / "eagle3", "eagle3", target, cfg.model.name_or_path, overwrite=True)
     check_export(export, target)
-    model = MedusaLikeModel(target, tokenizer, drafter, few_row_linear=False)  # nn.Linear, as vLLM's reference
+    model = MedusaLikeModel(target, tokenizer, drafter, tuned_layers=False)  # nn.Linear, as vLLM's reference
     questions = question_set(cfg.data, cfg.validation)
     prompt_ids = [model.chat_ids([{"role": "user", "content": q.turns[0]}]) for q in questions]
     prompts = [ids[0].tolist() for ids in prompt_ids]

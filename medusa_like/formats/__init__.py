@@ -46,9 +46,8 @@ def resolve_drafter(drafter: str | Path | Drafter, target, **options) -> Drafter
     """A drafter for `target` from what a user names: an object as it is, a directory or checkpoint loaded, or a kind's
     name built fresh with `options`, where a combined drafter's `learned=` directory or checkpoint is loaded too."""
     if isinstance(drafter, str) and drafter in KINDS:
-        learned = options.get("learned")
-        if isinstance(learned, (str, Path)) and learned not in KINDS:
-            options["learned"] = load_drafter(learned, target)
+        if drafter == "combined":
+            options["learned"] = resolve_learned(options.pop("learned", "eagle3"), target, options)
         return kind_named(drafter).fresh(target, **options)
     if isinstance(drafter, str) and not Path(drafter).exists():
         raise FileNotFoundError(
@@ -58,6 +57,23 @@ def resolve_drafter(drafter: str | Path | Drafter, target, **options) -> Drafter
     if isinstance(drafter, (str, Path)):
         return load_drafter(drafter, target)
     return drafter
+
+
+def resolve_learned(learned, target, options: dict) -> Drafter:
+    """A combined drafter's learned part from what a user names: an object, a trainable kind's name (built fresh
+    with the kind options in `options`, which are taken out of it) or a drafter directory or checkpoint."""
+    if isinstance(learned, str) and learned in KINDS:
+        trainable = sorted(name for name, kind in KINDS.items() if kind.trainable)
+        if learned not in trainable:
+            raise ValueError(
+                f"learned={learned!r}: a learned drafter, one of {trainable} for a fresh one, or a drafter directory "
+                "or checkpoint"
+            )
+        kind_options = {k: options.pop(k) for k in list(options) if k not in ("store", "cost_model")}
+        return kind_named(learned).fresh(target, **kind_options)
+    if isinstance(learned, (str, Path)):
+        return load_drafter(learned, target)
+    return learned
 
 
 def export_drafter(

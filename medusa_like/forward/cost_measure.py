@@ -1,8 +1,10 @@
 """Measuring what a decoding step costs on this machine: the target's verification forward timed over each number
 of tree nodes, into a `CostModel` (`cost_model.py`: the data, its checks and its use).
 
-    cost = measure_cost_model(target)               # forwards over 1..32 nodes after a 128-token context
-    cost = quick_cost_model(target)                 # a first estimate: a few sizes, few rounds, the kernels as they are
+    cost = measure_cost_model(prepared)             # forwards over 1..32 nodes after a 128-token context
+    cost = quick_cost_model(prepared)               # a first estimate: a few sizes, few rounds, the kernels as they are
+
+`prepared` is a `PreparedTarget` (`prepared.py`): its step is what is timed, its layers what the kernels are set on.
 
 A shared CPU's speed drifts over seconds, longer than one size takes to time, so the sizes are timed in interleaved
 rounds (a slow spell lands on every size alike) and the per-size medians are fitted by a non-decreasing curve, so that
@@ -12,7 +14,7 @@ forwards, or a re-check far from the fit) is repeated, at most `attempts` times,
 fastest median over the attempts (a slow spell only ever adds time); the log and `note` say which. One such spell,
 taken at face value, made every tree dearer than a single token and switched drafting off.
 
-Which kernels a full measurement times and keeps for each size is `medusa_like.cpu.kernel_choice`'s (`KernelChoice`);
+Which kernels a full measurement times and keeps for each size is `medusa_like.forward.cpu.kernel_choice`'s (`KernelChoice`);
 a quick one times the layers as they are.
 """
 
@@ -25,14 +27,9 @@ from datetime import datetime, timezone
 import torch
 from tqdm.auto import tqdm
 
-from medusa_like.cpu.kernel_choice import KernelChoice
-from medusa_like.targets import target_fingerprint
+from medusa_like.decoding.cost_model import CostModel, check_sizes, non_decreasing_fit
 
-from .attention import pick_backend, tree_attention
-from .cost_model import CostModel, check_sizes, non_decreasing_fit
-from .generate import target_forward
-from .kv_cache import TreeKVCache
-from .projection import VocabProjection
+from .cpu.kernel_choice import KernelChoice
 
 log = logging.getLogger(__name__)
 
@@ -90,16 +87,15 @@ def far_off(ms: float, expected: float) -> bool:
 
 
 class Forwards:
-    """The timed work: a `prefix`-token context's prefill into a KV cache, then the target's forward and vocabulary
-    projection over a chain-shaped tree of n nodes after it (the cache rewound after each)."""
+    """The timed work: a `prefix`-token context's prefill into a KV cache, then the step's forward (logits included)
+    over a chain-shaped tree of n nodes after it (the cache rewound after each)."""
 
-    def __init__(self, target, prefix: int, max_size: int):
-        self.target, self.prefix, self.device = target, prefix, target.device
-        self.vocab = target.config.get_text_config().vocab_size
+    def __init__(self, step, prefix: int, max_size: int):
+        self.step, self.prefix, self.device = step, prefix, step.target.device
+        self.vocab = step.target.config.get_text_config().vocab_size
         self.generator = torch.Generator().manual_seed(0)
         self.context = torch.randint(0, self.vocab, (1, prefix), generator=self.generator).to(self.device)
-        self.cache = TreeKVCache.for_model(target, prefix + max_size)
-        self.lm_head = VocabProjection(target)
+        self.cache = step.new_cache(prefix + max_size)
 
     def _wait(self) -> None:
         if self.device.type == "cuda":
@@ -108,7 +104,7 @@ class Forwards:
     def prefill(self) -> None:
         self.cache.rewind(0)
         positions = torch.arange(self.prefix, device=self.device)[None]
-        target_forward(self.target, self.context, positions, self.cache, None)
+        self.step.forward(self.context, positions, None, self.cache, last=True)
         self.cache.commit_all(self.prefix)
         self._wait()
 
@@ -116,8 +112,8 @@ class Forwards:
         tokens = torch.randint(0, self.vocab, (1, size), generator=self.generator).to(self.device)
         positions = torch.arange(self.prefix, self.prefix + size, device=self.device)[None]
         mask = torch.ones(size, size, dtype=torch.bool, device=self.device).tril()[None, None]
-        hidden, _ = target_forward(self.target, tokens, positions, self.cache, mask)
-        self.lm_head(hidden).argmax(-1)
+        logits, _ = self.step.forward(tokens, positions, mask, self.cache)
+        logits.argmax(-1)
         self._wait()
         self.cache.rewind(self.prefix)
 
@@ -162,7 +158,7 @@ def recheck(forwards: Forwards, sizes: list[int], fitted: list[float], timer: Ti
 
 @torch.inference_mode()
 def measure_cost_model(
-    target,
+    prepared,
     sizes=SIZES,
     prefix: int = PREFIX,
     repeats: int = REPEATS,
@@ -181,16 +177,16 @@ def measure_cost_model(
     kept and set (`cpu.kernel_choice`); else the layers run as they are. `timer(what, run)` times one forward."""
     sizes = sorted(set(sizes))
     check_sizes("sizes", sizes)
+    target, step = prepared.target, prepared.step
     if type(repeats) is not int or repeats < 1 or type(attempts) is not int or attempts < 1:
         raise ValueError(f"repeats and attempts must be integers >= 1, got {repeats!r} and {attempts!r}")
-    choice = KernelChoice(target, sizes, prefix, pick=pick_kernels, without=without)
-    forwards = Forwards(target, prefix, max(sizes))
+    # kernels are chosen for the eager step's few-row layers; the compiled step's are Inductor's
+    pick = pick_kernels and step is prepared.eager
+    choice = KernelChoice(target, sizes, prefix, pick=pick, without=without)
+    forwards = Forwards(step, prefix, max(sizes))
     per_attempt = (repeats + 1) * (len(sizes) * len(choice.options) + len(choice.prefill_options)) + 2
     tried, problems = [], []
-    with (
-        tree_attention(target, pick_backend("auto", target.device)),
-        tqdm(total=per_attempt, desc="cost model", unit="forward", leave=False, disable=None) as bar,
-    ):
+    with tqdm(total=per_attempt, desc="cost model", unit="forward", leave=False, disable=None) as bar:
         for attempt in range(1, attempts + 1):
             bar.reset(total=per_attempt)
             samples, prefill_samples = time_rounds(forwards, choice, sizes, repeats, timer, bar)
@@ -226,10 +222,8 @@ def measure_cost_model(
     return CostModel(
         sizes,
         non_decreasing_fit(curve),
-        target_fingerprint(target.config),
-        str(target.dtype),
-        target.device.type,
-        choice.record(),
+        **prepared.identity(),
+        kernels=choice.record() if step is prepared.eager else None,
         measured_ms=curve,
         threads=torch.get_num_threads(),
         quick=quick,
@@ -238,10 +232,10 @@ def measure_cost_model(
     )
 
 
-def quick_cost_model(target, timer: Timer = wall_ms) -> CostModel:
+def quick_cost_model(prepared, timer: Timer = wall_ms) -> CostModel:
     """A first estimate, bounded to a few forwards per size: QUICK_SIZES after a QUICK_PREFIX-token context,
     QUICK_REPEATS rounds, the kernels as they are (nothing chosen, no row plan measured)."""
     return measure_cost_model(
-        target, QUICK_SIZES, QUICK_PREFIX, QUICK_REPEATS, pick_kernels=False, quick=True, attempts=QUICK_ATTEMPTS,
+        prepared, QUICK_SIZES, QUICK_PREFIX, QUICK_REPEATS, pick_kernels=False, quick=True, attempts=QUICK_ATTEMPTS,
         timer=timer,
     )  # fmt: skip

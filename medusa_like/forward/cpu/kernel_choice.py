@@ -10,8 +10,7 @@ this package's business. A cost model carries them as a record that only this mo
 
 A record is a dict: `linears` ("few_row" or "nn.Linear": what computes the linear layers), `rows` ({tree size as a
 string: row kernel of `few_row_linear.ROW_KERNELS`}, or None) and `prefill` (a kernel of `PREFILL_KERNELS`, or None).
-None for rows or prefill leaves the layers as they are. Cost models written before records existed carried the same
-facts in flat fields (`LEGACY_FIELDS`); `upgrade_legacy` turns them into a record.
+None for rows or prefill leaves the layers as they are.
 
 Why a whole forward picks the kernel: a row plan is the best guess of one layer timed alone, while a whole forward
 shares caches and threads; per tree size, whole forwards are timed with each row kernel this machine can run and the
@@ -41,7 +40,6 @@ from .row_plans import cached_row_plan
 KERNEL_MARGIN = 1.03  # another row kernel replaces F.linear for a size only if over 3% faster
 LINEARS = ("few_row", "nn.Linear")
 RECORD_FIELDS = ("linears", "rows", "prefill")
-LEGACY_FIELDS = ("linears", "row_kernels", "prefill_kernel")  # a cost model's flat kernel fields, before records
 
 
 class KernelRecordError(ValueError):
@@ -56,11 +54,9 @@ class KernelMismatchError(ValueError):
 
 
 def validate_record(record) -> dict | None:
-    """`record` checked for form (None: nothing recorded; a string: the `linears` of an old cost model)."""
+    """`record` checked for form (None: nothing recorded)."""
     if record is None:
         return None
-    if isinstance(record, str):
-        record = {"linears": record}
     if not isinstance(record, dict):
         raise KernelRecordError(f"kernels must be a JSON object with {list(RECORD_FIELDS)}, got {record!r}")
     unknown = set(record) - set(RECORD_FIELDS)
@@ -81,21 +77,6 @@ def validate_record(record) -> dict | None:
     if record["prefill"] is not None and record["prefill"] not in PREFILL_KERNELS:
         raise KernelRecordError(f"kernels.prefill must be one of {PREFILL_KERNELS} or null, got {record['prefill']!r}")
     return record
-
-
-def upgrade_legacy(fields: dict, nodes: list[int]) -> dict:
-    """The record of an old cost model's flat fields (`LEGACY_FIELDS`; `row_kernels` one per size of `nodes`)."""
-    row_kernels = fields.get("row_kernels")
-    rows = None
-    if row_kernels is not None:
-        if not isinstance(row_kernels, list) or len(row_kernels) != len(nodes):
-            raise KernelRecordError(f"row_kernels must list one row kernel per tree size {nodes}, got {row_kernels!r}")
-        if not all(isinstance(n, int) and 1 <= n <= KERNEL_ROWS for n in nodes):
-            raise KernelRecordError(f"row kernels cover tree sizes 1..{KERNEL_ROWS}, not {nodes}")
-        rows = {str(n): kernel for n, kernel in zip(nodes, row_kernels, strict=True)}
-    # with row kernels, an old file that named no prefill kernel was measured when prefills ran F.linear
-    prefill = fields.get("prefill_kernel") or ("linear" if rows is not None else None)
-    return validate_record({"linears": fields.get("linears", "nn.Linear"), "rows": rows, "prefill": prefill})
 
 
 def check_kernels(record, target: nn.Module) -> None:

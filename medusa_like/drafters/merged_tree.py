@@ -1,94 +1,44 @@
 """One tree from several sources: a learned drafter (EAGLE-3 or Medusa heads) and lookup (context, output store),
-merged by prefix, each node scored by an estimated chance of acceptance, cut to a cost-aware budget.
+merged by prefix, each node scored by its calibrated chance of acceptance, cut to a cost-aware budget. The proposer of
+the combined drafter, and of lookup alone (no learned drafter).
 
-One step (`CombinedProposer.propose`):
+One step (`MergedTreeProposer.propose`):
 
     lookup      each source's trie of continuations after the text so far                   (no model: cheap)
     learned     the learned drafter's tree, unless steps without it, where lookup's best guess was as sure as now,
                 gave more tokens per ms, measured end to end                     (EAGLE-3: one drafter pass per depth)
     merge       one trie keyed by token paths: two sources proposing the same prefix give one node
-    score       q(node) = P(node accepted | parent accepted), calibrated online per source and bucket (below);
+    score       q(node) = P(node accepted | parent accepted), calibrated online (`calibration.py`);
                 score(node) = product of q along its path: the chance the target accepts it
-    budget      the best n nodes by score, n maximising (1 + sum of their scores) / (verify_ms(n + 1) + draft_ms)
-                from the machine's cost model (`decoding/cost_model.py`): shallow or none when little is likely,
-                deep along a long confident match
+    budget      the best n nodes by score, n maximising expected tokens per ms under the machine's cost model
+                (`budget.py`)
 
-Calibration: a node's raw estimate is its drafter probability (learned) or how often it followed its parent among
-the matches (lookup). After each step the target's accepted path and bonus token tell, for every candidate whose
-parent was accepted, whether the target agreed with it, verified or not; those outcomes update Beta counts per bucket
-(the set of sources that proposed it, then its most confident proposal's source, raw-estimate, match-length and depth
-buckets), whose mean (with that raw estimate as prior) is q. A node two sources agree on is far likelier than one
-either proposes alone at the same per-source estimate (docs/trees.md), so agreement is its own bucket: pooled into
-each source's buckets, it would make single-source nodes look likelier than they are, and the budget would verify too
-many of them.
-
-Scores are non-increasing along a path, so the best n nodes are ancestor-closed; the target verifies them like any
-tree, and the output stays exactly the target's.
+The target verifies the chosen nodes like any tree, and the output stays exactly the target's.
 """
 
+import copy
+import dataclasses
 import math
 import time
-from bisect import bisect_right
 from dataclasses import dataclass, field
 
 import torch
 
-from medusa_like.decoding.cost_cache import machine_cost_model
 from medusa_like.decoding.cost_model import CostModel
 from medusa_like.decoding.draft_tree import DraftTree
 from medusa_like.decoding.tree import TreeSpec, budgeted
 
-OVERHEAD_MS = 1.0  # per step outside drafting and the verification forward: acceptance, commits, Python
+from .budget import best_rate, lookup_certainty, path_scores
+from .calibration import LEARNED, Calibration, learned_key, lookup_key, lookup_prior
+
 PROBE_EVERY = 8  # every this many steps the learned drafter's gate takes the side it judged slower, to keep it measured
 STEP_WEIGHT = 0.05  # the weight of one step in the gate's moving averages of tokens and milliseconds per step
-LEARNED = "learned"
-
-# Calibration bucket edges (`bisect_right`: a value equal to an edge falls in the bucket above it)
-FREQUENCY_EDGES = (0.34, 0.67, 0.99)  # a lookup node's share of the matches
-MATCH_LENGTH_EDGES = (2, 3, 4, 6, 9)  # the tokens its match spans
-PROBABILITY_EDGES = (0.05, 0.15, 0.3, 0.5, 0.7, 0.9)  # a learned node's probability
-MAX_DEPTH_BUCKET = 4  # nodes this deep or deeper share a bucket
-CERTAINTY_EDGES = (0.05, 0.2, 0.5)  # the best lookup node's score, for the learned drafter's gate
-
-
-@dataclass
-class Calibration:
-    """P(node accepted | parent accepted) per bucket: Beta counts with each node's raw estimate as the prior mean."""
-
-    prior_weight: float = 2.0
-    hits: dict = field(default_factory=dict)
-    trials: dict = field(default_factory=dict)
-
-    def estimate(self, key: tuple, raw: float) -> float:
-        return (self.hits.get(key, 0.0) + self.prior_weight * raw) / (self.trials.get(key, 0.0) + self.prior_weight)
-
-    def update(self, key: tuple, hit: bool) -> None:
-        self.trials[key] = self.trials.get(key, 0.0) + 1.0
-        self.hits[key] = self.hits.get(key, 0.0) + float(hit)
-
-
-def lookup_key(source: str, frequency: float, match_length: int, depth: int) -> tuple:
-    return (
-        source,
-        bisect_right(FREQUENCY_EDGES, frequency),
-        bisect_right(MATCH_LENGTH_EDGES, match_length),
-        min(depth, MAX_DEPTH_BUCKET),
-    )
-
-
-def lookup_prior(frequency: float, match_length: int) -> float:
-    """A raw guess before any outcome is seen: longer matches and more frequent continuations are likelier."""
-    return frequency * min(0.9, 0.25 + 0.1 * match_length)
-
-
-def learned_key(probability: float, depth: int) -> tuple:
-    return (LEARNED, bisect_right(PROBABILITY_EDGES, probability), min(depth, MAX_DEPTH_BUCKET))
 
 
 @dataclass
 class SessionState:
-    """What a combined or lookup drafter learns across generations: calibration, the machine's cost model, and the
-    learned drafter's measured time and gain."""
+    """What a combined or lookup drafter keeps across generations: calibration, the machine's cost model (set by the
+    framework), and the learned drafter's measured time and gain."""
 
     cost_model: CostModel | None = None
     calibration: Calibration = field(default_factory=Calibration)
@@ -104,6 +54,12 @@ class SessionState:
         else:
             averages[0] = _ema(averages[0], tokens, STEP_WEIGHT)
             averages[1] = _ema(averages[1], ms, STEP_WEIGHT)
+
+    def fork(self) -> "SessionState":
+        """A copy of what was learned (calibration, the gate's averages), sharing the machine's cost model."""
+        own = copy.deepcopy(dataclasses.replace(self, cost_model=None))
+        own.cost_model = self.cost_model
+        return own
 
     def rate(self, certainty: int, ran_learned: bool) -> float | None:
         """Measured tokens per ms of steps in this bucket, with or without the learned drafter; None if none ran."""
@@ -124,10 +80,11 @@ class Candidate:
         return (self.sources, *self.key)
 
 
-class CombinedProposer:
+class MergedTreeProposer:
     """The `Proposer` (drafters/protocol.py) of a combined or lookup drafter: `learned` (a drafter, or None) and
     lookup `sources` (objects with `name`, `begin(history)`, `extend(tokens)`, `candidates(history, depth)`);
-    `state` is what outlives one generation."""
+    `state` is what outlives one generation, its cost model included (set by the framework before a generation:
+    `Drafter.use_cost_model`)."""
 
     def __init__(self, target, learned, sources: list, state: SessionState):
         self.learned = learned.proposer(target) if learned is not None else None
@@ -138,11 +95,17 @@ class CombinedProposer:
         self.max_rank = self.learned.max_rank if self.learned else None
         self.state = state
         self.calibration = state.calibration
-        self.cost = cost_model_for(state, target)
+        self.cost: CostModel | None = None  # the state's, read when a sequence begins
 
     # ---- the protocol ----
 
     def begin(self, prompt_ids: torch.Tensor, features: torch.Tensor, root: torch.Tensor, capacity: int) -> None:
+        if self.state.cost_model is None:
+            raise ValueError(
+                "a lookup or combined drafter sizes its trees by this machine's cost model, and none is set: "
+                "MedusaLikeModel.generate sets one; with speculative_generate, call drafter.use_cost_model(cost) first"
+            )
+        self.cost = self.state.cost_model
         self.history = [*prompt_ids.tolist(), int(root)]
         for source in self.sources:
             source.begin(self.history)
@@ -243,55 +206,5 @@ class CombinedProposer:
         return tree
 
 
-def path_scores(candidates: dict) -> dict:
-    """Each candidate's chance of being accepted: the product of q along its path (a path missing a parent drops)."""
-    scores: dict[tuple[int, ...], float] = {}
-    for path in sorted(candidates, key=len):
-        parent = scores.get(path[:-1], 1.0 if len(path) == 1 else None)
-        if parent is not None:
-            scores[path] = parent * candidates[path].q
-    return scores
-
-
-def lookup_certainty(scores: dict) -> int:
-    """A bucket of the best lookup node's chance of acceptance: 0 (nothing matched or below 5%) .. 3 (over 50%)."""
-    return bisect_right(CERTAINTY_EDGES, max(scores.values(), default=0.0))
-
-
-def best_rate(scores: dict, cost: CostModel, draft_ms: float, limit: int | None = None) -> tuple[int, float]:
-    """(n, expected tokens per ms) of the best n-node cut: the n highest scores, n maximising the rate."""
-    ordered = sorted(scores.values(), reverse=True)[:limit]
-    best_n, best = 0, 1.0 / (cost.verify(1) + draft_ms + OVERHEAD_MS)
-    expected = 1.0
-    for n, score in enumerate(ordered, 1):
-        expected += score
-        rate = expected / (cost.verify(n + 1) + draft_ms + OVERHEAD_MS)
-        if rate > best:
-            best_n, best = n, rate
-    return best_n, best
-
-
 def _ema(old: float | None, new: float, weight: float = 0.2) -> float:
     return new if old is None else (1 - weight) * old + weight * new
-
-
-def cost_model_for(state: SessionState, target) -> CostModel:
-    """The session's cost model when it fits this target, else the machine's (`cost_cache.machine_cost_model`: the
-    one the target's kernels are set for, the cached one, or a quick first estimate), kept for the session."""
-    if state.cost_model is None or not state.cost_model.fits(target):
-        state.cost_model = machine_cost_model(target)
-    return state.cost_model
-
-
-def use_cost_model(drafter, cost: CostModel) -> None:
-    """Let a drafter that sizes its trees by a cost model (a lookup or combined drafter: its session `state`) use
-    `cost` from its next generation on; other drafters consult none."""
-    state = getattr(drafter, "state", None)
-    if isinstance(state, SessionState):
-        state.cost_model = cost
-
-
-def session_cost_model(drafter) -> CostModel | None:
-    """The cost model a lookup or combined drafter's session sizes its trees by (None: none yet, or another kind)."""
-    state = getattr(drafter, "state", None)
-    return state.cost_model if isinstance(state, SessionState) else None

@@ -1,0 +1,75 @@
+"""The target's forward as the decoding loop calls it: one interface, whatever computes it.
+
+    step = EagerStep(target, "sdpa")                # the target's own forward (transformers), eagerly
+    cache = step.new_cache(capacity)                # room for `capacity` committed tokens (and a tree after them)
+    logits, features = step.forward(input_ids, position_ids, tree_mask, cache, feature_layers)   # [T, V], [T, F]
+    cache.commit(slots)                             # keep the accepted nodes' entries (see `kv_cache.py`)
+
+`input_ids` [1, T] are new tokens after the `cache.length` committed ones, at `position_ids` [1, T]; `tree_mask` is
+None for a causal block (a prompt's prefill) or a [1, 1, T, T] boolean mask (which new token sees which); `last=True`
+(a prefill) asks for the last token's logits only. Every call goes through the target's public forward, with masks,
+positions and the cache passed in, so any family transformers loads works.
+
+`EagerStep` is the reference: what the loop runs unless the caller hands it another step. Where a target runs faster
+on this machine (CPU kernels, a compiled step) is `medusa_like.forward`'s business: it builds its own steps behind
+this interface, and the loop never asks which one it was given.
+"""
+
+import torch
+from transformers import PreTrainedModel
+
+from medusa_like.targets import cache_keyword, output_logits
+
+from .attention import tree_attention
+from .kv_cache import TreeKVCache
+
+
+class TargetStep:
+    """What the loop needs of a target's forward. Subclasses keep the contract of `EagerStep`."""
+
+    target: PreTrainedModel
+
+    def new_cache(self, capacity: int):
+        """A KV cache for one sequence (`kv_cache.TreeKVCache`'s interface) with room for `capacity` tokens."""
+        raise NotImplementedError
+
+    def forward(self, input_ids, position_ids, tree_mask, cache, feature_layers=None, last: bool = False):
+        """New tokens [1, T] through the target, their KV written into `cache` after its committed entries. Returns
+        (logits [T, V], or [1, V] for the last token when `last`; drafter features [T, F]: the concatenated
+        `hidden_states[i]` for i in `feature_layers`, or the last hidden state when None)."""
+        raise NotImplementedError
+
+    def describe(self) -> str:
+        """What computes this forward, in a few words, for logs, reports and cost models."""
+        raise NotImplementedError
+
+
+class EagerStep(TargetStep):
+    """The target's own forward, called eagerly with a `TreeKVCache` and a tree mask, its attention through
+    `backend` (`attention.py`: eager, sdpa or flash)."""
+
+    def __init__(self, target: PreTrainedModel, backend: str = "sdpa"):
+        self.target, self.backend = target, backend
+
+    def new_cache(self, capacity: int) -> TreeKVCache:
+        return TreeKVCache.for_model(self.target, capacity)
+
+    def forward(self, input_ids, position_ids, tree_mask, cache, feature_layers=None, last: bool = False):
+        model = self.target.base_model
+        with tree_attention(self.target, self.backend):
+            out = model(
+                input_ids=input_ids,
+                position_ids=position_ids,
+                attention_mask=tree_mask,
+                use_cache=True,
+                **{cache_keyword(model): cache},
+                output_hidden_states=feature_layers is not None,
+            )
+        hidden = out.last_hidden_state[0]  # [T, H]
+        features = (
+            hidden if feature_layers is None else torch.cat([out.hidden_states[i][0] for i in feature_layers], -1)
+        )
+        return output_logits(self.target, hidden[-1:] if last else hidden), features  # [T or 1, V], [T, F]
+
+    def describe(self) -> str:
+        return "eager"

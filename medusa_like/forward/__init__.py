@@ -1,0 +1,17 @@
+"""The target's forward on this machine: the one room for what depends on the hardware, above the decoding core.
+
+    prepared = prepare_target(target, compile="auto")   # the target prepared for this machine and dtype
+    prepared.step                                       # its forward over n nodes (a `decoding.step.TargetStep`)
+    prepared.cost_model()                               # this machine's cost model of that step
+
+What lives here: the CPU kernels of an eager step's few rows (`cpu/`: few-row layers, per-shape row plans, the choice
+of kernel per tree size), the compiled step (`compiled.py`, with `platform.py` saying what each device gets), and the
+cost model's measurement and on-disk cache (`cost_measure.py`, `cost_cache.py`). The decoding loop, the drafters and
+the evaluation ask this room's interface (`prepared.py`) and never name a kernel; the decoding core holds the cost
+model as plain data (`decoding/cost_model.py`) and never imports this package.
+"""
+
+from .platform import CompileUnsupported
+from .prepared import PreparedTarget, prepare_target
+
+__all__ = ["PreparedTarget", "prepare_target", "CompileUnsupported"]

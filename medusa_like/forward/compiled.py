@@ -1,0 +1,297 @@
+"""The target's step compiled for this machine: static weights, one KV buffer, Inductor's generated kernels.
+
+An eager forward of a small target at batch 1 spends as long between operators (Python, dispatch, unfused norms,
+rotary and activations) as in its weight products, and its products stream the weights well below the machine's
+bandwidth at a few rows. Compiled, the whole forward is one graph: Inductor fuses the elementwise work into
+generated loops, freezes the weights as constants, and (on CPUs, with `max_autotune`) computes the products by its
+C++ GEMM template over weights it packs once, which streams them near the memory's speed at one to a few rows.
+
+    step = CompiledStep(target)                   # compiles on first use (logged, once per process and target)
+    cache = step.new_cache(capacity)              # one buffer [layers, 2, 1, heads_kv, capacity, head_dim]
+    logits, features = step.forward(input_ids, position_ids, tree_mask, cache, feature_layers)
+
+What stays static and what does not: the weights are constants; the node count T and the live cache length are
+dynamic dimensions of one graph (`torch._dynamo.mark_dynamic`), so every tree size and every position runs the same
+compiled code, with no padding beyond one row (a single node is computed with a masked dummy row: a dimension of 1
+would be specialised). A prompt's prefill runs the target's forward eagerly over the same cache (a prompt's products
+over hundreds of rows are compute-bound: compiling them buys little and would double the compile). The attention
+sees a [1, 2, T, S] boolean mask over the live cache (the full-attention layers' visibility, then the sliding-window
+layers'), built here from the loop's tree mask and the nodes' positions, so sliding-window families compile too.
+
+The output is what this compiled forward computes, which rounds differently from the eager one: greedy decoding on the
+same step is the reference every method is compared with (`tree="none"`), as it is for any other kernel.
+"""
+
+import functools
+import logging
+import time
+from contextlib import contextmanager
+
+import torch
+import torch.nn.functional as F
+from transformers import AttentionInterface
+from transformers.cache_utils import Cache, CacheLayerMixin
+
+from medusa_like.decoding.kv_cache import CacheOverflowError
+from medusa_like.decoding.step import TargetStep
+from medusa_like.targets import cache_keyword, output_logits
+
+from .compile_cache import compile_cache, is_cached
+
+log = logging.getLogger(__name__)
+
+ATTENTION = "medusa_like_static"  # the attention function the compiled step's target runs (registered below)
+MIN_ROWS = 2  # a dimension of 1 is specialised by the compiler: single nodes are padded to two rows
+MAX_ROWS = 64  # steps of up to this many nodes run compiled; larger forwards (prefills) run the same code eagerly
+# every compiled step compiles one function (`_graph`) for its own target: the compiler's default of 8 per function
+# would send a process's ninth target (tests, several models) back to eager
+RECOMPILE_LIMIT = 64
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# The cache: one buffer, written at given slots, read over the live length
+
+
+class _SlotLayer(CacheLayerMixin):
+    """One decoder layer's view of the shared buffer, in transformers' cache-layer interface."""
+
+    is_sliding = False  # the window is applied by the mask (`window_mask`), not by dropping entries
+    is_compileable = True
+
+    def __init__(self, keys: torch.Tensor, values: torch.Tensor, owner: "_SlotCache"):
+        super().__init__()
+        self.keys, self.values, self.owner = keys, values, owner  # [1, H_kv, S_live, D]
+        self.is_initialized = True
+
+    def lazy_initialization(self, key_states, value_states) -> None:
+        pass
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        """Write the T new entries at the owner's slots; return the live keys and values [1, H_kv, S, D]."""
+        self.keys.index_copy_(2, self.owner.slots, key_states)
+        self.values.index_copy_(2, self.owner.slots, value_states)
+        return self.keys, self.values
+
+    def get_seq_length(self) -> int:
+        return self.keys.shape[2]
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.keys.shape[2], 0
+
+    def get_max_length(self) -> int:
+        return self.keys.shape[2]
+
+
+class _SlotCache(Cache):
+    """transformers' view of `live` [L, 2, 1, H_kv, S, D] (a slice of the step's buffer), written at `slots` [T]."""
+
+    def __init__(self, live: torch.Tensor, slots: torch.Tensor):
+        self.slots = slots
+        super().__init__(layers=[_SlotLayer(live[i, 0], live[i, 1], self) for i in range(live.shape[0])])
+
+
+class StaticTreeCache:
+    """The loop's cache (`kv_cache.TreeKVCache`'s interface) over one preallocated buffer: the committed entries
+    sit in slots 0..length-1 at positions 0..length-1, a step's nodes right after them; `commit` moves the accepted
+    nodes' entries into place with one indexed copy for every layer at once."""
+
+    def __init__(self, num_layers: int, heads: int, head_dim: int, capacity: int, dtype, device):
+        if capacity < 1:
+            raise ValueError(f"cache capacity must be positive, got {capacity}")
+        self.capacity = capacity
+        # MIN_ROWS - 1 spare slots: a padded step writes its dummy row after the real ones
+        self.buffer = torch.zeros(
+            num_layers, 2, 1, heads, capacity + MIN_ROWS - 1, head_dim, dtype=dtype, device=device
+        )
+        self.length = 0
+
+    def check_room(self, new_tokens: int) -> None:
+        if self.length + new_tokens > self.capacity:
+            raise CacheOverflowError(
+                f"KV cache too small: {self.length} tokens committed + {new_tokens} new > capacity {self.capacity}; "
+                "raise max_cache_len (or shorten the prompt / max_new_tokens)"
+            )
+
+    def commit(self, slots: torch.Tensor) -> None:
+        """Keep the entries at `slots` (absolute, ascending, >= length) as the next committed tokens."""
+        n = slots.numel()
+        if n:
+            dest = torch.arange(self.length, self.length + n, device=slots.device)
+            self.buffer.index_copy_(4, dest, self.buffer.index_select(4, slots))  # index_select copies: overlap safe
+        self.length += n
+
+    def commit_all(self, num_tokens: int) -> None:
+        self.length += num_tokens
+
+    def rewind(self, length: int) -> None:
+        if not 0 <= length <= self.length:
+            raise ValueError(f"cannot rewind a cache of {self.length} committed tokens to {length}")
+        self.length = length
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Masks and attention
+
+
+def window_mask(visible: torch.Tensor, q_pos: torch.Tensor, k_pos: torch.Tensor, window: int | None) -> torch.Tensor:
+    """visible [T, S] -> [1, 2, T, S]: as it is (full-attention layers), and limited to keys less than `window`
+    positions back (sliding-window layers; the same as the first without a window)."""
+    windowed = visible if not window else visible & ((q_pos[:, None] - k_pos[None, :]) < window)
+    return torch.stack([visible, windowed])[None]
+
+
+def static_attention(module, query, key, value, attention_mask, scaling=None, sliding_window=None, softcap=None, **_):
+    """transformers' attention-function signature over the step's [1, 2, T, S] mask (`window_mask`)."""
+    visible = attention_mask[:, 1:2] if sliding_window else attention_mask[:, :1]  # [1, 1, T, S]
+    if softcap:  # scaled_dot_product_attention has no logit soft-capping
+        scores = torch.matmul(query, key.repeat_interleave(query.shape[1] // key.shape[1], 1).transpose(-1, -2))
+        scores = torch.tanh(scores * (scaling or query.shape[-1] ** -0.5) / softcap) * softcap
+        probs = scores.masked_fill(~visible, float("-inf")).softmax(-1)
+        out = torch.matmul(probs, value.repeat_interleave(query.shape[1] // value.shape[1], 1))
+    else:
+        gqa = query.shape[1] != key.shape[1]
+        out = F.scaled_dot_product_attention(query, key, value, attn_mask=visible, scale=scaling, enable_gqa=gqa)
+    return out.transpose(1, 2), None
+
+
+AttentionInterface.register(ATTENTION, static_attention)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# The step
+
+
+class CompiledStep(TargetStep):
+    """`TargetStep` (decoding/step.py) of a target compiled by `torch.compile` with Inductor `options`
+    (`platform.compile_settings`). Steps of up to `MAX_ROWS` nodes run compiled; a prompt's prefill, and any larger
+    forward, run the same function eagerly over the same cache. A compile or run that fails logs why and falls back
+    to that eager run for good (`failed`): never a wrong token, only a slower one."""
+
+    def __init__(self, target, options: dict, label: str):
+        self.target, self.options, self.label = target, dict(options), label
+        text = target.config.get_text_config()
+        self.window = getattr(text, "sliding_window", None) if _slides(text) else None
+        self.num_layers = text.num_hidden_layers
+        self.heads = text.num_key_value_heads
+        self.head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+        self.min_rows, self.max_rows = MIN_ROWS, MAX_ROWS  # the node counts that run compiled
+        self.compiled: dict = {}  # feature layers -> the compiled function
+        self.compile_seconds = 0.0
+        self.failed: str | None = None  # why the compiled function stopped being used, if it did
+
+    def describe(self) -> str:
+        return f"compiled ({self.label})"
+
+    def new_cache(self, capacity: int) -> StaticTreeCache:
+        dtype = self.target.get_input_embeddings().weight.dtype
+        return StaticTreeCache(self.num_layers, self.heads, self.head_dim, capacity, dtype, self.target.device)
+
+    def forward(self, input_ids, position_ids, tree_mask, cache: StaticTreeCache, feature_layers=None, last=False):
+        real = input_ids.shape[1]
+        cache.check_room(real)
+        layers = None if feature_layers is None else tuple(feature_layers)
+        if last or real > self.max_rows or self.failed:  # a prefill, a large forward, or after a failure: eagerly
+            mask, slots, positions = self._inputs(cache, position_ids, tree_mask, real)
+            live = cache.buffer[:, :, :, :, : cache.length + real]
+            with torch.inference_mode(), self._attention():
+                logits, features = self._graph(input_ids, positions, slots, mask, live, layers, last)
+            return logits, features
+        rows = max(real, MIN_ROWS)
+        ids = torch.cat([input_ids, input_ids.new_zeros(1, rows - real)], dim=1)  # [1, T]: a dummy row after one node
+        mask, slots, positions = self._inputs(cache, position_ids, tree_mask, rows)
+        live = cache.buffer[:, :, :, :, : cache.length + rows]
+        for tensor, dims in ((ids, (1,)), (positions, (1,)), (slots, (0,)), (mask, (2, 3)), (live, (4,))):
+            for dim in dims:
+                torch._dynamo.mark_dynamic(tensor, dim, min=MIN_ROWS)
+        try:
+            with self._attention(), torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT):
+                logits, features = self._compiled_for(layers)(ids, positions, slots, mask, live)
+        except Exception as err:  # the compiler's errors have many types; the eager run below is always correct
+            self.failed = f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
+            log.warning("the compiled step failed (%s): the eager step runs from now on", self.failed)
+            return self.forward(input_ids, position_ids, tree_mask, cache, feature_layers, last)
+        return logits[:real], features[:real]
+
+    @contextmanager
+    def _attention(self):
+        """The target's attention through `static_attention` for the block (as the compiled graph was traced)."""
+        config = self.target.config
+        previous, config._attn_implementation = config._attn_implementation, ATTENTION
+        try:
+            yield
+        finally:
+            config._attn_implementation = previous
+
+    def _inputs(self, cache: StaticTreeCache, position_ids, tree_mask, rows: int):
+        """The [1, 2, T, S] mask of a forward of `rows` nodes (the first `position_ids.shape[1]` real, the others
+        dummies that see only themselves) after the committed entries, the slots they are written to and the
+        positions [1, T]."""
+        length, real, device = cache.length, position_ids.shape[1], position_ids.device
+        block = torch.eye(rows, dtype=torch.bool, device=device)  # [T, T]
+        causal = torch.ones(real, real, dtype=torch.bool, device=device).tril()
+        block[:real, :real] = tree_mask[0, 0] if tree_mask is not None else causal
+        visible = torch.cat([torch.ones(rows, length, dtype=torch.bool, device=device), block], dim=1)  # [T, S]
+        q_pos = torch.cat([position_ids[0], position_ids[0, -1:].expand(rows - real)])  # [T]
+        k_pos = torch.cat([torch.arange(length, device=device), q_pos])  # [S]
+        slots = torch.arange(length, length + rows, device=device)  # [T]
+        return window_mask(visible, q_pos, k_pos, self.window), slots, q_pos[None]
+
+    def _compiled_for(self, layers):
+        if layers not in self.compiled:
+            log.info("compiling the target's step (%s) on its first use: once per process", self.label)
+            graph = functools.partial(self._graph, feature_layers=layers)
+            self.compiled[layers] = _Timed(torch.compile(graph, fullgraph=True, options=self.options), self)
+        return self.compiled[layers]
+
+    def _graph(self, input_ids, position_ids, slots, mask, live, feature_layers=None, last=False):
+        """The target's public forward over the live cache `live` (its T new entries written at `slots`), then its
+        logits (of the last row only when `last`) and the features the drafter reads: what is compiled."""
+        model = self.target.base_model
+        out = model(
+            input_ids=input_ids,
+            position_ids=position_ids,
+            attention_mask=mask,
+            use_cache=True,
+            **{cache_keyword(model): _SlotCache(live, slots)},
+            output_hidden_states=feature_layers is not None,
+        )
+        hidden = out.last_hidden_state[0]  # [T, H]
+        features = (
+            hidden if feature_layers is None else torch.cat([out.hidden_states[i][0] for i in feature_layers], -1)
+        )
+        return output_logits(self.target, hidden[-1:] if last else hidden), features  # [T, V], [T, F]
+
+
+def _slides(text) -> bool:
+    """Whether any layer of a target of this text config attends through a sliding window."""
+    if not getattr(text, "sliding_window", None):
+        return False
+    if getattr(text, "layer_types", None) is not None:
+        return "sliding_attention" in text.layer_types
+    return getattr(text, "use_sliding_window", True)
+
+
+class _Timed:
+    """A compiled function whose first call (the compile) runs with Inductor's caches in the step's directory
+    (`compile_cache.py`), timed and logged."""
+
+    def __init__(self, fn, step: CompiledStep):
+        self.fn, self.step, self.first = fn, step, True
+
+    def __call__(self, *args):
+        if not self.first:
+            return self.fn(*args)
+        start = time.perf_counter()
+        reused = is_cached(self.step)
+        with compile_cache(self.step) as directory:
+            out = self.fn(*args)
+        seconds = time.perf_counter() - start
+        self.step.compile_seconds += seconds
+        self.first = False
+        log.info(
+            "compiled the target's step in %.1f s (%s; artifacts in %s)",
+            seconds,
+            "kernels and autotuning reused from an earlier process" if reused else "first compile here",
+            directory,
+        )
+        return out

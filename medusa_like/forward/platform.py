@@ -1,0 +1,75 @@
+"""What this machine can run fast: the compiler settings each device gets, native bf16, and why not where it can't.
+
+    options, label = compile_settings(target)      # Inductor's config for this device, or CompileUnsupported(why)
+    native_bf16(device)                             # bf16 computed natively: CUDA, or a CPU with AMX / AVX512-BF16
+
+On CPUs the compiled step freezes the weights and lets Inductor's C++ GEMM template compute the products
+(`max_autotune` with the CPP backend, ATen's kernels as the fallback choice): the template packs each weight once and
+streams it at one to a few rows near the memory's speed, where BLAS calls through eager PyTorch reach a fraction of it
+(docs/cpu-kernels.md has the measurements). On CUDA the same graph runs under CUDA graphs, which needs static shapes.
+"""
+
+import functools
+import importlib.util
+import platform
+
+import torch
+
+from .cpu.few_row_linear import onednn_bf16_packs_available
+
+
+class CompileUnsupported(RuntimeError):
+    """This platform cannot run the compiled step; the message says why (the eager step runs instead)."""
+
+
+def native_bf16(device: torch.device) -> bool:
+    """Whether bf16 products are computed natively here (CUDA, or a CPU with AMX or AVX512-BF16)."""
+    return device.type == "cuda" or (device.type == "cpu" and onednn_bf16_packs_available())
+
+
+@functools.cache
+def _cpp_compiler() -> str | None:
+    """Why Inductor cannot build C++ kernels here, or None when it can (a C++ compiler on the PATH)."""
+    from torch._inductor.cpp_builder import get_cpp_compiler
+
+    try:
+        get_cpp_compiler()
+    except Exception as err:  # Inductor raises several kinds when no compiler is found
+        return f"no C++ compiler for Inductor ({err})"
+    return None
+
+
+@functools.cache
+def parse_gemm_templates_once() -> None:
+    """Inductor's C++ GEMM template parses its Jinja sources anew for every product it renders: thousands of parses
+    for one forward of a 30-layer model, most of a CPU compile's time. The sources are constant strings, so the parsed
+    template is kept per source (a Jinja template renders any number of times); the generated code is the same."""
+    from torch._inductor.codegen.common import KernelTemplate
+
+    parse = getattr(KernelTemplate, "_template_from_string", None)
+    if parse is not None and not hasattr(parse, "cache_info"):
+        KernelTemplate._template_from_string = staticmethod(functools.lru_cache(maxsize=None)(parse))
+
+
+def compile_settings(target) -> tuple[dict, str]:
+    """(Inductor options, a label for logs and cost models) of the compiled step for `target`'s device and dtype, or
+    `CompileUnsupported` saying why it cannot run here."""
+    device = target.device
+    if device.type == "cpu":
+        parse_gemm_templates_once()
+        if platform.machine() not in ("x86_64", "AMD64"):
+            raise CompileUnsupported(f"the C++ GEMM template is measured on x86 CPUs only, not {platform.machine()}")
+        problem = _cpp_compiler()
+        if problem:
+            raise CompileUnsupported(problem)
+        options = {
+            "freezing": True,  # weights become constants: packed once for the GEMM template
+            "max_autotune": True,
+            "max_autotune_gemm_backends": "CPP,ATEN",
+        }
+        return options, "inductor, C++ GEMM template"
+    if device.type == "cuda":
+        if importlib.util.find_spec("triton") is None:
+            raise CompileUnsupported("Inductor needs triton on CUDA, which is not installed")
+        return {"freezing": True, "triton.cudagraphs": True}, "inductor, CUDA graphs"
+    raise CompileUnsupported(f"no compiled step for device {device.type!r}")

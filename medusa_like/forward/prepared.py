@@ -1,0 +1,250 @@
+"""A target prepared for this machine: the step the loop runs, this machine's cost model of it, and the layers a
+drafter computes with beside it.
+
+    prepared = prepare_target(target, compile=False)   # one per target object: asked again, the same one
+    prepared.step                    # the `TargetStep` the decoding loop runs (eager, or compiled)
+    prepared.cost_model()            # this machine's cost model of that step: active, cached, or a quick first estimate
+    prepared.load_cost_model(data, source)   # a tree file's: refused for another setup, its kernels set
+    prepared.adopt(drafter, "auto")  # a drafter cast to its drafting dtype, its layers this machine's
+    prepared.stock()                 # the target as transformers ships it, sharing every weight (a baseline)
+
+Eager, on CPUs (fp32, and bf16 where oneDNN's bf16 packs run), the target's and the drafter's `nn.Linear` layers are
+replaced in place by few-row layers sharing their parameters (`cpu/few_row_linear.py`), their kernels set by the
+cost model measured for this machine. Compiled (`compiled.py`), the target keeps its own layers and Inductor computes
+them; where the compiled step cannot run, the eager one does, and the log says why. Either rounds differently from
+transformers as it ships: the reference of every comparison is greedy decoding on the same step.
+"""
+
+import logging
+import weakref
+
+import torch
+
+from medusa_like.decoding.attention import pick_backend
+from medusa_like.decoding.cost_model import (
+    CostModel,
+    CostModelError,
+    CostModelMismatchError,
+    InvalidCostModelError,
+    mismatch_error,
+)
+from medusa_like.decoding.step import EagerStep, TargetStep
+from medusa_like.targets import weights_fingerprint
+
+from . import cost_cache
+from .compiled import CompiledStep
+from .cpu.few_row_linear import (
+    measure_row_plans,
+    use_few_row_linears,
+    with_stock_linears,
+    worth_swapping,
+)
+from .cpu.kernel_choice import KernelMismatchError, KernelRecordError, apply_kernels, check_kernels, validate_record
+from .cpu.machine import machine_identity
+from .platform import CompileUnsupported, compile_settings, native_bf16
+
+log = logging.getLogger(__name__)
+
+COMPILE_CHOICES = (False, True, "auto")  # "auto": compiled where this platform runs it, else eager
+_PREPARED: "weakref.WeakKeyDictionary[torch.nn.Module, PreparedTarget]" = weakref.WeakKeyDictionary()
+_announced = []  # a layer swap was announced in this process: the first is a warning, later ones info
+
+
+class PreparedTarget:
+    """One target on this machine (see the module docstring); made by `prepare_target`."""
+
+    def __init__(self, target, backend: str, tuned_layers: bool | None):
+        self.target, self.backend = target, pick_backend(backend, target.device)
+        swap = worth_swapping(target) if tuned_layers is None else tuned_layers
+        self.tuned = bool(swap) and target.device.type == "cpu"
+        if self.tuned:
+            _announce(use_few_row_linears(target, plans="cached"), "target")
+        self.eager = EagerStep(target, self.backend)
+        self.compiled: CompiledStep | None = None
+        self.active: CostModel | None = None  # the cost model whose kernels the layers run now
+        self._settled = False
+
+    # ---- the step ----
+
+    @property
+    def step(self) -> TargetStep:
+        """The compiled step where one was asked for and runs here (until it fails: then the eager one)."""
+        return self.compiled if self.compiled is not None and not self.compiled.failed else self.eager
+
+    def use_compiled(self, compile: bool | str) -> None:
+        """Run the compiled step from now on (`compile` True or "auto") where this platform runs it; where it does
+        not, the eager step runs on, and the log says why (a warning when compile=True asked for it)."""
+        if compile not in COMPILE_CHOICES:
+            raise ValueError(f"compile must be one of {COMPILE_CHOICES}, got {compile!r}")
+        if not compile or self.compiled is not None:
+            return
+        try:
+            options, label = compile_settings(self.target)
+        except CompileUnsupported as why:
+            log.log(logging.WARNING if compile is True else logging.INFO, "compile: %s; the eager step runs", why)
+            return
+        # the compiled graph traces transformers' own layers: a copy of the target with them, sharing every weight
+        model = with_stock_linears(self.target) if self.tuned else self.target
+        self.compiled = CompiledStep(model, options, label)
+        self.active = None  # a cost model of the eager step does not hold for the compiled one
+
+    def describe(self) -> str:
+        layers = "few-row CPU layers" if self.tuned and self.step is self.eager else "its own layers"
+        return f"{self.step.describe()} step, {layers}"
+
+    @property
+    def differs_from_stock(self) -> bool:
+        """Whether the step computes otherwise than transformers as it ships (other kernels round differently)."""
+        return self.tuned or self.step is not self.eager
+
+    def stock(self):
+        """The target as transformers ships it (`nn.Linear` layers), sharing every parameter and buffer: a baseline."""
+        return with_stock_linears(self.target) if self.tuned else self.target
+
+    # ---- drafters ----
+
+    def drafting_dtype(self, drafter, requested: torch.dtype | str | None = "auto") -> torch.dtype:
+        """The dtype a learned drafter computes in beside this target: `requested` (a torch dtype or its name; None:
+        the target's), or for "auto" bfloat16 where a drafting level then reads half the bytes at no cost: a drafter
+        that casts what it reads (`computes_in_own_dtype`: EAGLE-3) beside an fp32 target whose layers run bf16
+        natively here; the target's dtype elsewhere. Only the drafts change: the target verifies in its own dtype."""
+        target, own = self.target, getattr(drafter, "computes_in_own_dtype", False)
+        if requested == "auto":
+            native = native_bf16(target.device) and (self.tuned or target.device.type != "cpu")
+            return torch.bfloat16 if own and native and target.dtype == torch.float32 else target.dtype
+        if requested is None:
+            return target.dtype
+        dtype = requested if isinstance(requested, torch.dtype) else getattr(torch, str(requested), None)
+        if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+            raise ValueError(
+                f"drafter dtype {requested!r}: expected auto, null or a floating torch dtype (e.g. bfloat16)"
+            )
+        if dtype != target.dtype and not own:
+            raise ValueError(
+                f"a {drafter.kind} drafter computes with the target's own states and layers: it runs in the target's "
+                f"dtype ({target.dtype}), not {dtype} (drafter dtype auto or null)"
+            )
+        return dtype
+
+    def adopt(self, drafter, dtype: torch.dtype | str | None = "auto"):
+        """`drafter` on this target's device in its drafting dtype (`drafting_dtype`), in eval mode, its layers this
+        machine's where the target's are (changed in place, as the target's)."""
+        drafter = drafter.to(device=self.target.device, dtype=self.drafting_dtype(drafter, dtype)).eval()
+        if self.tuned and worth_swapping_drafter(drafter):
+            _announce(use_few_row_linears(drafter, plans="cached"), "drafter")
+        return drafter
+
+    def measure_row_plans(self, *modules) -> None:
+        """Measure the row plans of the target's and `modules`' few-row layers this machine's cache lacks (once per
+        weight shape, then cached); construction only reads the cache, so that a first call never waits for them."""
+        if self.tuned:
+            for module in (self.target, *modules):
+                measure_row_plans(module)
+
+    # ---- cost models ----
+
+    def identity(self) -> dict:
+        """What a cost model of this step must have been measured under (`CostModel.IDENTITY`'s fields)."""
+        return {
+            "target_fingerprint": weights_fingerprint(self.target),
+            "dtype": str(self.target.dtype),
+            "device": self.target.device.type,
+            "machine": machine_identity(),
+            "step": self.step.describe(),
+        }
+
+    def mismatches(self, cost: CostModel) -> list[str]:
+        found = cost.mismatches(self.identity())
+        try:
+            check_kernels(cost.kernels, self.target)
+        except (KernelMismatchError, KernelRecordError) as err:
+            found.append(str(err))
+        return found
+
+    def fits(self, cost: CostModel) -> bool:
+        return not self.mismatches(cost)
+
+    def activate(self, cost: CostModel) -> CostModel:
+        """Set the kernels `cost` was measured with on the layers (so its times hold) and make it the active one."""
+        apply_kernels(cost.kernels, self.target)
+        self.active = cost
+        return cost
+
+    def load_cost_model(self, data, source: str) -> CostModel:
+        """A stored cost model (a tree file's, `source` naming it): checked for form, refused for another setup with
+        every difference named; made active. One measured on the compiled step switches this target to it."""
+        try:
+            cost = CostModel.from_json(data, source=source)
+            validate_record(cost.kernels)
+        except KernelRecordError as err:
+            raise InvalidCostModelError(f"{source}: cost model: {err}") from err
+        except CostModelError as err:
+            raise type(err)(f"{source}: {err}") from err
+        if cost.step.startswith("compiled") and self.compiled is None:
+            self.use_compiled(True)
+        found = self.mismatches(cost)
+        if found:
+            raise CostModelMismatchError(f"{source}: {mismatch_error(cost, found)}")
+        return self.activate(cost)
+
+    def cost_model(self) -> CostModel:
+        """This step's cost model here: the active one, else the one cached on disk (its kernels set), else a quick
+        first estimate measured now (logged, with a progress bar) and cached."""
+        if self.active is not None and self.fits(self.active):
+            return self.active
+        cached = cost_cache.cached(self)
+        if cached is not None:
+            return self.activate(cached)
+        self.active = cost_cache.quick(self)  # measured on the layers as they are: nothing to set
+        return self.active
+
+    def measure_cost_model(self, *drafters, **options) -> CostModel:
+        """A full measurement (every tree size with each kernel this machine runs, the row plans of the target and
+        `drafters` measured first where missing), cached in place of any earlier one and made active."""
+        self.measure_row_plans(*(d for d in drafters if d is not None))
+        self.active = cost_cache.full(self, **options)  # the measurement set the kernels it chose
+        return self.active
+
+    def settle(self) -> None:
+        """Before a generation whose drafter consults no cost model: unless one is active, set the kernels of the one
+        cached for this machine (looked up once), so that verification runs the kernels measured fastest here."""
+        if self._settled or self.active is not None:
+            return
+        self._settled = True
+        cached = cost_cache.cached(self) if self.tuned and self.compiled is None else None
+        if cached is not None:
+            self.activate(cached)
+
+
+def worth_swapping_drafter(drafter) -> bool:
+    module = next(iter(drafter.modules()), None)
+    return module is not None and worth_swapping(module)
+
+
+def _announce(count: int, what: str) -> None:
+    if count:
+        log.log(
+            logging.INFO if _announced else logging.WARNING,
+            "replaced %d nn.Linear layers of the %s, in place, by few-row layers sharing their parameters (this CPU's "
+            "fastest kernels for a tree step's few rows; results may differ from nn.Linear's in fp32 rounding); "
+            "tuned_layers=False keeps them",
+            count,
+            what,
+        )
+        _announced.append(True)
+
+
+def prepare_target(
+    target, backend: str = "auto", tuned_layers: bool | None = None, compile: bool | str = False
+) -> PreparedTarget:
+    """`target` prepared for this machine (see the module docstring): the same object for the same target, whose
+    compiled step, once made, is kept; `tuned_layers` (None: where measured faster) applies when it is first
+    prepared. A model you pass is changed in place where its layers are swapped: the log says so."""
+    prepared = _PREPARED.get(target)
+    if prepared is None:
+        prepared = _PREPARED[target] = PreparedTarget(target, backend, tuned_layers)
+    elif pick_backend(backend, target.device) != prepared.backend:  # another attention backend; the layers stay
+        prepared.backend = pick_backend(backend, target.device)
+        prepared.eager = EagerStep(target, prepared.backend)
+    prepared.use_compiled(compile)
+    return prepared
