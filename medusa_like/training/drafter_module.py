@@ -1,13 +1,14 @@
 """What every drafter's Lightning module shares: a frozen target, checkpoints that hold the drafter alone, the target's
 side of each batch (from the target cache, or with data echoing from a memo of the latest rows), the optimizer and
-schedule, and the validation metrics.
+schedule, what a resumed run must match, and the validation metrics.
 
 A drafter's module (`medusa_module.py`, `eagle3_module.py`) names the drafter kind it trains (`kind`), builds itself
 from a training config (`from_config`, called by `build.build_module`), builds its drafter, names it
 `checkpoint_prefix` and says what the checkpoint records about it (`drafter_meta`); it says what the target cache holds
 for it (`cache_content`, `cacheable_outputs`) and writes its own loss. The target is never trained and never saved:
 `state_dict` is the drafter's alone (keys `<prefix>.*`), and `checkpoint[CHECKPOINT_KEY]` records the drafter's kind
-and config with the target's name and fingerprint, for `medusa_like.formats` (export and strict loading).
+and config with the target's name and fingerprint, for `medusa_like.formats` (export and strict loading);
+`checkpoint[RESUME_KEY]` records the settings a resumed run is checked against (`resume.py`).
 """
 
 from collections.abc import Callable
@@ -18,6 +19,7 @@ import torch.nn as nn
 
 from medusa_like.drafters.base import CHECKPOINT_KEY
 from medusa_like.targets import freeze, target_fingerprint, weights_fingerprint
+from medusa_like.training.resume import RESUME_KEY, apply_optimizer_settings
 from medusa_like.training.schedule import budget_spent, total_optimizer_steps
 from medusa_like.training.target_cache import BATCH_TOKENS, TargetCache, cache_key
 from medusa_like.training.target_memo import TargetMemo
@@ -46,6 +48,7 @@ class DrafterModule(L.LightningModule):
         self.target_cache_dir, self.target_cache_batch_tokens = target_cache_dir, target_cache_batch_tokens
         self.target_cache: TargetCache | None = None  # opened in `prepare_target_cache`
         self.memo: TargetMemo | None = None  # the latest rows' target outputs, when the data echoes rows
+        self.resume_settings: dict | None = None  # recorded in checkpoints: what a resume must match (`resume.py`)
         # DDP need not broadcast or watch the frozen target
         self._ddp_params_and_buffers_to_ignore = [f"target.{n}" for n, _ in target.named_parameters()] + [
             f"target.{n}" for n, _ in target.named_buffers()
@@ -103,6 +106,16 @@ class DrafterModule(L.LightningModule):
             "target": self.target_name,
             "target_fingerprint": target_fingerprint(self.target.config),
         }
+        if self.resume_settings is not None:
+            checkpoint[RESUME_KEY] = self.resume_settings
+
+    def on_train_start(self) -> None:
+        """A resumed run: put the run's optimizer settings (learning rate, betas, weight decay) in place of the
+        checkpoint's, which Lightning restored with the optimizer's state (`resume.py`)."""
+        if not self.trainer.ckpt_path:
+            return
+        scheduler = self.lr_schedulers() if self.scheduler_factory is not None else None
+        apply_optimizer_settings(self.optimizers().optimizer, scheduler, self.optimizer_factory)
 
     # ---- the target's side ----------------------------------------------------------------------------------------
     def on_fit_start(self) -> None:
