@@ -1,15 +1,22 @@
 """A resumed evaluation continues only a run of the same settings: every setting that decides a prompt's record is
 recorded in the run directory before the first prompt, and `eval.resume=true` with any other value is refused before
-any work, naming each differing key with both values. A report builds for every decoding mode and subset of methods."""
+any work, naming each differing key with both values. The target and the drafter are recorded by their weights, so
+replaced weights under the same name or path are refused and a moved drafter is not. A report builds for every
+decoding mode and subset of methods."""
 
 import json
 import shutil
 from pathlib import Path
 
 import pytest
+import torch
 
 from eval.evaluate import evaluate
+from medusa_like.drafters.medusa import HeadsConfig, MedusaHeads
 from medusa_like.evaluation.resume import SETTINGS_FILE, ResumeMismatchError
+from medusa_like.formats import load_drafter, save_drafter
+from medusa_like.targets import load_target, weights_fingerprint
+from medusa_like.tiny import tiny_chat_target
 
 from .conftest import compose_config
 
@@ -84,7 +91,6 @@ def killed(tmp_path_factory):
         ("model.loader.seed=1", ["model.loader.seed: 0 in the run, 1 now"]),
         ("model.dtype=bfloat16", ["model.dtype: 'float32' in the run, 'bfloat16' now"]),
         ("drafter.mode=lookup", ["drafter.mode: 'combined' in the run, 'lookup' now"]),
-        ("drafter.path={files}/drafter", ["drafter.path: None in the run, '{files}/drafter' now"]),
         ("drafter.num_heads=2", ["drafter.num_heads: 4 in the run, 2 now"]),
         ("tree=small", ["tree: 'chain' in the run, 'small' now"]),
         ("data.source=mt_bench", ["data.source: 'jsonl' in the run, 'mt_bench' now"]),
@@ -142,20 +148,64 @@ def test_the_same_settings_resume_and_keep_the_finished_prompts(killed, tmp_path
     assert resumed["setup"]["lookup_store"] == first["setup"]["lookup_store"]
 
 
+def save_target(directory: Path, seed: int) -> Path:
+    """The tiny llama of `seed`, saved with its tokenizer as a model directory (what `load_target` reads by path)."""
+    model, tokenizer = tiny_chat_target("llama", seed=seed)
+    model.save_pretrained(directory)
+    tokenizer.save_pretrained(directory)
+    return directory
+
+
+def save_heads(directory: Path, seed: int, overwrite: bool = False) -> Path:
+    """Two Medusa heads for the tiny llama, every parameter random from `seed` (a drafter trained again)."""
+    target, _ = tiny_chat_target("llama")
+    heads = MedusaHeads(HeadsConfig(target.config.hidden_size, target.config.vocab_size, num_heads=2))
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in heads.parameters():
+            p.copy_(torch.randn(p.shape, generator=gen) * 0.1)
+    return save_drafter(heads, directory, target, "tiny_llama", overwrite=overwrite)
+
+
 @pytest.mark.slow
-def test_a_changed_target_under_the_same_name_is_refused_once_loaded(killed, tmp_path):
-    """The target's architecture fingerprint is recorded: model files replaced under the same name are refused."""
-    files, run, _ = killed
-    copy = tmp_path / "run"
-    shutil.copytree(run, copy)
-    recorded = json.loads((copy / SETTINGS_FILE).read_text())
-    recorded["settings"]["target fingerprint"] = "0123456789abcdef"
-    (copy / SETTINGS_FILE).write_text(json.dumps(recorded))
-    with pytest.raises(
-        ResumeMismatchError, match=r"target fingerprint: '0123456789abcdef' in the run, '[0-9a-f]{16}' now"
-    ):
-        evaluate(compose(files, copy, "eval.resume=true"))
-    assert len((copy / "prompts.jsonl").read_text().splitlines()) == 1
+def test_other_weights_under_the_same_name_or_path_are_refused_and_a_moved_drafter_is_not(tmp_path):
+    """The target and the drafter are recorded by their weights: target files replaced under the same path (another
+    seed of the same config) and a drafter trained again at the same path are refused, naming both fingerprints of
+    each; the same drafter under another path continues the run."""
+    questions = write_jsonl(tmp_path / "q.jsonl", QUESTIONS)
+    target, heads, run = save_target(tmp_path / "target", 0), save_heads(tmp_path / "heads", 0), tmp_path / "run"
+
+    def compose_run(drafter: Path, *overrides: str):
+        return compose_config(
+            "eval", tmp_path / "hydra", f"model.name_or_path={target}", "drafter.mode=learned", f"drafter.path={drafter}",
+            f"data.path={questions}", "tree=chain", "eval.max_new_tokens=4", *FAST, f"out_dir={run}", *overrides,
+        )  # fmt: skip
+
+    evaluate(compose_run(heads))
+    kill_after_first_prompt(run)
+    recorded = json.loads((run / SETTINGS_FILE).read_text())["settings"]
+    assert "drafter.path" not in recorded and "target weights" in recorded and "drafter weights" in recorded
+
+    save_target(tmp_path / "other", 1)  # the same config, other weights, put in the first one's place
+    (tmp_path / "target").rename(tmp_path / "first")
+    (tmp_path / "other").rename(target)
+    with pytest.raises(ResumeMismatchError) as refusal:
+        evaluate(compose_run(heads, "eval.resume=true"))
+    before, now = recorded["target weights"], weights_fingerprint(load_target(str(target))[0])
+    assert before != now and f"target weights: '{before}' in the run, '{now}' now" in str(refusal.value)
+    shutil.rmtree(target)
+    (tmp_path / "first").rename(target)
+
+    (tmp_path / "heads").rename(tmp_path / "moved")  # the same drafter elsewhere
+    save_heads(tmp_path / "heads", 1)  # and one trained again in its place
+    with pytest.raises(ResumeMismatchError) as refusal:
+        evaluate(compose_run(heads, "eval.resume=true"))
+    now = weights_fingerprint(load_drafter(heads, load_target(str(target))[0]))
+    assert f"drafter weights: '{recorded['drafter weights']}' in the run, '{now}' now" in str(refusal.value)
+    assert len((run / "prompts.jsonl").read_text().splitlines()) == 1  # nothing run, nothing lost
+
+    resumed = evaluate(compose_run(tmp_path / "moved", "eval.resume=true"))
+    assert resumed["acceptance"]["prompts"] == 3 and resumed["summary"]["lossless"]
 
 
 def test_prompts_without_recorded_settings_are_not_continued(killed, tmp_path):

@@ -1,19 +1,32 @@
-"""The EAGLE-3 target cache: the top-k loss against the full one, refusal of a cache made for other settings or other
-rows, a killed build resumed to the same content, training read from the cache, and the best checkpoint exported."""
+"""The target cache: the top-k loss against the full one, refusal of a cache made for other target weights (another
+seed of one config, another dtype), other settings or other rows, a build killed inside a real shard write resumed
+to the same content, a truncated shard named in one line, training read from the cache, the best checkpoint
+exported, and a learning curve from milestone checkpoints."""
 
 import json
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
 import torch.nn.functional as F
-from safetensors.torch import load_file
 
 from medusa_like.formats import load_drafter
-from medusa_like.training.target_cache import FIELDS, MANIFEST, TargetCache, TargetCacheMismatchError, cache_key
+from medusa_like.targets import target_fingerprint, weights_fingerprint
+from medusa_like.tiny import tiny_model
+from medusa_like.training.target_cache import (
+    MANIFEST,
+    TargetCache,
+    TargetCacheCorruptError,
+    TargetCacheMismatchError,
+    cache_key,
+    vocab_digest,
+)
 from medusa_like.training.ttt import loss_function, simulated_tau, topk_soft_cross_entropy
 from train.train import train
 
-from .test_training import build_module, compose_train, data_dir  # noqa: F401  (data_dir: the module's fixture)
+from .test_training import ROOT, build_module, compose_train, data_dir  # noqa: F401  (data_dir: the module's fixture)
 
 
 def full_soft_cross_entropy(logits, teacher_logp):
@@ -82,8 +95,19 @@ def rows_of(datamodule, n=None):
     return rows[:n] if n else rows
 
 
+def synthetic_rows(n: int = 24, seed: int = 0) -> list[dict]:
+    """Dataset-like rows (`index`, `input_ids`, `loss_mask`) of varied lengths, some longer than KEY's max_length."""
+    gen = torch.Generator().manual_seed(seed)
+    rows = []
+    for i in range(n):
+        length = int(torch.randint(6, 80, (1,), generator=gen))
+        ids = torch.randint(1, 500, (length,), generator=gen).tolist()
+        rows.append({"index": 3 * i + 1, "input_ids": ids, "loss_mask": [0] * 3 + [1] * (length - 3)})
+    return rows
+
+
 def fake_outputs(batch):
-    """Deterministic FIELDS from a batch: what `Eagle3Module._cacheable_outputs` returns, without a target."""
+    """Deterministic fields from a batch: what `Eagle3Module.cacheable_outputs` returns, without a target."""
     ids = batch["input_ids"]  # [B, T]
     return {
         "aux": ids[..., None].expand(-1, -1, 6).to(torch.bfloat16),
@@ -93,26 +117,63 @@ def fake_outputs(batch):
     }
 
 
-KEY = cache_key("fp", torch.arange(10), [0, 1, 2], 4, 64)
+FIELDS = ["aux", "topk_ids", "topk_logp", "labelled"]
+CONTENT = {"fields": FIELDS, "draft_vocab": vocab_digest(torch.arange(10)), "aux_layer_ids": [0, 1, 2], "top_k": 4}
+TARGET = tiny_model("llama", seed=0)
+KEY = cache_key(weights_fingerprint(TARGET), TARGET.dtype, CONTENT, 64)
 
 
-@pytest.mark.slow
-def test_a_cache_for_other_settings_or_rows_is_refused(tmp_path, data_dir):  # noqa: F811
-    _, datamodule = build_module(data_dir, tmp_path)
-    rows = rows_of(datamodule, 6)
+def read_all(cache: TargetCache, rows: list[dict]) -> dict[int, dict[str, torch.Tensor]]:
+    out = {}
+    for row in rows:
+        ids = torch.tensor([row["input_ids"][: cache.key["max_length"]]])
+        out[row["index"]] = cache.get([row["index"]], ids, torch.tensor([ids.shape[1]]))
+    return out
+
+
+def assert_same_content(a: dict, b: dict) -> None:
+    assert a.keys() == b.keys()
+    for index in a:
+        for name in FIELDS:
+            assert torch.equal(a[index][name], b[index][name]), (index, name)
+
+
+def test_a_cache_for_other_target_weights_or_settings_or_rows_is_refused(tmp_path):
+    """Two tiny targets of one config (their architecture fingerprints are equal) with other seeds, and the same
+    weights in bf16, have other weights fingerprints: a cache built for one is refused for the others with one line
+    naming both fingerprints. The same weights in another model object are accepted."""
+    rows = synthetic_rows(8)
     TargetCache(tmp_path / "cache", KEY).build(rows, fake_outputs, batch_tokens=64, shard_tokens=100)
-    others = {
-        "target_fingerprint": cache_key("other", torch.arange(10), [0, 1, 2], 4, 64),
-        "draft_vocab": cache_key("fp", torch.arange(1, 11), [0, 1, 2], 4, 64),
-        "aux_layer_ids": cache_key("fp", torch.arange(10), [0, 1, 3], 4, 64),
-        "top_k": cache_key("fp", torch.arange(10), [0, 1, 2], 8, 64),
-        "max_length": cache_key("fp", torch.arange(10), [0, 1, 2], 4, 128),
-        # KEY's cache holds labels at the assistant's tokens only: refused for a run that trains on every token
-        "train_on": cache_key("fp", torch.arange(10), [0, 1, 2], 4, 64, train_on="all"),
-    }
-    for field, key in others.items():
-        with pytest.raises(TargetCacheMismatchError, match=field):
+    reseeded, in_bf16 = tiny_model("llama", seed=1), tiny_model("llama", seed=0).to(torch.bfloat16)
+    assert target_fingerprint(reseeded.config) == target_fingerprint(TARGET.config)  # what the old key held
+    for other in (reseeded, in_bf16):
+        key = cache_key(weights_fingerprint(other), other.dtype, CONTENT, 64)
+        with pytest.raises(TargetCacheMismatchError) as refusal:
             TargetCache(tmp_path / "cache", key)
+        message = str(refusal.value)
+        assert f"target_weights: cache '{KEY['target_weights']}', run '{key['target_weights']}'" in message
+        assert "\n" not in message and "delete it" in message
+    assert "target_dtype: cache 'torch.float32', run 'torch.bfloat16'" in message
+    same = tiny_model("llama", seed=0)  # another object with the same weights: the same cache
+    key = cache_key(weights_fingerprint(same), same.dtype, CONTENT, 64)
+    assert_same_content(
+        read_all(TargetCache(tmp_path / "cache", key), rows), read_all(TargetCache(tmp_path / "cache", KEY), rows)
+    )
+
+    weights, dtype = KEY["target_weights"], KEY["target_dtype"]
+    others = {
+        "draft_vocab": {**CONTENT, "draft_vocab": vocab_digest(torch.arange(1, 11))},
+        "aux_layer_ids": {**CONTENT, "aux_layer_ids": [0, 1, 3]},
+        "top_k": {**CONTENT, "top_k": 8},
+        # KEY's cache holds labels at the assistant's tokens only: refused for a run that trains on every token
+        "train_on": {**CONTENT, "train_on": "all"},
+        "fields": {"fields": ["hidden"]},  # a Medusa module's cache
+    }
+    for field, content in others.items():
+        with pytest.raises(TargetCacheMismatchError, match=field):
+            TargetCache(tmp_path / "cache", cache_key(weights, dtype, content, 64))
+    with pytest.raises(TargetCacheMismatchError, match="max_length: cache 64, run 128"):
+        TargetCache(tmp_path / "cache", cache_key(weights, dtype, CONTENT, 128))
     cache = TargetCache(tmp_path / "cache", KEY)
     row = rows[0]
     ids = torch.tensor([row["input_ids"][:64]])
@@ -122,43 +183,129 @@ def test_a_cache_for_other_settings_or_rows_is_refused(tmp_path, data_dir):  # n
         cache.get([row["index"]], ids, torch.tensor([ids.shape[1]]))
     (tmp_path / "bad").mkdir()
     (tmp_path / "bad" / MANIFEST).write_text("{not json")
-    with pytest.raises(TargetCacheMismatchError, match="not a target cache manifest"):
+    with pytest.raises(TargetCacheCorruptError, match="not a target cache manifest"):
         TargetCache(tmp_path / "bad", KEY)
 
 
-@pytest.mark.slow
-def test_a_killed_build_resumes_to_the_same_content(tmp_path, data_dir):  # noqa: F811
-    _, datamodule = build_module(data_dir, tmp_path)
-    rows = rows_of(datamodule)
+KILLED_BUILD = r"""
+import json, os, sys
+import torch
+from medusa_like.training import target_cache
+
+root, mode, at = sys.argv[1], sys.argv[2], int(sys.argv[3])
+key, rows = json.loads(sys.argv[4]), json.loads(sys.argv[5])
+calls = {"shard": 0, "manifest": 0}
+real_save, real_manifest = target_cache.save_file, target_cache.write_json
+
+def save_file(tensors, path):  # the shard writer, killed half-way through its `at`-th file
+    calls["shard"] += 1
+    real_save(tensors, path)
+    if mode == "in_shard" and calls["shard"] == at:
+        size = os.path.getsize(path)
+        with open(path, "r+b") as f:
+            f.truncate(size // 2)
+        os._exit(9)  # a kill: no `finally`, no clean-up
+
+def write_json(path, data):  # the manifest's writer, killed before its `at`-th write (that shard in place, unnamed)
+    calls["manifest"] += 1
+    if mode == "before_manifest" and calls["manifest"] == at:
+        os._exit(9)
+    return real_manifest(path, data)
+
+target_cache.save_file, target_cache.write_json = save_file, write_json
+
+def compute(batch):
+    ids = batch["input_ids"]
+    return {
+        "aux": ids[..., None].expand(-1, -1, 6).to(torch.bfloat16),
+        "topk_ids": (ids[..., None] + torch.arange(4)).to(torch.int16),
+        "topk_logp": -ids[..., None].expand(-1, -1, 4).to(torch.float16) / 100,
+        "labelled": batch["loss_mask"].bool(),
+    }
+
+target_cache.TargetCache(root, key).build(rows, compute, batch_tokens=64, shard_tokens=150)
+sys.exit(0)
+"""
+
+
+@pytest.mark.parametrize("mode", ["in_shard", "before_manifest"])
+def test_a_build_killed_inside_a_shard_write_resumes_to_the_same_content(tmp_path, mode):
+    """A process killed (os._exit) inside the third shard's real write, half of the file on disk, or between that
+    shard's write and the manifest naming it: the resumed build never reads that shard, computes the rows it held
+    again, and ends with the content of an uninterrupted build."""
+    rows = synthetic_rows(24)
     whole = TargetCache(tmp_path / "whole", KEY)
     assert whole.build(rows, fake_outputs, batch_tokens=64, shard_tokens=150) == len(rows)
-
-    calls = {"n": 0}
-
-    def killed(batch):
-        calls["n"] += 1
-        if calls["n"] > 4:
-            raise KeyboardInterrupt  # a kill in the middle of the build
-        return fake_outputs(batch)
-
-    with pytest.raises(KeyboardInterrupt):
-        TargetCache(tmp_path / "cut", KEY).build(rows, killed, batch_tokens=64, shard_tokens=150)
-    assert not [p for p in (tmp_path / "cut").iterdir() if ".tmp-" in p.name]  # no half-written file
-    kept = TargetCache(tmp_path / "cut", KEY)
+    cut = tmp_path / "cut"
+    done = subprocess.run(
+        [sys.executable, "-c", KILLED_BUILD, str(cut), mode, "3", json.dumps(KEY), json.dumps(rows)],
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 9, done.stderr[-2000:]
+    named = {shard for shard, _, _ in json.loads((cut / MANIFEST).read_text())["rows"].values()}
+    assert named == {"shard-00000.safetensors", "shard-00001.safetensors"}
+    if mode == "in_shard":  # the half-written file is the shard's temporary, never its name
+        (half,) = [p for p in cut.iterdir() if ".tmp-" in p.name]
+        assert half.name.startswith(".shard-00002.safetensors") and half.stat().st_size > 0
+        assert not (cut / "shard-00002.safetensors").exists()
+    else:  # the shard is whole and in place, but no manifest names it
+        assert (cut / "shard-00002.safetensors").is_file()
+    kept = TargetCache(cut, KEY)
+    assert not [p for p in cut.iterdir() if ".tmp-" in p.name]  # the killed writer's temporary is gone
     survived = len(kept.rows)
-    assert 0 < survived < len(rows)  # finished shards survive the kill
+    assert 0 < survived < len(rows)
     assert kept.build(rows, fake_outputs, batch_tokens=64, shard_tokens=150) == len(rows) - survived
-    assert TargetCache(tmp_path / "cut", KEY).build(rows, fake_outputs) == 0  # nothing left to compute
-    again = TargetCache(tmp_path / "cut", KEY)
-    for row in rows:
-        ids = torch.tensor([row["input_ids"][:64]])
-        lengths = torch.tensor([ids.shape[1]])
-        a, b = whole.get([row["index"]], ids, lengths), again.get([row["index"]], ids, lengths)
-        for name in FIELDS:
-            assert torch.equal(a[name], b[name])
-    manifest = json.loads((tmp_path / "cut" / MANIFEST).read_text())
-    shards = {shard for shard, _, _ in manifest["rows"].values()}
-    assert all(set(load_file(str(tmp_path / "cut" / s))) for s in shards)
+    assert TargetCache(cut, KEY).build(rows, fake_outputs) == 0  # nothing left to compute
+    if mode == "before_manifest":  # the unnamed shard's rows were written again elsewhere; it is never read
+        manifest = json.loads((cut / MANIFEST).read_text())
+        assert "shard-00002.safetensors" not in {shard for shard, _, _ in manifest["rows"].values()}
+    assert_same_content(read_all(whole, rows), read_all(TargetCache(cut, KEY), rows))
+
+
+def test_a_truncated_shard_is_one_line_naming_it_and_deleting_it_rebuilds_its_rows(tmp_path):
+    rows = synthetic_rows(24)
+    root = tmp_path / "cache"
+    TargetCache(root, KEY).build(rows, fake_outputs, batch_tokens=64, shard_tokens=150)
+    expected = read_all(TargetCache(root, KEY), rows)
+    shard = root / "shard-00001.safetensors"
+    data = shard.read_bytes()
+    shard.write_bytes(data[: len(data) - 100])  # truncated: a full disk, a copy cut short
+    with pytest.raises(TargetCacheCorruptError) as refusal:
+        TargetCache(root, KEY)
+    message = str(refusal.value)
+    assert str(shard) in message and "delete that file" in message and "\n" not in message
+    shard.unlink()  # as the message says
+    again = TargetCache(root, KEY)
+    lost = len(rows) - len(again.rows)
+    assert lost > 0 and again.build(rows, fake_outputs, batch_tokens=64, shard_tokens=150) == lost
+    assert_same_content(expected, read_all(TargetCache(root, KEY), rows))
+
+
+@pytest.mark.slow
+def test_a_modules_cache_is_keyed_by_its_targets_weights_and_dtype(tmp_path, data_dir):  # noqa: F811
+    """The EAGLE-3 and Medusa modules key their cache by the target's weights: the tiny target of another seed (the
+    same config, the same data directory) or in bf16 is refused one line naming both fingerprints; the same
+    target loaded again reads the cache without a target forward."""
+    for drafter in ("eagle3", "medusa"):
+        where = (f"drafter={drafter}", f"drafter.module.target_cache_dir={tmp_path / drafter}")
+        built, datamodule = build_module(data_dir, tmp_path, *where)
+        built.prepare_target_cache(datamodule)
+        for other in ("model.loader.seed=1", "model.dtype=bfloat16"):
+            module, _ = build_module(data_dir, tmp_path, *where, other)
+            assert module.target_weights != built.target_weights
+            with pytest.raises(TargetCacheMismatchError) as refusal:
+                module.prepare_target_cache(datamodule)
+            message = str(refusal.value)
+            assert f"target_weights: cache '{built.target_weights}', run '{module.target_weights}'" in message
+            assert "\n" not in message
+        again, _ = build_module(data_dir, tmp_path, *where)
+        again.target.base_model.forward = None  # a target forward would fail: the cache must serve every row
+        again.prepare_target_cache(datamodule)
+        batch = next(iter(datamodule.val_dataloader()))
+        torch.testing.assert_close(again._forward(batch)[0], built._forward(batch)[0])
 
 
 @pytest.mark.slow
@@ -222,7 +369,11 @@ def test_token_milestones_make_a_learning_curve(tmp_path, data_dir, monkeypatch)
     the table, curve.json and the plot."""
     import sys
 
+    from matplotlib import image
+
     from eval import learning_curve
+    from medusa_like import MedusaLikeModel
+    from medusa_like.training.build import build_module as build_drafter_module
 
     cfg = compose_train(
         tmp_path,
@@ -230,6 +381,7 @@ def test_token_milestones_make_a_learning_curve(tmp_path, data_dir, monkeypatch)
         "drafter=eagle3",
         f"drafter.module.target_cache_dir={tmp_path / 'cache'}",
         "trainer.max_epochs=50",
+        "module.optimizer.lr=1e-2",  # steps large enough for the validation loss to move in a few steps
         "+callbacks.token_milestones._target_=medusa_like.training.checkpoints.TokenMilestones",
         f"+callbacks.token_milestones.dirpath={tmp_path / 'checkpoints'}",
         "+callbacks.token_milestones.milestones=[20,40,80]",
@@ -244,22 +396,44 @@ def test_token_milestones_make_a_learning_curve(tmp_path, data_dir, monkeypatch)
     monkeypatch.setattr(sys, "argv", ["learning_curve", str(tmp_path), "--prompts", "2", "--max-new-tokens", "8"])
     learning_curve.main()
     curve = json.loads((tmp_path / "curve.json").read_text())
-    assert [p["milestone"] for p in curve["points"]] == [20, 40, 80]
+    points = curve["points"]
+    assert [p["milestone"] for p in points] == [20, 40, 80]
     # a point is what the run's own validation reports for the same weights, on the same rows: the run's last
     # checkpoint against its last validation
     from hydra.utils import instantiate
 
-    target, _ = instantiate(cfg.model.loader)
+    target, tokenizer = instantiate(cfg.model.loader)
     datamodule = instantiate(cfg.data.module)
     datamodule.setup("fit")
     last = learning_curve.held_out(cfg, target, datamodule, tmp_path / "checkpoints" / "last.ckpt")
     run_val = {k: v for k, v in metrics.items() if k.startswith("val/")}
     assert "val/loss" in run_val and "val/sim_tau_chain" in run_val
     assert {k: last[k] for k in run_val} == pytest.approx(run_val, rel=1e-5)
-    for point in curve["points"]:
-        assert 1.0 <= point["val/sim_tau_chain"] <= 1 + cfg.drafter.module.ttt_steps
-        assert point["tau_alone"] >= 1.0
-    assert (tmp_path / "curve.png").stat().st_size > 0
+    # the points measure trained drafters: the validation loss falls from the untrained drafter's to the last point's
+    untrained = tmp_path / "untrained.ckpt"
+    torch.save({"state_dict": build_drafter_module(cfg, target).state_dict()}, untrained)
+    before = learning_curve.held_out(cfg, target, datamodule, untrained)["val/loss"]
+    assert points[-1]["val/loss"] < points[0]["val/loss"] < before
+    # a point's tau alone is its own checkpoint's: tokens per target forward decoding the same prompts alone
+    prompts = learning_curve_prompts(cfg, tokenizer)
+    model = MedusaLikeModel(target, tokenizer, load_drafter(tmp_path / "checkpoints" / points[-1]["path"], target))
+    outs = [model.generate(ids, max_new_tokens=8, tree="dynamic", remember=False) for ids in prompts]
+    forwards = sum(out.stats.target_forwards for out in outs)
+    assert points[-1]["tau_alone"] == pytest.approx(sum(out.stats.new_tokens for out in outs) / forwards)
+    png = image.imread(tmp_path / "curve.png")  # decodes, at the figure's size (10 x 4 inches at 120 dpi)
+    assert png.shape[:2] == (4 * 120, 10 * 120) and png[..., :3].std() > 0.05
+
+
+def learning_curve_prompts(cfg, tokenizer, count: int = 2) -> list[torch.Tensor]:
+    """The validation prompts eval.learning_curve decodes (`--prompts count`): first turns, the chat template."""
+    from medusa_like.evaluation.questions import load_questions, select
+    from medusa_like.targets import chat_input_ids
+
+    questions = load_questions(
+        "validation", source=cfg.data.source, val_fraction=cfg.data.val_fraction, split_seed=cfg.data.split_seed,
+        limit=count, max_turns=1,
+    )  # fmt: skip
+    return [chat_input_ids(tokenizer, [{"role": "user", "content": q.turns[0]}]) for q in select(questions, count)]
 
 
 def test_the_ablation_table_compares_each_arm_with_the_base(tmp_path, monkeypatch, capsys):

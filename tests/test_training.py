@@ -1,6 +1,6 @@
 """Training the heads on tiny random targets: targets and losses, fast dev run, overfitting, checkpoints (last.ckpt every
-N steps, at each epoch's end and at the end) and resume, the NaN guard, the hidden-state cache, W&B offline logging and
-2-process DDP on the CPU (gloo)."""
+N steps, at each epoch's end and at the end) and resume, the NaN guard, the heads' target cache, W&B offline logging
+and 2-process DDP on the CPU (gloo)."""
 
 import csv
 import os
@@ -323,15 +323,22 @@ def test_non_finite_loss_and_empty_batches_stop_training(tmp_path, data_dir):
 
 
 @pytest.mark.slow
-def test_cached_hidden_states_give_the_same_loss(tmp_path, data_dir):
-    module, datamodule = build_module(data_dir, tmp_path, f"module.hidden_cache_dir={tmp_path / 'cache'}")
-    plain, _ = build_module(data_dir, tmp_path, "drafter.module.kl_weight=0.0")
-    batch = next(iter(datamodule.train_dataloader()))
-    first = module._forward(batch)[0]
-    assert len(list((tmp_path / "cache").glob("*.safetensors"))) == batch["input_ids"].shape[0]
-    module.target.base_model.forward = None  # a second target forward would now fail: the cache must serve it
-    torch.testing.assert_close(module._forward(batch)[0], first, rtol=0, atol=0)
-    torch.testing.assert_close(plain._forward(batch)[0], first)
+def test_heads_read_from_the_target_cache_give_the_targets_own_loss(tmp_path, data_dir):
+    """Medusa heads' target cache holds the target's last hidden state in its dtype: the states and the loss from the
+    cache, KL term included, are those computed through the target (up to fp32 rounding), with no target forward."""
+    overrides = ("drafter.module.kl_weight=0.5",)
+    module, datamodule = build_module(data_dir, tmp_path, *overrides, f"drafter.module.target_cache_dir={tmp_path}/c")
+    plain, _ = build_module(data_dir, tmp_path, *overrides)
+    module.heads.load_state_dict(plain.heads.state_dict())
+    module.prepare_target_cache(datamodule)
+    assert len(module.target_cache.rows) == len(datamodule.train_set) + len(datamodule.val_set)
+    module.target.base_model.forward = None  # a target forward would now fail: the cache must serve every row
+    for batch in (next(iter(datamodule.train_dataloader())), next(iter(datamodule.val_dataloader()))):
+        real = batch["attention_mask"].bool()  # [B, T]
+        cached = module.read_target(batch, compute=None)["hidden"]  # [B, T, H], from the cache alone
+        # the target's own states in its dtype, up to fp32 rounding: the cache read the rows in other batches
+        torch.testing.assert_close(cached[real], plain.target_hidden(batch)[real], rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(module._forward(batch)[0], plain._forward(batch)[0])
 
 
 @pytest.mark.slow
@@ -410,10 +417,10 @@ def run_train(tmp_path: Path, data_dir: Path, run: str, *overrides: str) -> subp
 @pytest.mark.slow
 @pytest.mark.parametrize(
     "echo",
-    [(), ("data.module.echo=2", "data.module.echo_window=2", "module.hidden_cache_dir=${paths.output_dir}/hidden")],
+    [(), ("data.module.echo=2", "data.module.echo_window=2", "drafter.module.target_cache_dir=${paths.output_dir}/c")],
     ids=["each-row-once", "echoed"],
 )  # echoed: 4 batches a window (2 read, 2 repeats), killed inside the first window's repeats. The repeats' hidden
-# states come from the hidden-state cache, which outlives the kill: the in-memory memo does not, and a resumed run
+# states come from the target cache, which outlives the kill: the in-memory memo does not, and a resumed run
 # recomputes a window's repeats in other batches, equal only up to rounding
 def test_a_killed_run_resumes_from_last_to_the_same_weights(tmp_path, data_dir, echo):
     whole = run_train(tmp_path, data_dir, "whole", *echo)

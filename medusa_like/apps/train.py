@@ -23,8 +23,17 @@ from medusa_like.data.prepare import ensure_dataset, load_model
 from medusa_like.formats import save_drafter
 from medusa_like.forward.cpu.few_row_linear import use_read_kernel
 from medusa_like.io import write_json
-from medusa_like.runs import last_checkpoint, resolved, save_config
+from medusa_like.runs import resolved, save_config
 from medusa_like.training.build import build_module
+from medusa_like.training.resume import (
+    check_resume,
+    check_trained,
+    checkpoint_step,
+    config_settings,
+    loaded_settings,
+    record_resume,
+    resume_checkpoint,
+)
 
 log = logging.getLogger(__name__)
 
@@ -36,16 +45,24 @@ def instantiate_all(group: DictConfig | None) -> list:
 
 
 def train(cfg: DictConfig) -> dict[str, float]:
-    """Build the data if needed, fit, export; returns the final metrics (also written to <run dir>/metrics.json)."""
+    """Build the data if needed, fit, export; returns the final metrics (also written to <run dir>/metrics.json).
+    A resumed run (`ckpt_path`) is checked against its checkpoint's settings first (`training/resume.py`)."""
     check_config(cfg, TRAIN_CHECKS)
     L.seed_everything(cfg.seed, workers=True)
     out_dir = Path(cfg.paths.output_dir)
+    ckpt_path = resume_checkpoint(cfg.get("ckpt_path"), out_dir)
+    check_resume(ckpt_path, config_settings(cfg))  # before anything is loaded
     run_config = resolved(cfg)
-    save_config(run_config, out_dir)
+    if ckpt_path is None:
+        save_config(run_config, out_dir)  # first, so that a run cut short (building its data, say) has it
     target, tokenizer = load_model(cfg.model)
     ensure_dataset(cfg, target, tokenizer)
     datamodule = instantiate(cfg.data.module)
     module = build_module(cfg, target)
+    module.resume_settings = config_settings(cfg) | loaded_settings(module, cfg)
+    applied = check_resume(ckpt_path, module.resume_settings, complete=True)
+    if ckpt_path is not None:
+        save_config(run_config, out_dir)  # a resumed run's settings, once its checkpoint accepted them
     callbacks = instantiate_all(cfg.get("callbacks"))
     loggers = instantiate_all(cfg.get("logger"))
     trainer: L.Trainer = instantiate(cfg.trainer, callbacks=callbacks, logger=loggers or False)
@@ -54,8 +71,12 @@ def train(cfg: DictConfig) -> dict[str, float]:
         log.info("the frozen target's layers read the training rows on oneDNN's packed weights (target_read_kernel)")
     for logger in trainer.loggers:
         logger.log_hyperparams(run_config)
+    if applied and trainer.is_global_zero:  # settings changed on resuming: when, and from what
+        record_resume(out_dir, ckpt_path, applied)
 
-    trainer.fit(module, datamodule=datamodule, ckpt_path=last_checkpoint(cfg.get("ckpt_path"), out_dir))
+    start_step = checkpoint_step(ckpt_path) if ckpt_path is not None else None
+    trainer.fit(module, datamodule=datamodule, ckpt_path=ckpt_path)
+    check_trained(ckpt_path, start_step, trainer)  # a resume that trained nothing stops here
 
     metrics = {k: float(v) for k, v in trainer.callback_metrics.items()}
     best = restore_best(trainer, module)
@@ -63,7 +84,9 @@ def train(cfg: DictConfig) -> dict[str, float]:
         metrics.update(best)
     if trainer.is_global_zero:
         if cfg.get("export_drafter"):
-            path = save_drafter(module.drafter, out_dir / "drafter", target, cfg.model.name_or_path)
+            # a resumed run replaces the export of the run it continues (an export it made before training further)
+            resumed = ckpt_path is not None
+            path = save_drafter(module.drafter, out_dir / "drafter", target, cfg.model.name_or_path, overwrite=resumed)
             log.info("drafter exported to %s", path)
         write_json(out_dir / "metrics.json", dict(sorted(metrics.items())))
         log.info("validation: %s", {k: round(v, 4) for k, v in sorted(metrics.items()) if k.startswith("val/acc")})

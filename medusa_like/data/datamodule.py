@@ -2,7 +2,7 @@
 self-distilled answers or the conversations' own text (`storage.py` stores both alike).
 
 The split is by conversation group (`split.is_validation`), so the validation conversations never reach the training
-loader. Each row also carries its position in the full dataset (`index`), the key of the optional hidden-state cache.
+loader. Each row also carries its position in the full dataset (`index`), its key in the target cache and memo.
 Batches are right-padded; padded positions have `attention_mask = loss_mask = 0`. With `echo` > 1 the training loader
 serves each row `echo` times (data echoing, `echo.py`).
 """

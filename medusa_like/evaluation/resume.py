@@ -2,7 +2,9 @@
 
 An evaluation writes `run_settings.json` (atomically) into its run directory before its first prompt: every setting
 that decides a prompt's record (target, drafter, tree, question selection, tokens, dtype, methods, lookup store,
-threads), as flat dotted keys. `eval.resume=true` compares the settings of the new command with that file and refuses,
+threads), as flat dotted keys. The target and the learned drafter are recorded by their weights
+(`targets.weights_fingerprint`), not by name or path: a drafter retrained at the same path, or target weights replaced
+under the same name, are other weights, and a drafter moved to another path is the same one. `eval.resume=true` compares the settings of the new command with that file and refuses,
 naming each differing key with both values, before any prompt runs:
 
     settings = config_settings(cfg)              # from the config alone: compared before the model is loaded
@@ -19,13 +21,14 @@ import hashlib
 import json
 from pathlib import Path
 
+import torch
 from omegaconf import DictConfig, OmegaConf
 
 from medusa_like.io import write_json
-from medusa_like.targets import target_fingerprint
+from medusa_like.targets import weights_fingerprint
 
 SETTINGS_FILE = "run_settings.json"
-SETTINGS_VERSION = 1
+SETTINGS_VERSION = 2  # 2: the target and the drafter by their weights (1: by architecture and path)
 
 # config keys that decide every prompt's record, whatever the drafter
 COMMON_KEYS = (
@@ -36,7 +39,6 @@ COMMON_KEYS = (
     "target.backend",
     "target.tuned_layers",
     "target.compile",
-    "drafter.path",
     "drafter.mode",
     "drafter.dtype",
     "drafter.draft_vocab_size",
@@ -108,14 +110,16 @@ def config_settings(cfg: DictConfig) -> dict:
 
 
 def loaded_settings(model, searched_tree: str | None) -> dict:
-    """The settings known once the model is loaded and the tree chosen: the target's architecture fingerprint and dtype,
-    the learned drafter's kind and dtype (`drafter.dtype=auto` depends on the machine), and the hash of the tree file
-    that `tree=auto` searched (None for other trees)."""
+    """The settings known once the model is loaded and the tree chosen: the target's weights fingerprint and dtype,
+    the learned drafter's kind, weights fingerprint (None for a drafter without weights: lookup) and dtype
+    (`drafter.dtype=auto` depends on the machine), and the hash of the tree file that `tree=auto` searched (None for
+    other trees)."""
     drafter = model.drafter.learned if model.drafter_kind == "combined" else model.drafter
     return {
-        "target fingerprint": target_fingerprint(model.target.config),
+        "target weights": weights_fingerprint(model.target),
         "target dtype": str(model.target.dtype),
         "drafter type": drafter.kind,
+        "drafter weights": weights_fingerprint(drafter) if isinstance(drafter, torch.nn.Module) else None,
         "drafter dtype": str(model.drafter_dtype),
         "sha256(searched tree)": file_sha256(searched_tree),
     }
@@ -130,12 +134,13 @@ def read_settings(out_dir: Path) -> dict | None:
         data = json.loads(path.read_text(encoding="utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError) as err:
         raise ResumeMismatchError(f"{path} is not JSON ({err}): the run's settings cannot be checked") from err
-    if (
-        not isinstance(data, dict)
-        or data.get("version") != SETTINGS_VERSION
-        or not isinstance(data.get("settings"), dict)
-    ):
+    if not isinstance(data, dict) or not isinstance(data.get("settings"), dict):
         raise ResumeMismatchError(f"{path} is not a run-settings file of version {SETTINGS_VERSION}")
+    if data.get("version") != SETTINGS_VERSION:
+        raise ResumeMismatchError(
+            f"{path} is a run-settings file of version {data.get('version')!r}, not {SETTINGS_VERSION} (which records "
+            "the target's and the drafter's weights): its prompts cannot be checked; start a new run in another out_dir"
+        )
     return data
 
 

@@ -38,6 +38,5 @@ def build_module(cfg: DictConfig, target) -> DrafterModule:
         target_name=cfg.model.name_or_path,
         optimizer=instantiate(cfg.module.optimizer),
         scheduler=instantiate(cfg.module.scheduler) if cfg.module.get("scheduler") else None,
-        hidden_cache_dir=cfg.module.get("hidden_cache_dir"),
     )
     return module.from_config(cfg, target, **shared)

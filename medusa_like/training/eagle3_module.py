@@ -3,9 +3,9 @@ training-time-test loss (`ttt.py`) unrolled over `ttt_steps` draft steps, step j
 
 One frozen target forward per batch gives the aux hidden states (the drafter's input) and the labels: the target's
 distribution over the draft vocabulary, kept as its `top_k` most likely tokens (all of them when `top_k` is null).
-With `target_cache_dir`, both are computed once for every row before the first step (`target_cache.py`) and every
-epoch reads them back: training runs no target forward at all. When the data echoes rows (`data/echo.py`), the
-latest rows' outputs are kept in memory (`target_memo.py`) and each row is read once. Validation reports, besides the
+With `target_cache_dir`, both are computed once for every row before the first step (`target_cache.py`, through
+`drafter_module.DrafterModule`) and every epoch reads them back: training runs no target forward at all. When the data
+echoes rows (`data/echo.py`), the latest rows' outputs are kept in memory (`target_memo.py`) and each row is read once. Validation reports, besides the
 per-depth losses and accuracies, the acceptance length a chain of drafts would reach with those accuracies
 (`val/sim_tau_chain`), by which the best checkpoint is chosen. The frozen target, checkpoints (keys `drafter.*`, with
 the drafter config and the draft vocabulary in their metadata) and the optimizer are `drafter_module.DrafterModule`'s.
@@ -24,11 +24,10 @@ from medusa_like.data.split import draft_vocab_from_training_split
 from medusa_like.drafters.base import check_fits
 from medusa_like.drafters.eagle3 import EAGLE3, Eagle3Config, Eagle3Drafter
 from medusa_like.drafters.vocab import DraftVocab
-from medusa_like.targets import output_logits, target_fingerprint
+from medusa_like.targets import output_logits
 from medusa_like.training.drafter_module import DrafterModule
 from medusa_like.training.losses import DECAY, decay_weights, shift_left
-from medusa_like.training.target_cache import BATCH_TOKENS, TargetCache, cache_key
-from medusa_like.training.target_memo import TargetMemo
+from medusa_like.training.target_cache import BATCH_TOKENS, vocab_digest
 from medusa_like.training.ttt import loss_function, simulated_tau, supervised_rows, unrolled_mask
 
 log = logging.getLogger(__name__)
@@ -88,11 +87,8 @@ class Eagle3Module(DrafterModule):
         # alone and labels every supervised row (validation and the target cache keep the rule)
         target_cache_dir: str | None = None,  # compute the target's side once, before the first step, and reuse it
         target_cache_batch_tokens: int = BATCH_TOKENS,  # padded tokens per target forward while building the cache
-        hidden_cache_dir: str | None = None,  # not used by this drafter: see `target_cache_dir`
     ):
-        super().__init__(target, target_name, optimizer, scheduler, None)
-        if hidden_cache_dir:
-            raise ValueError("module.hidden_cache_dir is for Medusa heads; an EAGLE-3 drafter uses target_cache_dir")
+        super().__init__(target, target_name, optimizer, scheduler, target_cache_dir, target_cache_batch_tokens)
         if top_k is not None and top_k < 1:
             raise ValueError(f"top_k must be >= 1 or null (the whole draft vocabulary), got {top_k}")
         if train_on not in TRAIN_ON:
@@ -117,18 +113,6 @@ class Eagle3Module(DrafterModule):
         self.ttt_steps, self.decay, self.train_on, self.vocab_check = ttt_steps, decay, train_on, vocab_check
         self.loss_fn = loss_function(loss)
         self.top_k = min(top_k or vocab.size, vocab.size)
-        self.target_cache = None
-        self.memo: TargetMemo | None = None  # the latest rows' target outputs, when the data echoes rows
-        if target_cache_dir:
-            key = cache_key(
-                target_fingerprint(target.config),
-                vocab.token_ids,
-                self.drafter.config.aux_layer_ids,
-                self.top_k,
-                0,  # set from the datamodule's longest row in `on_fit_start`
-                train_on,
-            )
-            self._target_cache_args = (target_cache_dir, key, target_cache_batch_tokens)
         self.save_hyperparameters(
             {
                 "drafter": "eagle3",
@@ -167,29 +151,20 @@ class Eagle3Module(DrafterModule):
         }
 
     # ---- the target's side, once ------------------------------------------------------------------------------
-    def on_fit_start(self) -> None:
-        data = self.trainer.datamodule
-        self.prepare_target_cache(data, self.trainer.is_global_zero, self.trainer.strategy.barrier)
-        if self.target_cache is None and getattr(data, "echo_rows", 0):  # a cache already serves every repeat
-            self.memo = TargetMemo(data.echo_rows)
-
-    def prepare_target_cache(self, data, builder: bool = True, barrier=lambda: None) -> None:
-        """With `target_cache_dir`: compute the target's side of every training and validation row of `data` (a
-        set-up `TrainingDataModule`) not cached yet (on the `builder` rank; the others wait at `barrier`), then read
-        every batch from the cache."""
-        if not hasattr(self, "_target_cache_args"):
-            return
-        root, key, batch_tokens = self._target_cache_args
-        key = {**key, "max_length": int(data.max_length)}
-        if builder:
-            rows = [row for split in (data.train_set, data.val_set) for row in split]
-            TargetCache(root, key).build(rows, self._cacheable_outputs, batch_tokens)
-        barrier()
-        self.target_cache = TargetCache(root, key)
+    def cache_content(self) -> dict:
+        """The cache holds the aux states and the labels: they depend on the draft vocabulary, the aux layers, k and
+        the positions labelled (`train_on`: a cache labelled at the assistant's tokens only is never read by a run
+        that trains on every token). It is always built with the vocabulary check (`vocab_check` is training's)."""
+        return {
+            "fields": ["aux", "topk_ids", "topk_logp", "labelled"],
+            "draft_vocab": vocab_digest(self.drafter.token_ids),
+            "aux_layer_ids": [int(i) for i in self.drafter.config.aux_layer_ids],
+            "top_k": int(self.top_k),
+            "train_on": self.train_on,
+        }
 
     @torch.no_grad()
-    def _cacheable_outputs(self, batch: dict) -> dict[str, torch.Tensor]:
-        batch = {k: v.to(self.device) for k, v in batch.items()}
+    def cacheable_outputs(self, batch: dict) -> dict[str, torch.Tensor]:
         out = self._compute_target_outputs(batch, self._wanted(batch, training=True))
         ids = out["topk_ids"].to(torch.int16 if self.drafter.config.draft_vocab_size <= 2**15 else torch.int32)
         return {
@@ -278,18 +253,10 @@ class Eagle3Module(DrafterModule):
     @torch.no_grad()
     def _target_outputs(self, batch: dict, wanted: torch.Tensor) -> dict[str, torch.Tensor]:
         """The target's side of a batch (see `_compute_target_outputs`), from the target cache when there is one, or
-        in training from the memo of the latest rows when it holds them all (data echoing)."""
-        indices, lengths = batch["index"].tolist(), batch["attention_mask"].sum(-1)
-        if self.target_cache is not None:
-            cached = self.target_cache.get(indices, batch["input_ids"], lengths)
-        elif self.memo is not None and self.training:
-            cached = self.memo.get(indices, batch["input_ids"], lengths)
-            if cached is None:
-                cached = self._compute_target_outputs(batch, wanted, self.vocab_check)
-                self.memo.put(indices, batch["input_ids"], lengths, cached)
-        else:
-            return self._compute_target_outputs(batch, wanted, self.vocab_check or not self.training)
-        out = {name: t.to(self.device) for name, t in cached.items()}
+        in training from the memo of the latest rows when it holds them all (data echoing), labelled at the `wanted`
+        positions only (the cache holds training's labels, a superset of validation's)."""
+        vocab_check = self.vocab_check or not self.training  # validation keeps EAGLE-3's rule
+        out = dict(self.read_target(batch, lambda b: self._compute_target_outputs(b, wanted, vocab_check)))
         out["labelled"] = out["labelled"].bool() & wanted
         return out
 

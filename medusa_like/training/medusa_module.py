@@ -2,7 +2,8 @@
 
 Only `self.heads` trains. The loss is sum_k decay^k * loss_k over heads k = 1..K, each on assistant tokens only, with
 an optional KL term to the target's own distribution (see `losses.py`). The frozen target, checkpoints (keys
-`heads.*`), the hidden-state cache and the optimizer are `drafter_module.DrafterModule`'s.
+`heads.*`), the target cache (here of the target's last hidden state) and the optimizer are
+`drafter_module.DrafterModule`'s.
 """
 
 from collections.abc import Callable
@@ -17,6 +18,7 @@ from medusa_like.drafters.medusa import MEDUSA, HeadsConfig, MedusaHeads
 from medusa_like.targets import output_logits
 from medusa_like.training.drafter_module import DrafterModule
 from medusa_like.training.losses import DECAY, IGNORE, decay_weights, head_labels, head_losses, shift_left, topk_correct
+from medusa_like.training.target_cache import BATCH_TOKENS
 
 TOPK = (1, 5)
 
@@ -36,9 +38,10 @@ class MedusaHeadsModule(DrafterModule):
         decay: float = DECAY,
         kl_weight: float = 0.0,  # mix of the soft-label KL to the target's own distribution
         kl_temperature: float = 1.0,
-        hidden_cache_dir: str | None = None,  # cache the target's hidden states here during the first epoch
+        target_cache_dir: str | None = None,  # compute the target's hidden states once, before the first step
+        target_cache_batch_tokens: int = BATCH_TOKENS,  # padded tokens per target forward while building the cache
     ):
-        super().__init__(target, target_name, optimizer, scheduler, hidden_cache_dir)
+        super().__init__(target, target_name, optimizer, scheduler, target_cache_dir, target_cache_batch_tokens)
         if not 0 <= kl_weight <= 1 or not 0 < decay <= 1:
             raise ValueError(f"need 0 <= kl_weight <= 1 and 0 < decay <= 1, got kl_weight={kl_weight}, decay={decay}")
         check_fits(heads_config.hidden_size, heads_config.vocab_size, target, source="being trained")
@@ -60,6 +63,15 @@ class MedusaHeadsModule(DrafterModule):
 
     def drafter_meta(self) -> dict:
         return {"heads_config": self.heads.config.to_dict()}
+
+    def cache_content(self) -> dict:
+        """The cache holds the target's last hidden state (after the final norm) in the target's dtype, the heads'
+        input and, through the frozen lm_head, the KL term's teacher: it depends on nothing else."""
+        return {"fields": ["hidden"]}
+
+    @torch.no_grad()
+    def cacheable_outputs(self, batch: dict) -> dict[str, torch.Tensor]:
+        return {"hidden": self.target_hidden(batch)}
 
     # ---- steps --------------------------------------------------------------------------------------------------
     def training_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
@@ -93,7 +105,7 @@ class MedusaHeadsModule(DrafterModule):
                 f"batch of rows {batch['index'].tolist()} has no supervised assistant token: the loss would be 0; "
                 f"check the loss_mask of the distilled data"
             )
-        hidden = self.target_hidden(batch)  # [B, T, H]
+        hidden = self.read_target(batch, self.cacheable_outputs)["hidden"]  # [B, T, H]
         features = hidden[selected].to(next(self.heads.parameters()).dtype)  # [N, H]
         logits = self.heads(features, self._project)  # [K, N, V]
         labels = labels[:, selected]  # [K, N]

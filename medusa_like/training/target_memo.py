@@ -1,6 +1,7 @@
 """The frozen target's outputs for the most recent training rows, kept in memory: with data echoing
-(`data/echo.py`) a row comes back within one window of batches, and its features and labels are read from here
-instead of running the target again.
+(`data/echo.py`) a row comes back within one window of batches, and its target outputs (EAGLE-3's features and labels,
+Medusa heads' hidden states) are read from here instead of running the target again. Not a cache: it holds one
+window's rows and dies with the process (the disk cache of every row is `target_cache.py`, which makes it unneeded).
 
     memo = TargetMemo(max_rows=64)
     out = memo.get(indices, input_ids, lengths)          # None unless every row of the batch is held

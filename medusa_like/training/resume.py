@@ -1,0 +1,241 @@
+"""Resuming a training run: which checkpoint `ckpt_path` names, and whether this run's settings may continue it.
+
+    path = resume_checkpoint(cfg.ckpt_path, out_dir)         # None for a fresh run; `last`: this run directory's only
+    check_resume(path, config_settings(cfg))                 # before anything is loaded
+    module.resume_settings = settings = config_settings(cfg) | loaded_settings(module, cfg)
+    applied = check_resume(path, settings, complete=True)    # {key: (checkpoint's, run's)} put to use from here on
+
+Every checkpoint records the settings it was trained with (`RESUME_KEY`, flat dotted keys). A resumed run compares its
+own with them before any step, and for each setting that differs:
+
+- refuses, naming every such key with both values, when the change would make the resumed steps another training:
+  the drafter (kind, architecture, draft vocabulary), the target (its weights and dtype), the objective (the
+  drafter's loss settings: loss, unrolled steps, decay, top-k, labelled positions, vocabulary check, KL), the data
+  (directory, its recipe, split, batch size, longest row, echo, seed, gradient accumulation, devices) and the
+  optimizer's or schedule's kind;
+- applies, and records in the run directory's `resumes.json`, the settings whose change has one meaning from the
+  checkpoint's step on: the optimizer's hyperparameters (`module.optimizer.lr` becomes the schedule's new peak: the
+  step's rate is the new peak times the schedule's factor at that step), the schedule's shape (`module.scheduler.*`)
+  and the run's length (`trainer.max_epochs`, `max_steps`, `max_time`: the schedule is fitted to the new length);
+- ignores how the drafter started (its weights come from the checkpoint), where the target cache lives, and how the
+  run is carried out or logged (precision, validation, logging, callbacks).
+
+A checkpoint without recorded settings (written before they were) is checked for its drafter kind only, with a
+warning. A resumed run
+whose checkpoint already reached its limits trains nothing: it stops with one error line and writes no drafter
+(`check_trained`).
+"""
+
+import functools
+import json
+import logging
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+import torch
+from omegaconf import DictConfig, OmegaConf
+from torch.optim.lr_scheduler import LambdaLR
+
+from medusa_like.drafters.base import CHECKPOINT_KEY
+from medusa_like.io import write_json
+from medusa_like.training.target_cache import vocab_digest
+
+log = logging.getLogger(__name__)
+
+RESUME_KEY = "medusa_like_resume"  # a checkpoint's recorded settings
+LAST = "last"  # ckpt_path=last: this run directory's checkpoints/last.ckpt
+RECORD = "resumes.json"  # in the run directory: each resume's checkpoint, step and applied changes
+
+# config sections recorded, as flat dotted keys
+SECTIONS = (
+    "drafter.kind",
+    "drafter.draft_vocab_size",
+    "drafter.heads",
+    "drafter.module",
+    "data.dir",
+    "data.module",
+    "seed",
+    "trainer.accumulate_grad_batches",
+    "trainer.devices",
+    "trainer.num_nodes",
+    "module.optimizer",
+    "module.scheduler",
+    "trainer.max_epochs",
+    "trainer.max_steps",
+    "trainer.max_time",
+)
+# changes that a resumed run puts to use from the checkpoint's step on (everything else recorded is refused)
+APPLIED = ("module.optimizer.", "module.scheduler.", "trainer.max_epochs", "trainer.max_steps", "trainer.max_time")
+APPLIED_EXCEPT = ("module.optimizer._target_", "module.scheduler._target_")  # another optimizer or schedule kind
+# not compared: how the drafter started (a resume loads its weights), where the cache lives, how the loader runs
+IGNORED = (
+    "drafter.module.init_from_target",
+    "drafter.module.init_layer_from_target",
+    "drafter.module.init_embedding_from_feature",
+    "drafter.module.target_cache_dir",
+    "drafter.module.target_cache_batch_tokens",
+    "data.module._target_",
+    "data.module.dataset_dir",  # data.dir
+    "data.module.num_workers",
+)
+
+
+class TrainingResumeError(ValueError):
+    """A resume whose settings differ from its checkpoint's where a resumed run cannot change them."""
+
+
+def resume_checkpoint(ckpt_path: str | None, out_dir: Path) -> str | None:
+    """The checkpoint a run resumes from: None, a .ckpt file, or for `last` this run directory's
+    `checkpoints/last.ckpt`, never another run's (a sibling run may train another drafter, or be another experiment
+    that happens to fit)."""
+    if ckpt_path != LAST:
+        if ckpt_path is not None and not Path(ckpt_path).is_file():
+            raise FileNotFoundError(f"ckpt_path={ckpt_path!r} does not exist (a .ckpt file, or 'last')")
+        return ckpt_path
+    out_dir = Path(out_dir)
+    last = out_dir / "checkpoints" / "last.ckpt"
+    if last.is_file():
+        return str(last)
+    others = sorted(out_dir.parent.glob("*/checkpoints/last.ckpt"), key=lambda p: p.stat().st_mtime, reverse=True)
+    hint = (
+        f"; other runs' checkpoints, e.g. {others[0]}: resume one with hydra.run.dir=<its run directory> "
+        "ckpt_path=last, or ckpt_path=<its .ckpt>"
+        if others
+        else "; start without ckpt_path, or pass hydra.run.dir=<the directory of the run to resume>"
+    )
+    raise FileNotFoundError(
+        f"ckpt_path=last resumes this run's own directory only, and {out_dir} holds no checkpoints/last.ckpt{hint}"
+    )
+
+
+def flatten(value, prefix: str) -> dict:
+    """{dotted key: value} of nested mappings; lists and scalars are leaves."""
+    if not isinstance(value, Mapping):
+        return {prefix: value}
+    flat = {}
+    for key, item in value.items():
+        flat.update(flatten(item, f"{prefix}.{key}"))
+    return flat
+
+
+def config_settings(cfg: DictConfig) -> dict:
+    """The recorded settings that `cfg` alone gives (known before the target is loaded)."""
+    settings = {}
+    for section in SECTIONS:
+        value = OmegaConf.select(cfg, section, default=None)
+        value = OmegaConf.to_container(value, resolve=True) if OmegaConf.is_config(value) else value
+        settings.update(flatten(value, section))
+    return {k: v for k, v in settings.items() if not k.startswith(IGNORED)}
+
+
+def loaded_settings(module, cfg: DictConfig) -> dict:
+    """The recorded settings known once the target is loaded and the drafter built: the target's weights and dtype,
+    the drafter's config and draft vocabulary, and the data directory's recipe (what its rows were made from)."""
+    meta = dict(module.drafter_meta())
+    token_ids = meta.pop("draft_token_ids", None)
+    recipe = Path(str(cfg.data.dir)) / "recipe.json"
+    return {
+        "target weights": module.target_weights,
+        "target dtype": str(module.target.dtype),
+        "draft vocabulary": None if token_ids is None else vocab_digest(torch.as_tensor(token_ids)),
+        **flatten(meta, "drafter config"),
+        **flatten(json.loads(recipe.read_text(encoding="utf-8")) if recipe.is_file() else None, "data recipe"),
+    }
+
+
+def is_applied(key: str) -> bool:
+    return key.startswith(APPLIED) and key not in APPLIED_EXCEPT
+
+
+def check_resume(path: str | None, settings: dict, complete: bool = False) -> dict[str, tuple]:
+    """Before a run continues the checkpoint at `path` (nothing for None): {key: (the checkpoint's value, this
+    run's)} of the settings that differ and are applied; raises `TrainingResumeError` naming every refused one. Only
+    the keys of `settings` are compared, and with `complete` the checkpoint's other keys too."""
+    if path is None:
+        return {}
+    checkpoint = torch.load(path, map_location="cpu", weights_only=False, mmap=True)
+    kind = checkpoint.get(CHECKPOINT_KEY, {}).get("kind")
+    recorded = checkpoint.get(RESUME_KEY)
+    if recorded is None:
+        if "drafter.kind" in settings and kind not in (None, settings["drafter.kind"]):
+            recorded = {"drafter.kind": kind}  # a checkpoint of before the settings were recorded: its kind
+        else:
+            if complete:
+                log.warning("ckpt_path=%s records no training settings (written before they were): resumed without "
+                            "checking them", path)  # fmt: skip
+            return {}
+    keys = [*settings, *(k for k in recorded if k not in settings and complete)]
+    differing = [k for k in keys if k in recorded and (k not in settings or recorded[k] != settings[k])]
+    differing += [k for k in keys if k not in recorded and complete and settings.get(k) is not None]
+    refused = [k for k in differing if not is_applied(k)]
+    if refused:
+        listed = "; ".join(f"{k}: {show(recorded, k)} in the checkpoint, {show(settings, k)} now" for k in refused)
+        raise TrainingResumeError(
+            f"ckpt_path={path} was trained with other settings, which a resumed run cannot change: {listed}. Resume "
+            "with the checkpoint's settings, or start a new run (without ckpt_path)"
+        )
+    return {k: (recorded.get(k), settings.get(k)) for k in differing}
+
+
+def show(settings: dict, key: str) -> str:
+    return repr(settings[key]) if key in settings else "not set"
+
+
+def checkpoint_step(path: str) -> int:
+    """The optimizer steps the checkpoint at `path` had trained."""
+    return int(torch.load(path, map_location="cpu", weights_only=False, mmap=True)["global_step"])
+
+
+def record_resume(out_dir: Path, path: str, applied: dict[str, tuple]) -> None:
+    """Append this resume (its checkpoint, step and applied changes) to the run directory's `resumes.json`, and log
+    each applied change: the run's config.yaml holds the settings in force now, this file when they changed."""
+    step = checkpoint_step(path)
+    for key, (before, now) in applied.items():
+        log.info("resumed at step %d with %s=%r (the checkpoint's: %r), applied from here on", step, key, now, before)
+    record = Path(out_dir) / RECORD
+    earlier = json.loads(record.read_text(encoding="utf-8")) if record.is_file() else []
+    changes = {key: {"checkpoint": before, "run": now} for key, (before, now) in applied.items()}
+    write_json(record, [*earlier, {"checkpoint": str(path), "step": step, "applied": changes}])
+
+
+def apply_optimizer_settings(optimizer, scheduler, factory) -> None:
+    """Put the run's optimizer hyperparameters (`factory`: the config's partial, e.g. AdamW's lr, betas, weight decay)
+    in place of those restored from a checkpoint. With a schedule the learning rate is its peak: each parameter
+    group's rate becomes the new peak times the schedule's factor at the restored step."""
+    keywords = dict(factory.keywords) if isinstance(factory, functools.partial) else {}
+    lr = keywords.pop("lr", None)
+    for i, group in enumerate(optimizer.param_groups):
+        for name, value in keywords.items():
+            if name in group:
+                group[name] = tuple(value) if isinstance(value, Sequence) and not isinstance(value, str) else value
+        if lr is None:
+            continue
+        if scheduler is None:
+            group["lr"] = lr
+        elif scheduler.base_lrs[i] != lr:
+            if not isinstance(scheduler, LambdaLR):
+                raise TrainingResumeError(
+                    f"module.optimizer.lr={lr} differs from the checkpoint's {scheduler.base_lrs[i]}, and a "
+                    f"{type(scheduler).__name__} cannot take a new peak: resume with the checkpoint's rate"
+                )
+            group["initial_lr"] = scheduler.base_lrs[i] = lr
+            group["lr"] = lr * scheduler.lr_lambdas[i](scheduler.last_epoch)
+    if isinstance(scheduler, LambdaLR):
+        scheduler._last_lr = [group["lr"] for group in optimizer.param_groups]  # what get_last_lr() reports
+
+
+class NothingToTrainError(ValueError):
+    """A resumed run whose checkpoint already reached the run's limits."""
+
+
+def check_trained(path: str | None, start_step: int | None, trainer) -> None:
+    """After a fit resumed from the checkpoint at `path` at `start_step`: refuse to go on (export a drafter, write
+    metrics) when it trained no step, the checkpoint having reached the run's limits already (Lightning then runs no
+    loop at all, and says nothing)."""
+    if path is None or trainer.global_step != start_step:
+        return
+    raise NothingToTrainError(
+        f"ckpt_path={path} is at step {trainer.global_step} after {trainer.current_epoch} epochs, where this run's "
+        f"limits end training (trainer.max_epochs={trainer.max_epochs}, trainer.max_steps={trainer.max_steps}): "
+        "nothing to train, so no drafter is written; raise trainer.max_epochs or trainer.max_steps to train further"
+    )
