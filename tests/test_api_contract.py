@@ -1,6 +1,7 @@
 """`MedusaLikeModel.generate` behaves as documented: stop strings given as one string, seeded sampling that repeats,
 and calls from several threads."""
 
+import contextlib
 import threading
 
 import pytest
@@ -20,11 +21,15 @@ class LetterTokenizer:
         return "".join(chr(ord("a") + int(t) % 26) for t in ids)
 
 
-def lookup_model(family: str = "llama") -> MedusaLikeModel:
+def lookup_model(
+    family: str = "llama", per_node_ms: float = 0.5, few_row_linear: bool | None = None
+) -> MedusaLikeModel:
     """A tiny target with a lookup drafter (context and a store that grows with every remembered answer), its cost
     model given so that no test measures one."""
-    model = MedusaLikeModel(tiny_target(family), LetterTokenizer(), LookupDrafter(), backend="sdpa")
-    model.drafter.state.cost_model = flat_cost(model.target, per_node_ms=0.5)
+    model = MedusaLikeModel(
+        tiny_target(family), LetterTokenizer(), LookupDrafter(), backend="sdpa", few_row_linear=few_row_linear
+    )
+    model.drafter.state.cost_model = flat_cost(model.target, per_node_ms=per_node_ms)
     return model
 
 
@@ -83,32 +88,136 @@ def test_a_seeded_call_repeats_with_a_learned_drafter_on_a_static_tree():
     assert drafted.new_tokens.tolist() == model.generate(prompt, tree="none", **kwargs).new_tokens.tolist()
 
 
+# ---------------------------------------------------------------------------------------------------------------------
+# Calls from two threads
+
+
+class Turns:
+    """Two threads' proposer calls in strict alternation (thread 0's, then thread 1's, ...) while both generate, so
+    that generations which are not serialised interleave the same way in every run. A turn not taken within
+    `timeout` (the other thread is held back, as the model's lock holds it) ends the alternation: serialised calls
+    wait once, then run freely."""
+
+    def __init__(self, timeout: float = 3.0):
+        self.changed = threading.Condition()
+        self.turn, self.off, self.timeout = 0, False, timeout
+
+    @contextlib.contextmanager
+    def take(self, who: int):
+        with self.changed:
+            if not self.changed.wait_for(lambda: self.off or self.turn == who, self.timeout):
+                self.off = True
+        try:
+            yield
+        finally:
+            with self.changed:
+                self.turn = 1 - who
+                self.changed.notify_all()
+
+    def leave(self) -> None:
+        """A thread with nothing left to do: the other runs freely."""
+        with self.changed:
+            self.off = True
+            self.changed.notify_all()
+
+
+class RecordingProposer:
+    """One generation's proposer, wrapped: its record joins `records` when it begins, every tree it proposes is
+    recorded, and each call takes its turn."""
+
+    def __init__(self, inner, records: list, record: dict, turns: Turns | None, who: int):
+        self.inner, self.records, self.record, self.turns, self.who = inner, records, record, turns, who
+
+    def __getattr__(self, name):  # feature_layers, max_depth, max_rank
+        return getattr(self.inner, name)
+
+    def _turn(self):
+        return self.turns.take(self.who) if self.turns else contextlib.nullcontext()
+
+    def begin(self, *args) -> None:
+        with self._turn():
+            self.records.append(self.record)
+            self.inner.begin(*args)
+
+    def propose(self, spec):
+        with self._turn():
+            tree = self.inner.propose(spec)
+        self.record["drafts"].append(tree.tokens.tolist())
+        return tree
+
+    def accept(self, *args) -> None:
+        with self._turn():
+            self.inner.accept(*args)
+
+
+class Recorded:
+    """`model`'s generations, each recorded ({prompt, drafts per step, accepted_draft, tokens}) in the order they
+    began: `generate(i)` asks for prompt i from the calling thread."""
+
+    def __init__(self, model: MedusaLikeModel, prompts: list, turns: Turns | None = None):
+        self.model, self.prompts, self.records, self.local = model, prompts, [], threading.local()
+        make = model.drafter.proposer
+
+        def proposer(target):  # called inside `generate`, once per generation
+            record = self.local.record = {"prompt": self.local.prompt, "drafts": []}
+            return RecordingProposer(make(target), self.records, record, turns, self.local.prompt)
+
+        model.drafter.proposer = proposer
+
+    def generate(self, i: int) -> None:
+        self.local.prompt = i
+        out = self.model.generate(self.prompts[i], max_new_tokens=24, eos_token_id=[])  # remembered: the store grows
+        self.local.record.update(accepted=out.stats.accepted_draft, tokens=out.new_tokens.tolist())
+
+
 @pytest.mark.slow
-def test_two_threads_generating_on_one_model_get_the_sequential_outputs():
-    """`generate` from two threads at once is serialised: each thread's outputs equal what sequential calls give, and
-    none raises (unserialised, the threads interleave their steps on one target and drafter)."""
-    model = lookup_model("mistral")
+@pytest.mark.parametrize("serialised", [True, False])
+def test_two_threads_generating_on_one_model_draft_what_sequential_calls_draft(monkeypatch, serialised):
+    """`generate` from two threads at once is serialised: every call proposes the same trees, accepts the same drafts
+    and returns the same tokens as the same calls made one after another in the order they were served. A lookup
+    drafter's context index, calibration and output store are shared by every generation on the model, so drafts
+    tell interleaved generations apart where outputs cannot (they equal greedy's whatever the drafts).
+
+    Negative control (`serialised=False`): the model's serialisation removed and the threads' proposer calls made to
+    alternate, the comparison catches thread 0's first call drafting from thread 1's context, every run."""
+    # nn.Linear layers and a flat cost model: trees depend on the drafter's state alone, not on timings or row plans
+    model = lookup_model("mistral", per_node_ms=0.0, few_row_linear=False)
     prompts = random_prompts(2, seed=7, min_len=10, max_len=30)
-    references = [greedy_reference(model.target, p, 24).tolist() for p in prompts]
-    calls = 4
-    results: dict[int, list] = {0: [], 1: []}
+    if not serialised:
+        monkeypatch.setattr(model, "_one_generation", contextlib.nullcontext)
+    turns = Turns()
+    threaded = Recorded(model, prompts, turns)
     errors: list[BaseException] = []
 
-    def work(index: int):
+    def work(i: int):
         try:
-            for _ in range(calls):
-                out = model.generate(prompts[index], max_new_tokens=24, eos_token_id=[])
-                results[index].append(out.new_tokens.tolist())
-        except BaseException as err:  # reported below, with the other thread's results
+            for _ in range(3):
+                threaded.generate(i)
+        except BaseException as err:  # reported below, with the other thread's records
             errors.append(err)
+        finally:
+            turns.leave()
 
     threads = [threading.Thread(target=work, args=(i,)) for i in (0, 1)]
     for thread in threads:
         thread.start()
     for thread in threads:
         thread.join()
-    assert errors == []
-    assert results == {i: [references[i]] * calls for i in (0, 1)}
+    served = [record["prompt"] for record in threaded.records]
+    sequential = Recorded(lookup_model("mistral", per_node_ms=0.0, few_row_linear=False), prompts)
+    for i in served:
+        sequential.generate(i)
+    if serialised:
+        assert errors == [] and sorted(served) == [0, 0, 0, 1, 1, 1]
+        assert threaded.records == sequential.records
+        references = [greedy_reference(model.target, p, 24).tolist() for p in prompts]
+        assert all(record["tokens"] == references[record["prompt"]] for record in threaded.records)
+        assert any(sum(record["accepted"]) for record in threaded.records)  # drafts were accepted: they mattered
+        return
+    # both first calls began before either proposed: the later begin replaced the shared context index
+    assert served[:2] == [0, 1]
+    assert threaded.records[0]["drafts"][0] != sequential.records[0]["drafts"][0]
+    assert threaded.records != sequential.records
 
 
 def test_generate_called_from_its_own_streamer_is_refused():

@@ -19,6 +19,7 @@ from medusa_like.data.split import training_answers
 from medusa_like.evaluation.questions import QuestionSetError, load_jsonl_questions, select
 from medusa_like.evaluation.report import store_sentence
 from medusa_like.evaluation.setup import load_eval_setup
+from medusa_like.formats.gguf import PRECISIONS, gguf_precision
 
 ROOT = Path(__file__).resolve().parents[1]
 QUESTIONS = [
@@ -97,11 +98,30 @@ def test_an_export_dtype_the_format_does_not_write_is_refused_first(tmp_path, ex
     assert not (tmp_path / "out").exists()
 
 
+# what each format writes: gguf its own types (PRECISIONS) and their torch names, or none (f32), each to the GGUF type
+# named here; the others any torch floating-point dtype, or none (the drafter's own)
+GGUF_WRITES = {"f32": "f32", "f16": "f16", "q8_0": "q8_0", "float32": "f32", "float16": "f16", "null": "f32"}
+WRITES = {
+    "gguf": list(GGUF_WRITES),
+    "native": ["float32", "bfloat16", "float16", "null"],
+    "vllm": ["float32", "bfloat16", "float16", "null"],
+}
+NOT_WRITTEN = [("gguf", "bfloat16"), ("gguf", "float64"), ("native", "q8_0"), ("vllm", "f16"), ("native", "int8")]
+
+
 @pytest.mark.slow
-def test_every_dtype_a_format_writes_passes(export_cfg):
-    good = [("gguf", "q8_0"), ("gguf", "f16"), ("gguf", "float16"), ("gguf", "null"), ("native", "bfloat16")]
-    for fmt, dtype in [*good, ("vllm", "null")]:
-        check_config(export_cfg(f"format={fmt}", f"dtype={dtype}"), EXPORT_CHECKS)
+def test_every_dtype_a_format_writes_passes_and_no_other(export_cfg):
+    """The config check takes every dtype a format writes (and gguf's are the types its writer maps them to), and
+    refuses, naming it, each dtype the format does not write: a check that took everything fails here."""
+    assert set(PRECISIONS) <= set(GGUF_WRITES)  # every type the gguf writer has is tried
+    for fmt, dtypes in WRITES.items():
+        for dtype in dtypes:
+            check_config(export_cfg(f"format={fmt}", f"dtype={dtype}"), EXPORT_CHECKS)  # raises if refused
+            if fmt == "gguf":
+                assert gguf_precision(None if dtype == "null" else dtype) == GGUF_WRITES[dtype]
+    for fmt, dtype in NOT_WRITTEN:
+        with pytest.raises(ConfigError, match=f"^config key dtype: .*'{dtype}'"):
+            check_config(export_cfg(f"format={fmt}", f"dtype={dtype}"), EXPORT_CHECKS)
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -196,7 +216,8 @@ main()
 @pytest.mark.slow
 def test_the_evaluate_command_exits_1_when_an_output_differs(tmp_path):
     """`python -m eval.evaluate` (the Hydra app behind medusa-evaluate) with a speculative method that changes one
-    token: the report is written, says so, and the process ends with status 1 (0 with eval.fail_on_mismatch=false)."""
+    token: the report is written, says so, stderr says so in one line, and the process ends with status 1 (0 with
+    eval.fail_on_mismatch=false)."""
     questions = write_jsonl(tmp_path / "q.jsonl", QUESTIONS)
     overrides = ["model=tiny_llama", "drafter.mode=learned", "drafter.seed_store=0", f"data.path={questions}"]
     overrides += ["tree=chain", "eval.max_new_tokens=8", "eval.methods=[hf_greedy,speculative]", *FAST]
@@ -210,5 +231,7 @@ def test_the_evaluate_command_exits_1_when_an_output_differs(tmp_path):
         )
         assert done.returncode == status, done.stderr[-2000:]
         assert "Traceback" not in done.stderr
+        [line] = [line for line in done.stderr.splitlines() if line.startswith("not lossless:")]
+        assert line.startswith("not lossless: speculative differs from hf_greedy on 2 of 2 prompts (margins ")
         report = json.loads((run / "report.json").read_text())
         assert not report["summary"]["lossless"] and report["losslessness"]["fraction"] == 0.0

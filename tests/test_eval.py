@@ -17,7 +17,7 @@ from medusa_like.evaluation.questions import (
     load_jsonl_questions,
     load_validation_questions,
 )
-from medusa_like.evaluation.report import PLOTS, markdown
+from medusa_like.evaluation.report import PLOTS, failure_line, markdown
 from medusa_like.evaluation.setup import load_eval_model as load_model
 from medusa_like.evaluation.setup import question_set
 from medusa_like.formats import save_drafter
@@ -116,14 +116,24 @@ def test_files_written(report):
 @pytest.mark.slow
 def test_mismatch_is_loud(report):
     report, _ = report
+    assert report["losslessness"]["failures"] == [] and failure_line(report) is None
     bad = json.loads(json.dumps(report))
+    difference = {"method": "speculative", "question_id": "1", "turn": 2, "first_divergence": 3, "margin": 0.25}
     bad["losslessness"].update(
-        fraction=0.5, mismatches=1, mismatched=[{"question_id": "1", "turn": 2, "first_divergence": 3}]
+        fraction=0.5,
+        mismatches=1,
+        mismatched=[difference],
+        differences={"hf_greedy": [difference], "hf_greedy_stock": []},
+        failures=[
+            {"method": "speculative", "reference": "hf_greedy", "differing_prompts": 1, "prompts": 3, "margins": [0.25]}
+        ],
     )
     bad["summary"].update(losslessness=0.5, lossless=False)
     md = markdown(bad)
     assert md.startswith("> [!CAUTION]") and "LOSSLESSNESS FAILED" in md.splitlines()[1]
-    assert "1/turn 2 at token 3" in md
+    assert "`speculative` 1/turn 2 at token 3 against `hf_greedy`" in md
+    expected = "not lossless: speculative differs from hf_greedy on 1 of 3 prompts (margins 0.25 to 0.25)"
+    assert failure_line(bad) == expected
     assert exit_code(bad, fail_on_mismatch=True) == 1
     assert exit_code(bad, fail_on_mismatch=False) == 0
     assert exit_code(report, fail_on_mismatch=True) == 0

@@ -1,9 +1,11 @@
 """Honest figures from the evaluation: every output compared with transformers' greedy as it ships as well as with
-greedy on the same layers; every method run on the kernels the tree file chose; and a lossy method of this project,
-whichever it is, failing `python -m eval.evaluate`.
+greedy on the same layers; every method run on the kernels the tree file chose; and a method of this project that
+differs from either, whichever method it is, failing `python -m eval.evaluate`.
 
 A lossy method is made the way a bug would make one, by a small wrapper script around the real entry point: the real
-method's output with its last token changed. The decoding loop is exact whatever a drafter proposes, so no honest
+method's output with its last token changed. A stock reference that differs is made by giving (g) a copy of the
+target whose final norm is negated (its greedy picks the other end of the same logits), so that every method of this
+project equals (a) and differs from (g) alone. The decoding loop is exact whatever a drafter proposes, so no honest
 config makes one of this project's methods lossy; everything else (timing, comparisons, margins, report, exit status)
 is the evaluation's own.
 """
@@ -34,16 +36,30 @@ QUESTIONS = [
 ]
 SHORT = ("eval.max_new_tokens=6", "eval.sweep.prompts=0", "eval.head_accuracy=false", "drafter.seed_store=0")
 
-# python wrapper.py <method to break or "none"> <overrides...>: `python -m eval.evaluate <overrides...>`, with the
-# named method's output changed in its last token
+# python wrapper.py <method to break, "stock" or "none"> <overrides...>: `python -m eval.evaluate <overrides...>`, with
+# the named method's output changed in its last token, or with (g) run (and its margins computed) on a copy of the
+# target whose final norm is negated
 WRAPPER = """
 import runpy
 import sys
 
+import torch
+
+from medusa_like.evaluation import methods, summary
 from medusa_like.evaluation.methods import METHODS, Method
 
 broken, sys.argv = sys.argv[1], [sys.argv[0], *sys.argv[2:]]
-if broken != "none":
+if broken == "stock":
+    real_stock = methods.with_stock_linears
+
+    def negated_stock(target):
+        stock = real_stock(target)
+        norm = stock.model.norm  # a weight of its own: the target's, shared with every other method, is untouched
+        norm.weight = torch.nn.Parameter(-norm.weight.detach().clone(), requires_grad=False)
+        return stock
+
+    methods.with_stock_linears = summary.with_stock_linears = negated_stock
+elif broken != "none":
     method = METHODS[broken]
 
     def make(context):
@@ -96,27 +112,63 @@ def run_entry_point(tmp_path: Path, broken: str) -> tuple[subprocess.CompletedPr
     return done, run_dir
 
 
+OURS = ["plain_loop", "learned", "lookup", SPECULATIVE]  # a combined drafter's methods, in METHODS' order
+
+
+def failure_lines(stderr: str) -> list[str]:
+    return [line for line in stderr.splitlines() if line.startswith("not lossless:")]
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("broken", ["none", "lookup"])
-def test_a_lossy_method_of_this_project_makes_evaluate_exit_1(tmp_path, broken):
+@pytest.mark.parametrize("broken", ["none", "lookup", "stock"])
+def test_a_method_of_this_project_that_differs_from_a_reference_makes_evaluate_exit_1(tmp_path, broken):
+    """Every output equal to (a) and (g): status 0, nothing on stderr. Lookup alone changed: status 1. (g) changed:
+    every method of this project still equals (a), yet the run fails on (g) alone, with (g)'s margins in the report
+    and one stderr line naming the methods, (g) and the prompts."""
     done, run_dir = run_entry_point(tmp_path, broken)
     assert done.returncode == (0 if broken == "none" else 1), done.stderr[-3000:]
+    assert "Traceback" not in done.stderr
     report = json.loads((run_dir / "report.json").read_text())
     lossless = report["losslessness"]
     assert lossless["stock"]["compared"]  # fp32 on the CPU: few-row layers, so (g) runs beside (a)
-    ours = {"plain_loop", "learned", "lookup", SPECULATIVE}
-    assert set(lossless["per_method"]) == ours
+    assert list(lossless["per_method"]) == OURS
     for method, shares in lossless["equality"].items():  # every method against (a) and (g), but each against itself
         assert set(shares) == {REFERENCE, STOCK} - {method}
     if broken == "none":
-        assert report["summary"]["lossless"] and lossless["not_lossless"] == []
-        assert all(lossless["per_method"][m] == 1.0 for m in ours)
+        assert report["summary"]["lossless"] and lossless["not_lossless"] == [] and lossless["failures"] == []
+        assert all(lossless["per_method"][m] == 1.0 for m in OURS)
+        assert all(lossless["equality"][m][STOCK] == 1.0 for m in OURS)
+        assert failure_lines(done.stderr) == [] and "CAUTION" not in (run_dir / "report.md").read_text()
+        return
+    assert not report["summary"]["lossless"] and "LOSSLESSNESS FAILED" in (run_dir / "report.md").read_text()
+    if broken == "stock":
+        # every method of this project equals (a) on every prompt: (g) alone fails the run, for each of them
+        assert lossless["fraction"] == 1.0 and all(lossless["per_method"][m] == 1.0 for m in OURS)
+        assert lossless["not_lossless"] == OURS and report["summary"]["stock_equality"] == 0.0
+        failures = lossless["failures"]
+        assert [(f["method"], f["reference"], f["differing_prompts"], f["prompts"]) for f in failures] == [
+            (m, STOCK, 3, 3) for m in OURS
+        ]
+        # (g)'s token is the negated copy's top-1: a positive margin, the one its difference entry records
+        against_stock = lossless["differences"][STOCK]
+        for f in failures:
+            assert f["margins"] == [d["margin"] for d in against_stock if d["method"] == f["method"]]
+            assert len(f["margins"]) == 3 and all(m > 0 for m in f["margins"])
+        [line] = failure_lines(done.stderr)
+        assert f"{', '.join(OURS)} differ from {STOCK} on 3 of 3 prompts each (margins " in line
+        assert f"from {REFERENCE} " not in line
         return
     # the speculative method stays lossless: lookup alone's mismatch is what fails the run
     assert lossless["fraction"] == 1.0 and report["summary"]["losslessness"] == 1.0
-    assert not report["summary"]["lossless"] and lossless["not_lossless"] == ["lookup"]
+    assert lossless["not_lossless"] == ["lookup"]
     assert lossless["equality"]["lookup"] == {REFERENCE: 0.0, STOCK: 0.0}
-    assert "LOSSLESSNESS FAILED" in (run_dir / "report.md").read_text()
+    assert [(f["method"], f["reference"], f["differing_prompts"]) for f in lossless["failures"]] == [
+        ("lookup", REFERENCE, 3),
+        ("lookup", STOCK, 3),
+    ]
+    [line] = failure_lines(done.stderr)
+    assert f"lookup differs from {REFERENCE} on 3 of 3 prompts (margins " in line
+    assert f"lookup differs from {STOCK} on 3 of 3 prompts (margins " in line
     against_stock = lossless["differences"][STOCK]
     assert {d["method"] for d in against_stock} == {"lookup"} and len(against_stock) == 3  # 3 prompts
     records = {(r["question_id"], r["turn"]): r for r in map(json.loads, (run_dir / "prompts.jsonl").open())}

@@ -15,7 +15,6 @@ from medusa_like.drafters.base import DrafterMismatchError
 from medusa_like.drafters.eagle3 import Eagle3Proposer
 from medusa_like.drafters.vocab import DraftVocab
 from medusa_like.engines.vllm_engine import VllmEngine, check_export, eagle3, ngram, unavailable_reason
-from medusa_like.evaluation.vllm_bench import acceptance_per_position
 from medusa_like.formats.common import FormatError
 from medusa_like.formats.eagle3 import write_eagle3
 from medusa_like.tiny import tiny_chat_target, tiny_model
@@ -65,15 +64,17 @@ def served(tmp_path_factory):
     return target, drafter, root / "target", export
 
 
-def framework_chain_acceptance(target, drafter, prompts, depth: int) -> list[float]:
-    """This framework's acceptance per draft position with a chain of `depth`, counted as vLLM counts it."""
+def framework_chain_counts(target, drafter, prompts, depth: int) -> tuple[int, list[int], list[int]]:
+    """This framework with a chain of `depth`, counted as vLLM counts `drafts` and `accepted_per_pos`: its draft
+    steps; per draft position, the steps that accepted it; and per position, the prompts whose last step accepted it."""
     chain = resolve_tree([[0] * (i + 1) for i in range(depth)], None)
-    accepted = []
+    accepted, last = [], []
     for prompt in prompts:
-        accepted += speculative_generate(
-            target, Eagle3Proposer(drafter, target), prompt, chain, NEW_TOKENS
-        ).stats.accepted_draft
-    return acceptance_per_position(accepted, depth)
+        out = speculative_generate(target, Eagle3Proposer(drafter, target), prompt, chain, NEW_TOKENS)
+        accepted += out.stats.accepted_draft
+        last.append(out.stats.accepted_draft[-1])
+    per_position = [sum(n > i for n in accepted) for i in range(depth)]
+    return len(accepted), per_position, [sum(n > i for n in last) for i in range(depth)]
 
 
 @pytest.mark.slow
@@ -95,9 +96,18 @@ def test_vllm_serves_the_export_losslessly_and_accepts_its_drafts(served):
     assert plain_tokens == expected  # and the same text as transformers' greedy
     assert spec.spec["drafts"] > 0 and spec.spec["accepted"] > 0, spec.spec
     assert plain.spec["drafts"] == 0
-    ours = framework_chain_acceptance(target, drafter, prompts, 2)
-    theirs = spec.acceptance_per_position()
-    assert theirs[0] > 0.5 * ours[0], (theirs, ours)  # the same drafter drafts the same chains in both engines
+    # The same drafter drafts the same chains in both engines, step for step: both decode the same greedy tokens
+    # (asserted above), and the drafter, fed the same target layers in fp32, picks the same top-1 draft from the same
+    # context (a near-tie that the engines' arithmetic flipped would fail this, every run of one setup alike). Both
+    # count a step's accepted drafts before cutting the output at NEW_TOKENS (vLLM's scheduler: len(sampled) - 1
+    # before its stop check; ours: accepted_draft before `del generated[max_new_tokens:]`). The one step that may
+    # differ is each prompt's last: we draft a full chain there, while a vLLM version may draft only the tokens left
+    # (or none, then it counts no draft step), so vLLM counts at most one draft step fewer per prompt, and per position
+    # at most the prompts whose last step accepted that position fewer, never more.
+    steps, accepted, last = framework_chain_counts(target, drafter, prompts, 2)
+    drafts, theirs = spec.spec["drafts"], spec.spec["accepted_per_pos"]
+    assert steps - len(prompts) <= drafts <= steps, (drafts, steps)
+    assert all(a - n <= t <= a for t, a, n in zip(theirs, accepted, last, strict=True)), (theirs, accepted, last)
 
 
 @pytest.mark.slow

@@ -21,6 +21,7 @@ from medusa_like.apps import CONFIG_DIR
 from medusa_like.cli import EVAL_CHECKS, check_config, one_line_errors
 from medusa_like.evaluation.benchmark import run_questions
 from medusa_like.evaluation.methods import METHODS, make_runners
+from medusa_like.evaluation.report import failure_line
 from medusa_like.evaluation.resume import check_resume, config_settings, loaded_settings, write_settings
 from medusa_like.evaluation.setup import (
     apply_tree_settings,
@@ -105,7 +106,8 @@ def evaluate(cfg: DictConfig) -> dict:
 
 
 def exit_code(report: dict, fail_on_mismatch: bool) -> int:
-    """1 when `fail_on_mismatch` and some speculative output differs from the reference, else 0."""
+    """1 when `fail_on_mismatch` and some output of this project's methods differs from greedy with the same layers,
+    (a), or from transformers' greedy as it ships, (g), where (g) ran (`losslessness.failures`); else 0."""
     return 1 if fail_on_mismatch and not report["summary"]["lossless"] else 0
 
 
@@ -114,6 +116,9 @@ def main(cfg: DictConfig) -> None:
     log.info("config:\n%s", OmegaConf.to_yaml(cfg))
     with one_line_errors():
         report = evaluate(cfg)
+    failed = failure_line(report)
+    if failed:  # said whatever the exit status: the report's claim does not hold
+        print(f"{failed} (report: {run_dir(cfg) / 'report.md'})", file=sys.stderr)
     code = exit_code(report, cfg.eval.fail_on_mismatch)
     if code:
         sys.exit(code)

@@ -1,7 +1,8 @@
 """Rendering an evaluation report: report.json, report.md, PNG plots (matplotlib, Agg) and a rich console table.
 
-The report is the dict built by `medusa_like.evaluation.summary.build_report`; nothing here measures anything. A losslessness fraction
-below 1 opens report.md and the console output with a red warning.
+The report is the dict built by `medusa_like.evaluation.summary.build_report`; nothing here measures anything. A method
+of this project whose outputs differ from a reference greedy run, (a) or (g), opens report.md and the console output
+with a red warning; `failure_line` is the one line the evaluation command writes to stderr then.
 """
 
 from pathlib import Path
@@ -14,7 +15,7 @@ from rich.console import Console  # noqa: E402
 from rich.panel import Panel  # noqa: E402
 from rich.table import Table  # noqa: E402
 
-from medusa_like.evaluation.methods import REFERENCE, SPECULATIVE, STOCK, label  # noqa: E402
+from medusa_like.evaluation.methods import REFERENCE, STOCK, label  # noqa: E402
 from medusa_like.io import write_json, write_text  # noqa: E402
 
 PLOTS = {
@@ -24,25 +25,54 @@ PLOTS = {
 }
 
 
+def failure_clauses(report: dict, name=str) -> list[str]:
+    """One clause per reference greedy run that some method of this project differs from (`losslessness.failures`):
+    the methods (by `name`), the reference, on how many prompts, and the range of the reference's logit margins."""
+    by_reference: dict[str, list[dict]] = {}
+    for f in report["losslessness"]["failures"]:
+        by_reference.setdefault(f["reference"], []).append(f)
+    clauses = []
+    for reference, found in by_reference.items():
+        methods = ", ".join(name(f["method"]) for f in found)
+        verb = "differs" if len(found) == 1 else "differ"
+        counts = {f["differing_prompts"] for f in found}
+        if len(counts) == 1:
+            where = f"on {counts.pop()} of {found[0]['prompts']} prompts" + (" each" if len(found) > 1 else "")
+        else:
+            where = "on " + ", ".join(str(f["differing_prompts"]) for f in found) + f" of {found[0]['prompts']} prompts"
+        margins = [m for f in found for m in f["margins"] if m is not None]
+        spread = f"margins {min(margins):.3g} to {max(margins):.3g}" if margins else "one output ends first"
+        clauses.append(f"{methods} {verb} from {name(reference)} {where} ({spread})")
+    return clauses
+
+
 def mismatch_warning(report: dict) -> str | None:
-    """A warning when some method of this project differs from (a), transformers' greedy with the same layers."""
+    """A warning when some method of this project differs from (a), transformers' greedy with the same layers, or
+    from (g), transformers' greedy as it ships (where it ran)."""
     lossless = report["losslessness"]
-    if report["summary"]["lossless"] and lossless["fraction"] == 1.0:
+    if report["summary"]["lossless"]:
         return None
-    failed = sorted({*lossless.get("not_lossless", ()), *([SPECULATIVE] if lossless["fraction"] < 1.0 else [])})
-    shares = ", ".join(
-        f"{label(m)} {lossless['fraction'] if m == SPECULATIVE else lossless['per_method'][m]:.3f}" for m in failed
-    )
-    others = [d for d in lossless.get("differences", {}).get(REFERENCE, []) if d["method"] in failed]
-    entries = lossless["mismatched"] + [d for d in others if d["method"] != SPECULATIVE]
+    failed = {(f["method"], f["reference"]) for f in lossless["failures"]}
+    entries = [
+        (ref, d) for ref, found in lossless["differences"].items() for d in found if (d["method"], ref) in failed
+    ]
     where = ", ".join(
-        f"{label(d.get('method', SPECULATIVE))} {d['question_id']}/turn {d['turn']} at token {d['first_divergence']}"
-        for d in entries[:5]
+        f"`{d['method']}` {d['question_id']}/turn {d['turn']} at token {d['first_divergence']} against `{ref}`"
+        for ref, d in entries[:5]
     )
+    clauses = "; ".join(failure_clauses(report, name=lambda m: f"`{m}`"))  # labels hold commas: names are clearer
     return (
-        f"LOSSLESSNESS FAILED: outputs differ from transformers' greedy decoding with the same layers (share of equal "
-        f"outputs over {lossless['prompts']} prompts: {shares}; expected 1.0 at temperature 0 in fp32). First: {where}"
+        f"LOSSLESSNESS FAILED: outputs differ from transformers' greedy decoding ({clauses}; expected equal at "
+        f"temperature 0 in fp32). First: {where}"
     )
+
+
+def failure_line(report: dict) -> str | None:
+    """The one line the evaluation command writes to stderr when some method of this project differs from a reference
+    greedy run: the methods, the references and how many prompts, by the names `eval.methods` takes."""
+    if report["summary"]["lossless"]:
+        return None
+    return "not lossless: " + "; ".join(failure_clauses(report))
 
 
 def equality_markdown(report: dict) -> list[str]:
