@@ -43,6 +43,7 @@ log = logging.getLogger(__name__)
 ATTENTION = "medusa_like_static"  # the attention function the compiled step's target runs (registered below)
 MIN_ROWS = 2  # a dimension of 1 is specialised by the compiler: single nodes are padded to two rows
 MAX_ROWS = 64  # steps of up to this many nodes run compiled; larger forwards (prefills) run the same code eagerly
+MAX_CONTEXT = 1 << 20  # the longest live cache the compiled graph is built for (a bound the compiler needs)
 # every compiled step compiles one function (`_graph`) for its own target: the compiler's default of 8 per function
 # would send a process's ninth target (tests, several models) back to eager
 RECOMPILE_LIMIT = 64
@@ -175,6 +176,7 @@ class CompiledStep(TargetStep):
         self.heads = text.num_key_value_heads
         self.head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
         self.min_rows, self.max_rows = MIN_ROWS, MAX_ROWS  # the node counts that run compiled
+        self.cache_keyword = cache_keyword(target.base_model)  # looked up here: the compiled graph reads a string
         self.compiled: dict = {}  # feature layers -> the compiled function
         self.compile_seconds = 0.0
         self.failed: str | None = None  # why the compiled function stopped being used, if it did
@@ -200,9 +202,10 @@ class CompiledStep(TargetStep):
         ids = torch.cat([input_ids, input_ids.new_zeros(1, rows - real)], dim=1)  # [1, T]: a dummy row after one node
         mask, slots, positions = self._inputs(cache, position_ids, tree_mask, rows)
         live = cache.buffer[:, :, :, :, : cache.length + rows]
-        for tensor, dims in ((ids, (1,)), (positions, (1,)), (slots, (0,)), (mask, (2, 3)), (live, (4,))):
-            for dim in dims:
-                torch._dynamo.mark_dynamic(tensor, dim, min=MIN_ROWS)
+        longest = MAX_CONTEXT  # the live length's bound: any cache up to it runs the same graph
+        for tensor, dim, top in ((ids, 1, self.max_rows), (positions, 1, self.max_rows), (slots, 0, self.max_rows),
+                                 (mask, 2, self.max_rows), (mask, 3, longest), (live, 4, longest)):  # fmt: skip
+            torch._dynamo.mark_dynamic(tensor, dim, min=MIN_ROWS, max=top)
         try:
             with self._attention(), torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT):
                 logits, features = self._compiled_for(layers)(ids, positions, slots, mask, live)
@@ -252,7 +255,7 @@ class CompiledStep(TargetStep):
             position_ids=position_ids,
             attention_mask=mask,
             use_cache=True,
-            **{cache_keyword(model): _SlotCache(live, slots)},
+            **{self.cache_keyword: _SlotCache(live, slots)},
             output_hidden_states=feature_layers is not None,
         )
         hidden = out.last_hidden_state[0]  # [T, H]

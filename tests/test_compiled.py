@@ -1,0 +1,183 @@
+"""The compiled step (forward/compiled.py) against the eager one, on every tiny family: each tree node sees exactly its
+path, greedy decoding gives the eager step's tokens, every drafter and tree is lossless on it (single nodes padded,
+node counts from 1 to many), seeded sampling follows plain sampling, a failure falls back to eager with a log line,
+an unsupported platform runs eager and says why, and the compile cache is keyed and rebuilt when foreign.
+
+Compiling takes seconds per tiny target: every test here is slow, and one compiled target per family is shared."""
+
+import json
+import logging
+
+import pytest
+import torch
+
+from medusa_like.decoding.tree import DynamicTreeSpec
+from medusa_like.decoding.tree_files import resolve_tree
+from medusa_like.drafters.combined import CombinedDrafter
+from medusa_like.drafters.eagle3 import EAGLE3
+from medusa_like.drafters.lookup import LookupDrafter
+from medusa_like.forward import compile_cache, prepare_target
+from medusa_like.forward import platform as forward_platform
+from medusa_like.forward.compiled import CompiledStep
+from medusa_like.forward.platform import CompileUnsupported, compile_settings
+from medusa_like.model import MedusaLikeModel
+
+from .conftest import VOCAB, random_heads, random_prompts, tiny_target
+
+pytestmark = pytest.mark.slow
+
+try:
+    compile_settings(tiny_target("llama"))
+    UNSUPPORTED = None
+except CompileUnsupported as why:
+    UNSUPPORTED = str(why)
+needs_compile = pytest.mark.skipif(UNSUPPORTED is not None, reason=f"no compiled step here: {UNSUPPORTED}")
+
+NEW_TOKENS = 20
+
+
+@pytest.fixture(scope="module")
+def compiled_targets():
+    """family -> (a tiny target with its compiled step, an eager copy of the same weights): compiled once each."""
+    return {}
+
+
+def compiled(compiled_targets, family):
+    if family not in compiled_targets:
+        target = tiny_target(family)
+        prepared = prepare_target(target, tuned_layers=False, compile=True)
+        assert isinstance(prepared.step, CompiledStep)
+        compiled_targets[family] = (prepared, prepare_target(tiny_target(family), tuned_layers=False))
+    return compiled_targets[family]
+
+
+def greedy(prepared, prompt, max_new_tokens=NEW_TOKENS) -> list[int]:
+    model = MedusaLikeModel(prepared, None, random_heads())
+    return model.generate(prompt, max_new_tokens=max_new_tokens, tree="none", eos_token_id=[]).new_tokens.tolist()
+
+
+@needs_compile
+@pytest.mark.parametrize("tree_name", ["chain", "small", "medusa"])
+def test_every_tree_node_sees_exactly_its_path_compiled(compiled_targets, family, tree_name):
+    """The compiled step's logits at each node equal those of the prompt + that node's path run through the target
+    (sliding windows included: the tests' windows are shorter than the prompt)."""
+    prepared, _ = compiled(compiled_targets, family)
+    target, step = prepared.target, prepared.step
+    tree = resolve_tree(tree_name, 4)
+    g = torch.Generator().manual_seed(3)
+    prompt = torch.randint(0, VOCAB, (1, 11), generator=g)
+    tokens = torch.randint(0, VOCAB, (tree.num_nodes,), generator=g)
+    cache = step.new_cache(11 + tree.num_nodes)
+    with torch.inference_mode():
+        step.forward(prompt, torch.arange(11)[None], None, cache, last=True)
+        cache.commit_all(11)
+        logits, _ = step.forward(tokens[None], (11 + tree.depth)[None], tree.attention_mask[None, None], cache)
+        for node in range(tree.num_nodes):
+            ancestors = tree.attention_mask[node].nonzero().flatten()  # ascending = root to node
+            expected = target(torch.cat([prompt[0], tokens[ancestors]])[None]).logits[0, -1]
+            torch.testing.assert_close(logits[node], expected, atol=1e-4, rtol=1e-4)
+
+
+@needs_compile
+def test_compiled_greedy_equals_eager_greedy_and_every_drafter_is_lossless_on_it(compiled_targets, family):
+    """Greedy on the compiled step gives the eager step's tokens; Medusa heads, the EAGLE-3 drafter, lookup and the
+    combined tree, static and dynamic, give the compiled greedy tokens (trees of 1 to many nodes, single nodes padded)."""
+    prepared, eager = compiled(compiled_targets, family)
+    prompts = random_prompts(3, seed=11, min_len=1, max_len=30)
+    references = [greedy(prepared, p) for p in prompts]
+    assert references == [greedy(eager, p) for p in prompts]
+    target = prepared.target
+    eagle3 = EAGLE3.fresh(target)
+    eagle3.init_layer_from_target(target, target.config.num_hidden_layers - 1)
+    eagle3.init_from_target(target)  # drafts that are often right: accepted paths of several nodes
+    runs = [
+        (random_heads(), "medusa"),
+        (random_heads(), "chain"),
+        (eagle3, DynamicTreeSpec(depth=3, top_k=3, num_nodes=6)),
+        (LookupDrafter(), "dynamic"),
+        (CombinedDrafter(eagle3, LookupDrafter()), "dynamic"),
+    ]
+    accepted = 0
+    for drafter, tree in runs:
+        model = MedusaLikeModel(prepared, None, drafter)
+        for prompt, reference in zip(prompts, references, strict=True):
+            out = model.generate(prompt, max_new_tokens=NEW_TOKENS, tree=tree, eos_token_id=[], remember=False)
+            assert out.new_tokens.tolist() == reference, (drafter.kind, tree)
+            accepted += sum(out.stats.accepted_draft)
+    assert accepted > 0
+
+
+@needs_compile
+def test_seeded_sampling_on_the_compiled_step_follows_plain_sampling(compiled_targets):
+    """A seeded run draws each position's token with that position's noise: whatever the tree, the same tokens as
+    plain decoding with that seed, on the compiled step as on the eager one."""
+    prepared, _ = compiled(compiled_targets, "llama")
+    model = MedusaLikeModel(prepared, None, random_heads())
+    prompt = random_prompts(1, seed=2, min_len=8, max_len=8)[0]
+    for seed in range(3):
+        settings = dict(max_new_tokens=NEW_TOKENS, temperature=0.8, top_k=20, seed=seed, eos_token_id=[])
+        plain = model.generate(prompt, tree="none", **settings).new_tokens.tolist()
+        for tree in ("medusa", "chain"):
+            assert model.generate(prompt, tree=tree, **settings).new_tokens.tolist() == plain
+
+
+@needs_compile
+def test_a_failing_compile_falls_back_to_eager_with_a_log_line_never_a_wrong_token(monkeypatch, caplog):
+    target = tiny_target("qwen2")
+    prompt = random_prompts(1, seed=4, min_len=9, max_len=9)[0]
+    expected = greedy(prepare_target(tiny_target("qwen2"), tuned_layers=False), prompt)
+
+    def broken_compile(fn, **options):
+        def run(*args):
+            raise RuntimeError("the compiler broke")
+
+        return run
+
+    monkeypatch.setattr(torch, "compile", broken_compile)
+    prepared = prepare_target(target, tuned_layers=False, compile=True)
+    with caplog.at_level(logging.WARNING):
+        assert greedy(prepared, prompt) == expected  # the failing generation finishes eagerly
+    assert "the compiled step failed (RuntimeError: the compiler broke)" in caplog.text
+    assert prepared.step is prepared.eager and greedy(prepared, prompt) == expected
+
+
+def test_an_unsupported_platform_runs_eager_and_says_why(monkeypatch, caplog):
+    monkeypatch.setattr(forward_platform.platform, "machine", lambda: "riscv64")
+    with caplog.at_level(logging.INFO):
+        prepared = prepare_target(tiny_target("llama"), tuned_layers=False, compile="auto")
+    assert prepared.compiled is None and prepared.step is prepared.eager
+    assert (
+        "compile: the C++ GEMM template is measured on x86 CPUs only, not riscv64; the eager step runs" in caplog.text
+    )
+    with caplog.at_level(logging.WARNING):
+        prepare_target(tiny_target("llama"), tuned_layers=False, compile=True)
+    assert any(r.levelno == logging.WARNING and "riscv64" in r.message for r in caplog.records)
+
+
+def test_compile_must_be_a_known_choice():
+    with pytest.raises(ValueError, match=r"compile must be one of \(False, True, 'auto'\), got 'yes'"):
+        prepare_target(tiny_target("llama"), tuned_layers=False, compile="yes")
+
+
+@needs_compile
+def test_the_compile_cache_is_keyed_by_weights_and_versions_and_a_foreign_one_is_rebuilt(
+    compiled_targets, monkeypatch, caplog
+):
+    prepared, _ = compiled(compiled_targets, "llama")
+    step = prepared.step
+    key = compile_cache.cache_key(step)
+    assert key["target_fingerprint"] == prepared.identity()["target_fingerprint"] and key["torch"] == torch.__version__
+    directory = compile_cache.cache_directory(step)
+    assert json.loads((directory / "key.json").read_text()) == key and compile_cache.is_cached(step)
+    other = CompiledStep(tiny_target("llama", seed=1), step.options, step.label)  # other weights, same config
+    assert compile_cache.cache_directory(other) != directory
+    monkeypatch.setattr(torch, "__version__", "0.0.0")  # another torch: another directory
+    assert compile_cache.cache_directory(step) != directory
+    monkeypatch.undo()
+    (directory / "key.json").write_text(json.dumps(key | {"torch": "another"}))  # a foreign directory at this key
+    marker = directory / "artifact"
+    marker.write_text("built elsewhere")
+    with caplog.at_level(logging.WARNING):
+        rebuilt = compile_cache.checked_directory(step)
+    assert rebuilt == directory and not marker.exists() and "rebuilding it" in caplog.text
+    assert json.loads((directory / "key.json").read_text()) == key
