@@ -194,21 +194,21 @@ class CompiledStep(TargetStep):
         layers = None if feature_layers is None else tuple(feature_layers)
         if last or real > self.max_rows or self.failed:  # a prefill, a large forward, or after a failure: eagerly
             mask, slots, positions = self._inputs(cache, position_ids, tree_mask, real)
-            live = cache.buffer[:, :, :, :, : cache.length + real]
             with torch.inference_mode(), self._attention():
-                logits, features = self._graph(input_ids, positions, slots, mask, live, layers, last)
+                logits, features = self._graph(input_ids, positions, slots, mask, cache.buffer, layers, last)
             return logits, features
         rows = max(real, MIN_ROWS)
         ids = torch.cat([input_ids, input_ids.new_zeros(1, rows - real)], dim=1)  # [1, T]: a dummy row after one node
         mask, slots, positions = self._inputs(cache, position_ids, tree_mask, rows)
-        live = cache.buffer[:, :, :, :, : cache.length + rows]
-        longest = MAX_CONTEXT  # the live length's bound: any cache up to it runs the same graph
+        # the whole buffer goes in, sliced to the live length inside: any capacity and length, one graph (a view's
+        # strides would name its buffer's capacity, and another capacity would compile again)
+        longest = MAX_CONTEXT
         for tensor, dim, top in ((ids, 1, self.max_rows), (positions, 1, self.max_rows), (slots, 0, self.max_rows),
-                                 (mask, 2, self.max_rows), (mask, 3, longest), (live, 4, longest)):  # fmt: skip
+                                 (mask, 2, self.max_rows), (mask, 3, longest), (cache.buffer, 4, longest)):  # fmt: skip
             torch._dynamo.mark_dynamic(tensor, dim, min=MIN_ROWS, max=top)
         try:
             with self._attention(), torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT):
-                logits, features = self._compiled_for(layers)(ids, positions, slots, mask, live)
+                logits, features = self._compiled_for(layers)(ids, positions, slots, mask, cache.buffer)
         except Exception as err:  # the compiler's errors have many types; the eager run below is always correct
             self.failed = f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
             log.warning("the compiled step failed (%s): the eager step runs from now on", self.failed)
@@ -246,9 +246,11 @@ class CompiledStep(TargetStep):
             self.compiled[layers] = _Timed(torch.compile(graph, fullgraph=True, options=self.options), self)
         return self.compiled[layers]
 
-    def _graph(self, input_ids, position_ids, slots, mask, live, feature_layers=None, last=False):
-        """The target's public forward over the live cache `live` (its T new entries written at `slots`), then its
-        logits (of the last row only when `last`) and the features the drafter reads: what is compiled."""
+    def _graph(self, input_ids, position_ids, slots, mask, buffer, feature_layers=None, last=False):
+        """The target's public forward over the live part of the cache `buffer` (as long as `mask` is wide; its T new
+        entries written at `slots`), then its logits (of the last row only when `last`) and the features the drafter
+        reads: what is compiled."""
+        live = buffer[:, :, :, :, : mask.shape[-1]]
         model = self.target.base_model
         out = model(
             input_ids=input_ids,
