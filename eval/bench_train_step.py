@@ -24,7 +24,7 @@ from rich.console import Console
 from rich.table import Table
 
 from medusa_like.apps import CONFIG_DIR
-from medusa_like.cli import register_resolvers
+from medusa_like.config_checks import register_resolvers
 from medusa_like.data.prepare import load_model
 from medusa_like.io import write_json
 from medusa_like.targets import output_logits

@@ -12,7 +12,7 @@ llamacpp.md into the run directory. Where llama.cpp cannot be built it says why 
 import hydra
 from omegaconf import DictConfig
 
-from medusa_like.cli import one_line_errors
+from medusa_like.config_checks import one_line_errors
 from medusa_like.evaluation.llamacpp import measure
 
 

@@ -12,7 +12,7 @@ vllm.json and vllm.md into the run directory. The work is `medusa_like.evaluatio
 import hydra
 from omegaconf import DictConfig
 
-from medusa_like.cli import one_line_errors
+from medusa_like.config_checks import one_line_errors
 from medusa_like.evaluation.vllm_bench import measure
 from medusa_like.evaluation.vllm_profile import profile
 
