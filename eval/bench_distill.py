@@ -25,8 +25,8 @@ from rich.table import Table
 from medusa_like.data import generation
 from medusa_like.data.masks import render
 from medusa_like.data.sources import user_turns
-from medusa_like.engines.vllm_engine import VllmEngine, target_directory
-from medusa_like.evaluation.llamacpp import machine, stamp
+from medusa_like.engines.vllm.driver import VllmEngine, target_directory
+from medusa_like.engines.report import machine, stamp
 from medusa_like.io import write_json
 from medusa_like.targets import DEFAULT_TARGET, eos_token_ids, load_target
 
