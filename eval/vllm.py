@@ -2,28 +2,25 @@
 
     python -m eval.vllm drafter.path=runs/make_run/train/drafter [join.evaluation=.../report.json]
     make vllm      # the evaluation, llama.cpp and this in a row: one table
-    python -m eval.vllm drafter.path=... vllm.profile.batch=8   # where a step's time goes (vllm_profile.py)
+    python -m eval.vllm drafter.path=... vllm.profile.batch=8   # where a step's time goes
 
 Needs the vLLM environment (`make vllm-install`). Exports the drafter with format=eagle3, starts vLLM on the default
 target for each setting (plain, EAGLE-3 with 1-4 speculative tokens, n-gram), measures batch 1, 8 and 32, and writes
-vllm.json and vllm.md into the run directory. The work is `medusa_like.evaluation.vllm_bench`.
+vllm.json and vllm.md into the run directory. The work is the vLLM engine's (`medusa_like/engines/vllm/comparison.py`,
+`step_profile.py` beside it).
 """
 
 import hydra
 from omegaconf import DictConfig
 
-from medusa_like.cli import one_line_errors
-from medusa_like.evaluation.vllm_bench import measure
-from medusa_like.evaluation.vllm_profile import profile
+from medusa_like.config_checks import one_line_errors
+from medusa_like.engines.registry import ENGINES
 
 
 @hydra.main(version_base="1.3", config_path="../conf", config_name="vllm")
 def main(cfg: DictConfig) -> None:
     with one_line_errors():
-        if cfg.vllm.profile.batch:
-            profile(cfg)
-        else:
-            measure(cfg)
+        ENGINES["vllm"].measure(cfg)
 
 
 if __name__ == "__main__":

@@ -8,8 +8,7 @@ import pytest
 import torch
 
 from medusa_like import FormatError, InvalidTreeError, MedusaLikeModel, load_drafter, save_drafter
-from medusa_like.drafters.eagle3 import EAGLE3
-from medusa_like.drafters.registry import KINDS, kind_named
+from medusa_like.formats.registry import EAGLE3, KINDS, kind_named
 
 from .conftest import greedy_reference, random_heads, random_prompts, tiny_target
 

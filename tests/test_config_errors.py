@@ -14,7 +14,7 @@ import pytest
 
 from eval.evaluate import evaluate
 from medusa_like.apps.export import EXPORT_CHECKS, export
-from medusa_like.cli import ConfigError, check_config
+from medusa_like.config_checks import ConfigError, check_config
 from medusa_like.data.split import training_answers
 from medusa_like.evaluation.questions import QuestionSetError, load_jsonl_questions, select
 from medusa_like.evaluation.report import store_sentence

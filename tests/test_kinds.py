@@ -9,11 +9,10 @@ import torch
 
 from medusa_like import MedusaLikeModel
 from medusa_like.decoding.draft_tree import DraftTree
-from medusa_like.drafters.kinds import TrainingFreeKind
+from medusa_like.drafters.kinds import Codec, TrainingFreeKind
 from medusa_like.drafters.protocol import DrafterBase
-from medusa_like.drafters.registry import KINDS, kind_named, register
 from medusa_like.evaluation.setup import load_eval_model
-from medusa_like.formats.common import Codec
+from medusa_like.formats.registry import KINDS, kind_named, register
 from medusa_like.training.build import module_class
 from medusa_like.training.drafter_module import DrafterModule
 
@@ -140,11 +139,11 @@ def test_an_unregistered_kind_name_and_a_second_kind_under_a_taken_name_are_refu
 
 @pytest.mark.parametrize("name", sorted(KINDS))
 def test_every_registered_kind_reaches_its_codec_and_training_module(name, train_cfg):
-    """A kind with weights holds its codec (imported on first use) and is trained by the `DrafterModule` its training
+    """A kind with weights holds its codec and is trained by the `DrafterModule` its training
     config (conf/drafter/<name>.yaml) names; a training-free kind has no formats and refuses files and training."""
     kind = kind_named(name)
     if kind.trainable:
-        codec = kind.codec()
+        codec = kind.codec
         assert isinstance(codec, Codec) and kind.formats == codec.formats and kind.formats[0] == "native"
         module = module_class(train_cfg(f"drafter={name}"))
         assert issubclass(module, DrafterModule) and module.kind == name
@@ -169,7 +168,7 @@ def test_a_training_config_whose_module_trains_another_kind_is_refused(train_cfg
 def test_reaching_every_kinds_codec_imports_no_training_or_data_code():
     """Drafters and their codecs are inference code: neither pulls in training (Lightning) or data (datasets)."""
     code = (
-        "import sys; from medusa_like.drafters.registry import KINDS; "
+        "import sys; from medusa_like.formats.registry import KINDS; "
         "[kind.formats for kind in KINDS.values()]; "
         "print(sorted(m for m in sys.modules if m.split('.')[0] in ('lightning', 'datasets', 'hydra') "
         "or m.startswith(('medusa_like.training', 'medusa_like.data'))))"

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from medusa_like.evaluation.llamacpp_runner import PLAIN, SERVER, Setting, executable, prompt_command, run_prompt
-from medusa_like.evaluation.llamacpp_server import run_batched, server_command
+from medusa_like.engines.llamacpp.runner import PLAIN, SERVER, Setting, executable, prompt_command, run_prompt
+from medusa_like.engines.llamacpp.server import run_batched, server_command
 
 ROOT = Path(__file__).resolve().parents[1]
 SETTINGS = [PLAIN, Setting("eagle3-q8_0 d3", "draft-eagle3", Path("drafter.gguf"), 3), Setting("lookup", "ngram-mod")]
@@ -55,7 +55,7 @@ def test_the_built_llamacpp_accepts_every_flag_passed():
 
 
 # ---------------------------------------------------------------------------------------------------------------------
-# llama-server, for batches 8 and 32 (llamacpp_server.py)
+# llama-server, for batches 8 and 32 (engines/llamacpp/server.py)
 
 
 def server_for(setting: Setting | None, slots: int = 8, threads: int = 2) -> list[str]:

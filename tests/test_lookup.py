@@ -15,7 +15,6 @@ from medusa_like.decoding.tree_files import load_tree, save_tree, spec_from_json
 from medusa_like.drafters.base import DrafterMismatchError
 from medusa_like.drafters.budget import best_rate, lookup_certainty
 from medusa_like.drafters.combined import CombinedDrafter
-from medusa_like.drafters.eagle3 import EAGLE3
 from medusa_like.drafters.lookup import (
     SEPARATOR,
     ContextLookup,
@@ -25,6 +24,7 @@ from medusa_like.drafters.lookup import (
     OutputStore,
 )
 from medusa_like.drafters.merged_tree import PROBE_EVERY, MergedTreeProposer, SessionState
+from medusa_like.formats.registry import EAGLE3
 from medusa_like.forward import prepare_target
 from medusa_like.forward.cost_measure import measure_cost_model
 from medusa_like.model import MedusaLikeModel

@@ -23,7 +23,7 @@ from transformers import AutoTokenizer
 
 from medusa_like.apps import EXTRA_HINT, MISSING_EXTRA_STATUS
 from medusa_like.apps.export import export
-from medusa_like.cli import ConfigError
+from medusa_like.config_checks import ConfigError
 from medusa_like.targets import default_target_gguf
 
 ROOT = Path(__file__).resolve().parents[1]

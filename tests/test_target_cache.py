@@ -363,16 +363,15 @@ def test_train_with_the_cache_exports_the_best_checkpoint(tmp_path, data_dir):  
 
 
 @pytest.mark.slow
-def test_token_milestones_make_a_learning_curve(tmp_path, data_dir, monkeypatch):  # noqa: F811
-    """A run with TokenMilestones saves a checkpoint per milestone (and stops after the last); eval.learning_curve
-    measures each on the run's validation rows (as many batches as the run validated on) and by decoding, and writes
+def test_token_milestones_make_a_learning_curve(tmp_path, data_dir):  # noqa: F811
+    """A run with TokenMilestones saves a checkpoint per milestone (and stops after the last); the learning curve
+    (`python -m eval.bench learning_curve`) measures each on the run's validation rows (as many batches as the run validated on) and by decoding, and writes
     the table, curve.json and the plot."""
-    import sys
-
     from matplotlib import image
 
-    from eval import learning_curve
     from medusa_like import MedusaLikeModel
+    from medusa_like.benchmarks import learning_curve
+    from medusa_like.benchmarks.harness import show
     from medusa_like.training.build import build_module as build_drafter_module
 
     cfg = compose_train(
@@ -393,8 +392,7 @@ def test_token_milestones_make_a_learning_curve(tmp_path, data_dir, monkeypatch)
     assert [s["milestone"] for s in saved] == [20, 40, 80]
     assert all(s["tokens"] >= s["milestone"] for s in saved)
     assert saved[-1]["step"] < 50 * 3  # stopped at the last milestone, long before 50 epochs
-    monkeypatch.setattr(sys, "argv", ["learning_curve", str(tmp_path), "--prompts", "2", "--max-new-tokens", "8"])
-    learning_curve.main()
+    show(learning_curve.run(tmp_path, prompts=2, max_new_tokens=8))
     curve = json.loads((tmp_path / "curve.json").read_text())
     points = curve["points"]
     assert [p["milestone"] for p in points] == [20, 40, 80]
@@ -425,7 +423,7 @@ def test_token_milestones_make_a_learning_curve(tmp_path, data_dir, monkeypatch)
 
 
 def learning_curve_prompts(cfg, tokenizer, count: int = 2) -> list[torch.Tensor]:
-    """The validation prompts eval.learning_curve decodes (`--prompts count`): first turns, the chat template."""
+    """The validation prompts the learning curve decodes (`prompts=count`): first turns, the chat template."""
     from medusa_like.evaluation.questions import load_questions, select
     from medusa_like.targets import chat_input_ids
 
@@ -436,11 +434,12 @@ def learning_curve_prompts(cfg, tokenizer, count: int = 2) -> list[torch.Tensor]
     return [chat_input_ids(tokenizer, [{"role": "user", "content": q.turns[0]}]) for q in select(questions, count)]
 
 
-def test_the_ablation_table_compares_each_arm_with_the_base(tmp_path, monkeypatch, capsys):
-    """`eval.ablations` reads each finished arm's metrics and overrides and reports its change against the base arm;
+def test_the_ablation_table_compares_each_arm_with_the_base(tmp_path, capsys):
+    """The ablation table (`python -m eval.bench ablations`) reads each finished arm's metrics and overrides and reports its change against the base arm;
     an arm with fewer unrolled steps shows no deeper depths, an unfinished arm is left out, and a folder without the
     base arm is one error line."""
-    from eval import ablations
+    from medusa_like.benchmarks import ablations
+    from medusa_like.benchmarks.harness import show
 
     def arm(name, top1, overrides):
         (tmp_path / name / ".hydra").mkdir(parents=True)
@@ -454,8 +453,7 @@ def test_the_ablation_table_compares_each_arm_with_the_base(tmp_path, monkeypatc
     arm("tv", [0.25, 0.1, 0.1, 0.1], ["drafter.module.loss=tv"])
     arm("ttt2", [0.3, 0.2], ["drafter.module.ttt_steps=2"])  # two unrolled steps: no depths 3 and 4
     (tmp_path / "running").mkdir()  # no metrics.json yet
-    monkeypatch.setattr("sys.argv", ["ablations", str(tmp_path)])
-    ablations.main()
+    show(ablations.run(tmp_path))
     table = json.loads((tmp_path / "ablations.json").read_text())
     tv = next(a for a in table["arms"] if a["name"] == "tv")
     assert [a["name"] for a in table["arms"]] == ["base", "ttt2", "tv"]
@@ -469,6 +467,5 @@ def test_the_ablation_table_compares_each_arm_with_the_base(tmp_path, monkeypatc
     assert "+0.050 d1" in printed
     ttt2_row = next(line for line in printed.splitlines() if "ttt2" in line)
     assert "0.300" in ttt2_row and ttt2_row.count(" - ") >= 2  # depths 3 and 4 shown as dashes
-    monkeypatch.setattr("sys.argv", ["ablations", str(tmp_path), "--base", "nothing"])
-    with pytest.raises(SystemExit, match="no finished base arm"):
-        ablations.main()
+    with pytest.raises(FileNotFoundError, match="no finished base arm"):
+        ablations.run(tmp_path, base="nothing")

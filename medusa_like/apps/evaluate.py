@@ -18,7 +18,7 @@ from omegaconf import DictConfig, OmegaConf
 from tqdm.auto import tqdm
 
 from medusa_like.apps import CONFIG_DIR
-from medusa_like.cli import EVAL_CHECKS, check_config, one_line_errors
+from medusa_like.config_checks import EVAL_CHECKS, check_config, one_line_errors
 from medusa_like.evaluation.benchmark import run_questions
 from medusa_like.evaluation.methods import METHODS, make_runners
 from medusa_like.evaluation.report import failure_line

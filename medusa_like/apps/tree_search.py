@@ -27,7 +27,7 @@ from rich.console import Console
 from rich.table import Table
 
 from medusa_like.apps import CONFIG_DIR
-from medusa_like.cli import EVAL_CHECKS, check_config, one_line_errors
+from medusa_like.config_checks import EVAL_CHECKS, check_config, one_line_errors
 from medusa_like.evaluation.setup import load_eval_model, run_dir, run_search, set_threads
 
 log = logging.getLogger(__name__)

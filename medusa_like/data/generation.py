@@ -179,7 +179,7 @@ def transformers_generator(model, tokenizer) -> Generator:
 
 
 def vllm_generator(engine) -> Generator:
-    """vLLM (an `engines.vllm_engine.VllmEngine` on the same target) answering a batch at once; prompt i of a call
+    """vLLM (an `engines.vllm.driver.VllmEngine` on the same target) answering a batch at once; prompt i of a call
     samples from seed + i."""
 
     def generate(prompt_ids: list[list[int]], gen: GenerationConfig, eos_ids: list[int], seed: int) -> list[list[int]]:

@@ -18,6 +18,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from medusa_like.data import conversation_text, generation
 from medusa_like.data.storage import build_lock, check_recipe, is_complete, load_distilled, recipe
+from medusa_like.engines.vllm.driver import VllmEngine, target_directory
 
 log = logging.getLogger(__name__)
 
@@ -86,8 +87,6 @@ def _generator(engine: str, target, tokenizer, gen: generation.GenerationConfig,
     if engine == "transformers":
         yield None
         return
-    from medusa_like.engines.vllm_engine import VllmEngine, target_directory
-
     with tempfile.TemporaryDirectory(prefix="medusa_like_vllm_") as scratch:
         model_dir = target_directory(target, tokenizer, scratch)
         dtype = str(target.dtype).removeprefix("torch.")

@@ -31,7 +31,6 @@ from ..decoding.kv_cache import TreeKVCache
 from ..decoding.tree import TreeSpec
 from ..targets import cache_keyword
 from .base import LearnedDrafter
-from .kinds import WeightsKind
 from .vocab import DraftVocab
 
 _QKV = ("q_proj", "k_proj", "v_proj")  # the attention's projections, which read [embedding; feature]
@@ -330,7 +329,7 @@ class Eagle3Proposer:
 
 
 # ---------------------------------------------------------------------------------------------------------------------
-# The kind: what the framework asks about the EAGLE-3 drafter (registered in `drafters/registry.py`)
+# A fresh drafter: the EAGLE-3 kind joins it with its codec (`formats/eagle3.py`) in `formats/registry.py`
 
 
 def fresh_eagle3(target, draft_vocab_size: int | None = None, aux_layer_ids=None) -> Eagle3Drafter:
@@ -338,12 +337,3 @@ def fresh_eagle3(target, draft_vocab_size: int | None = None, aux_layer_ids=None
     vocab_size = target.config.get_text_config().vocab_size
     config = Eagle3Config.for_target(target.config, draft_vocab_size or vocab_size, aux_layer_ids)
     return Eagle3Drafter(config, DraftVocab(torch.arange(config.draft_vocab_size), vocab_size))
-
-
-def eagle3_codec():
-    from medusa_like.formats.eagle3 import CODEC  # the codec imports this drafter: imported on first use
-
-    return CODEC
-
-
-EAGLE3 = WeightsKind("eagle3", fresh_eagle3, eagle3_codec)

@@ -1,46 +1,51 @@
-"""The two shapes of a drafter kind (`protocol.DrafterKind`), so each kind is a few lines in its drafter's module:
+"""The two shapes of a drafter kind (`protocol.DrafterKind`), so each kind is a few lines:
 
-    WeightsKind        trained weights on disk: read and written by its codec (`formats.common.Codec`); trained by the
-                       Lightning module its training config names (conf/drafter/<kind>.yaml, `training/build.py`)
+    WeightsKind        trained weights on disk: read and written by its `Codec` (one per kind, in `formats/`); trained by
+                       the Lightning module its training config names (conf/drafter/<kind>.yaml, `training/build.py`)
     TrainingFreeKind   nothing to train or save (lookup, combined): its file operations explain what to do instead
 
-A weights kind holds its codec as a function that imports it (`codec=`): the format modules import the drafters they
-read, so a drafter module cannot import its codec before it is first used.
+A training-free kind is one object in its drafter's module. A weights kind joins a drafter's `fresh` with the codec of
+its files, and the codecs import the drafters they read, so it is made above both: the shipped ones in
+`formats/registry.py`, where every kind is listed.
 """
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:  # formats import the drafters: a drafter module imports no format module when it is imported
-    from medusa_like.formats.common import Codec
+
+@dataclass(frozen=True)
+class Codec:
+    """A weights kind's files, both directions: what its format module in `formats/` hands its `WeightsKind`."""
+
+    formats: tuple[str, ...]  # what `export` writes; "native" first
+    recognises: Callable[[dict], bool]  # config.json -> written by one of these formats?
+    read: Callable  # (directory, target) -> (drafter, meta)
+    from_checkpoint: Callable  # (loaded checkpoint, path, target) -> (drafter, meta)
+    export: Callable  # (drafter, out_dir, format, target, target_name, dtype, overwrite) -> out_dir
 
 
 @dataclass(frozen=True)
 class WeightsKind:
     name: str
     fresh: Callable  # (target, **options) -> a new drafter for the target
-    codec: "Callable[[], Codec]"  # () -> its codec, imported on first use
+    codec: Codec  # its files, both directions
     trainable: bool = True
-
-    def _codec(self) -> "Codec":
-        return self.codec()
 
     @property
     def formats(self) -> tuple[str, ...]:
-        return self._codec().formats
+        return self.codec.formats
 
     def recognises(self, config: dict) -> bool:
-        return self._codec().recognises(config)
+        return self.codec.recognises(config)
 
     def read(self, path, target):
-        return self._codec().read(path, target)
+        return self.codec.read(path, target)
 
     def from_checkpoint(self, checkpoint: dict, path, target):
-        return self._codec().from_checkpoint(checkpoint, path, target)
+        return self.codec.from_checkpoint(checkpoint, path, target)
 
     def export(self, drafter, out_dir, format, target, target_name, dtype=None, overwrite=False):
-        return self._codec().export(drafter, out_dir, format, target, target_name, dtype, overwrite)
+        return self.codec.export(drafter, out_dir, format, target, target_name, dtype, overwrite)
 
 
 @dataclass(frozen=True)

@@ -16,7 +16,6 @@ from medusa_like.decoding.draft_tree import DraftTree
 from medusa_like.decoding.projection import VocabProjection
 from medusa_like.decoding.tree import TreeSpec
 from medusa_like.drafters.base import LearnedDrafter
-from medusa_like.drafters.kinds import WeightsKind
 from medusa_like.drafters.vocab import DraftVocab
 
 NUM_HEADS = 4  # heads, when a config or a caller names no number
@@ -156,7 +155,7 @@ class MedusaProposer:
 
 
 # ---------------------------------------------------------------------------------------------------------------------
-# The kind: what the framework asks about Medusa heads (registered in `drafters/registry.py`)
+# Fresh heads: the Medusa kind joins them with their codec (`formats/heads_io.py`) in `formats/registry.py`
 
 
 def fresh_heads(target, num_heads: int = NUM_HEADS, num_layers: int = 1, shared_lm_head: bool = True) -> MedusaHeads:
@@ -166,12 +165,3 @@ def fresh_heads(target, num_heads: int = NUM_HEADS, num_layers: int = 1, shared_
         HeadsConfig(config.hidden_size, config.vocab_size, num_heads, num_layers, shared_lm_head),
         target.get_output_embeddings().weight,
     )
-
-
-def heads_codec():
-    from medusa_like.formats.heads_io import CODEC  # the codec imports these heads: imported on first use
-
-    return CODEC
-
-
-MEDUSA = WeightsKind("medusa", fresh_heads, heads_codec)

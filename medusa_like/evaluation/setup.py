@@ -12,11 +12,11 @@ from medusa_like.data.split import draft_vocab_from_training_split, training_ans
 from medusa_like.decoding.tree_files import save_tree
 from medusa_like.drafters.combined import COMBINED
 from medusa_like.drafters.lookup import LOOKUP, OutputStore
-from medusa_like.drafters.medusa import MEDUSA
 from medusa_like.evaluation.methods import alone
 from medusa_like.evaluation.questions import Question, load_questions, select
 from medusa_like.evaluation.tree_search import fastest_prompt_lookup, search
 from medusa_like.formats import load_drafter
+from medusa_like.formats.registry import MEDUSA
 from medusa_like.model import MedusaLikeModel
 from medusa_like.targets import target_fingerprint
 

@@ -3,7 +3,7 @@
     drafter = load_drafter("runs/x/drafter", target)          # detected from config.json, or a .ckpt
     export_drafter(drafter, "exports/vllm", "vllm", target, "HuggingFaceTB/SmolLM2-135M-Instruct")
 
-Each registered drafter kind (`drafters/registry.py`) reads and writes its own formats through its codec: Medusa heads
+Each drafter kind, registered by name in `registry.py`, reads and writes its own formats through its codec: Medusa heads
 as native, medusa, vllm and tgi (`heads_io.py`, layouts in `medusa_layouts.py`); the EAGLE-3 drafter as native, eagle3
 (vLLM), eagle3_sglang (`eagle3.py`) and gguf (llama.cpp, `gguf.py`). Loading is strict everywhere and checks the
 drafter against the target (`drafters.base.check_fits`).
@@ -15,8 +15,8 @@ import torch
 
 from medusa_like.drafters.base import CHECKPOINT_KEY
 from medusa_like.drafters.protocol import Drafter
-from medusa_like.drafters.registry import KINDS, kind_named, kind_of
 from medusa_like.formats.common import FormatError, drafter_source, read_checkpoint, read_config
+from medusa_like.formats.registry import KINDS, kind_named, kind_of
 
 
 def read_drafter(path: str | Path, target) -> tuple[Drafter, dict]:

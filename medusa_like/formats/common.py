@@ -13,7 +13,6 @@ import os
 import pickle
 import shutil
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -26,17 +25,6 @@ log = logging.getLogger(__name__)
 
 MARKER = ".medusa_like_export"
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth")
-
-
-@dataclass(frozen=True)
-class Codec:
-    """A drafter kind's files, both directions (a `drafters.kinds.WeightsKind` holds a function that imports it)."""
-
-    formats: tuple[str, ...]  # what `export` writes; "native" first
-    recognises: Callable[[dict], bool]  # config.json -> written by one of these formats?
-    read: Callable  # (directory, target) -> (drafter, meta)
-    from_checkpoint: Callable  # (loaded checkpoint, path, target) -> (drafter, meta)
-    export: Callable  # (drafter, out_dir, format, target, target_name, dtype, overwrite) -> out_dir
 
 
 class FormatError(ValueError):

@@ -31,8 +31,9 @@ from safetensors.torch import save_file
 
 from medusa_like.drafters.base import CHECKPOINT_KEY, check_fits
 from medusa_like.drafters.eagle3 import Eagle3Config, Eagle3Drafter
+from medusa_like.drafters.kinds import Codec
 from medusa_like.drafters.vocab import DraftVocab, DraftVocabError
-from medusa_like.formats.common import Codec, FormatError, read_config, read_safetensors, write_export
+from medusa_like.formats.common import FormatError, read_config, read_safetensors, write_export
 from medusa_like.formats.gguf import write_gguf
 from medusa_like.formats.llama_layer import LAYER_PARTS, llama_refusal
 from medusa_like.targets import target_fingerprint

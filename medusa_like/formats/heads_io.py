@@ -20,9 +20,10 @@ from safetensors.torch import save_file
 from transformers import PreTrainedModel
 
 from medusa_like.drafters.base import CHECKPOINT_KEY, DrafterMismatchError, check_fits, target_name
+from medusa_like.drafters.kinds import Codec
 from medusa_like.drafters.medusa import HeadsConfig, MedusaHeads
 from medusa_like.formats import medusa_layouts as layouts
-from medusa_like.formats.common import Codec, read_config, read_safetensors, same_weights, write_export
+from medusa_like.formats.common import read_config, read_safetensors, same_weights, write_export
 from medusa_like.formats.medusa_layouts import (
     FORMATS,
     MEDUSA,

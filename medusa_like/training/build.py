@@ -5,7 +5,7 @@ conf/drafter/<kind>.yaml), which builds itself with `from_config` from `cfg.draf
 from hydra.utils import get_class, instantiate
 from omegaconf import DictConfig
 
-from medusa_like.drafters.registry import KINDS, kind_named
+from medusa_like.formats.registry import KINDS, kind_named
 from medusa_like.training.drafter_module import DrafterModule
 
 

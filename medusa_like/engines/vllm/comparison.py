@@ -22,9 +22,16 @@ from pathlib import Path
 
 import torch
 
-from medusa_like.engines.vllm_engine import VllmEngine, check_export, eagle3, ngram, target_directory
-from medusa_like.evaluation.llamacpp import batch_entry
+from medusa_like.evaluation.setup import question_set, run_dir
+from medusa_like.formats import export_drafter, load_drafter
 from medusa_like.io import write_json, write_text
+from medusa_like.model import MedusaLikeModel
+from medusa_like.targets import load_target
+
+from ..engine import Engine
+from ..report import batch_entry, machine, stamp
+from .driver import VllmEngine, check_export, eagle3, ngram, target_directory, unavailable_reason
+from .step_profile import profile
 
 log = logging.getLogger(__name__)
 
@@ -107,8 +114,6 @@ def transformers_greedy(target, prompt_ids, eos: list[int], max_new_tokens: int)
 def rejoin(cfg) -> dict:
     """The table again from the run directory's vllm.json, joined with the reports `cfg.join` names now (e.g. a
     llama.cpp run made after the vLLM one)."""
-    from medusa_like.evaluation.setup import run_dir
-
     out_dir = run_dir(cfg)
     report = json.loads((out_dir / "vllm.json").read_text())
     report["evaluation"], report["llamacpp"] = _joined(cfg.join.evaluation), _joined(cfg.join.llamacpp)
@@ -121,12 +126,6 @@ def rejoin(cfg) -> dict:
 def measure(cfg) -> dict:
     if not cfg.vllm.get("measure", True):
         return rejoin(cfg)
-    from medusa_like.evaluation.llamacpp import machine, stamp
-    from medusa_like.evaluation.setup import question_set, run_dir
-    from medusa_like.formats import export_drafter, load_drafter
-    from medusa_like.model import MedusaLikeModel
-    from medusa_like.targets import load_target
-
     out_dir = run_dir(cfg)
     target, tokenizer = load_target(cfg.model.name_or_path, dtype="float32", device="cpu")
     drafter = load_drafter(cfg.drafter.path, target)
@@ -244,3 +243,17 @@ def _framework_speeds(evaluation: dict | None) -> dict[str, float]:
     if not evaluation:
         return {}
     return dict(evaluation["speed"]["median_tokens_per_second"])
+
+
+def run(cfg) -> dict:
+    """The comparison, or with `vllm.profile.batch` > 0 where a step's time goes instead (`step_profile.py`)."""
+    return profile(cfg) if cfg.vllm.profile.batch else measure(cfg)
+
+
+VLLM = Engine(
+    "vllm",
+    "vLLM's CPU build in an environment of its own: our EAGLE-3 export and its n-gram speculation against plain "
+    "vLLM at batch 1, 8 and 32, joined with this framework's and llama.cpp's rows",
+    unavailable_reason,
+    run,
+)

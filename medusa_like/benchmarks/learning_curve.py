@@ -2,8 +2,8 @@
 
     python -m train.train experiment=smollm2_eagle3_curve hydra.run.dir=runs/curve/train   # checkpoints at milestones
     python -m train.train experiment=smollm2_eagle3_long_cached hydra.run.dir=runs/long_cached/train   # 8 epochs
-    python -m eval.learning_curve runs/curve/train --epochs-run runs/long_cached/train    # curve.json, curve.png
-    python -m eval.learning_curve runs/long/train --epochs-run runs/long/train    # smollm2_eagle3_long: both in one run
+    python -m eval.bench learning_curve runs/curve/train --epochs-run runs/long_cached/train    # curve.json, curve.png
+    python -m eval.bench learning_curve runs/long/train --epochs-run runs/long/train    # _long: both in one run
 
 The training run saves `checkpoints/tokens-<n>.ckpt` when the supervised tokens it trained on reach each milestone
 (`training.checkpoints.TokenMilestones`). For each, this script measures on the run's own validation rows the per-depth
@@ -12,7 +12,7 @@ drafter's tau alone when it decodes validation prompts (first turns, the target'
 tree): generated tokens per target forward, bonus token included. It prints a table, writes `curve.json` and draws
 `curve.png` in the run directory. Decoding is lossless by construction; tau, not speed, is measured here.
 
-`--epochs-run` adds the validations of another run over the same data, read from its CSV log (every epoch's end in
+`--epochs-run` (comma-separated) adds the validations of another run over the same data, read from its CSV log (every epoch's end in
 the cached long recipe; every few hundred steps of the single epoch of `smollm2_eagle3_long`, which can also be the
 run itself), at the supervised tokens seen by then (steps x an epoch's supervised tokens / its steps, counted from the
 data as TokenMilestones counts them, an echoed row once per serving), and the tau alone of the drafter it exported (its
@@ -20,18 +20,18 @@ best checkpoint). Every point is written to curve.json as soon as it is measured
 measures only what is missing.
 """
 
-import argparse
 import csv
 import itertools
 import json
 import logging
 from pathlib import Path
+from typing import Annotated
 
 import torch
 from hydra.utils import instantiate
 from omegaconf import OmegaConf
 
-from medusa_like.cli import register_resolvers
+from medusa_like.config_checks import register_resolvers
 from medusa_like.data.prepare import load_model
 from medusa_like.evaluation.questions import load_questions, select
 from medusa_like.formats import load_drafter
@@ -40,6 +40,8 @@ from medusa_like.model import MedusaLikeModel
 from medusa_like.targets import chat_input_ids
 from medusa_like.training.build import build_module
 from medusa_like.training.ttt import simulated_tau
+
+from .harness import Report
 
 log = logging.getLogger(__name__)
 
@@ -133,26 +135,24 @@ def plot(points: list[dict], path: Path, depths: int) -> None:
     fig.savefig(path, dpi=120)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("run_dir", type=Path, help="a training run made with TokenMilestones (checkpoints/tokens-*)")
-    parser.add_argument("--prompts", type=int, default=16, help="validation prompts decoded per point")
-    parser.add_argument("--max-new-tokens", type=int, default=96)
-    parser.add_argument("--tree", default="dynamic", help="the tree the drafter decodes with alone")
-    parser.add_argument(
-        "--epochs-run",
-        type=Path,
-        action="append",
-        default=[],
-        help="a run on the same data whose CSV log holds its validations",
-    )
-    args = parser.parse_args()
+def run(
+    run_dir: Annotated[Path, "a training run made with TokenMilestones (checkpoints/tokens-*)"],
+    *,
+    prompts: Annotated[int, "validation prompts decoded per point"] = 16,
+    max_new_tokens: int = 96,
+    tree: Annotated[str, "the tree the drafter decodes with alone"] = "dynamic",
+    epochs_run: Annotated[tuple[Path, ...], "runs on the same data whose CSV logs hold their validations"] = (),
+) -> Report:
+    """Held-out acceptance and the drafter's own tau of an EAGLE-3 drafter against supervised tokens seen."""
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    milestones_file = args.run_dir / "checkpoints" / "milestones.json"
+    run_dir = Path(run_dir)
+    milestones_file = run_dir / "checkpoints" / "milestones.json"
     if not milestones_file.is_file():
-        parser.error(f"{milestones_file} does not exist: train with experiment=smollm2_eagle3_curve (or _long) first")
+        raise FileNotFoundError(
+            f"{milestones_file} does not exist: train with experiment=smollm2_eagle3_curve (or _long) first"
+        )
     register_resolvers()
-    cfg = OmegaConf.create(OmegaConf.load(args.run_dir / "config.yaml"))
+    cfg = OmegaConf.create(OmegaConf.load(run_dir / "config.yaml"))
     target, tokenizer = load_model(cfg.model)
     questions = select(
         load_questions(
@@ -160,16 +160,16 @@ def main() -> None:
             source=cfg.data.source,
             val_fraction=cfg.data.val_fraction,
             split_seed=cfg.data.split_seed,
-            limit=args.prompts,
+            limit=prompts,
             max_turns=1,
         ),
-        args.prompts,
+        prompts,
     )
-    prompts = [chat_input_ids(tokenizer, [{"role": "user", "content": q.turns[0]}]) for q in questions]
+    prompt_ids = [chat_input_ids(tokenizer, [{"role": "user", "content": q.turns[0]}]) for q in questions]
     datamodule = instantiate(cfg.data.module)
     datamodule.setup("fit")
-    settings = {"prompts": len(prompts), "max_new_tokens": args.max_new_tokens, "tree": args.tree}
-    out_file = args.run_dir / "curve.json"
+    settings = {"prompts": len(prompt_ids), "max_new_tokens": max_new_tokens, "tree": tree}
+    out_file = run_dir / "curve.json"
     earlier = json.loads(out_file.read_text()) if out_file.is_file() else {}
     done = (
         {p["source"]: p for p in earlier.get("points", []) if "source" in p}
@@ -178,38 +178,33 @@ def main() -> None:
     )
     points = []
 
-    def record(point: dict) -> None:
+    def record(point: dict) -> None:  # written at once: a rerun with the same settings measures only what is missing
         points.append(point)
         write_json(out_file, {"settings": settings, "points": points})
 
     for entry in json.loads(milestones_file.read_text()):
-        checkpoint = args.run_dir / "checkpoints" / entry["path"]
+        checkpoint = run_dir / "checkpoints" / entry["path"]
         if str(checkpoint) in done:
             record(done[str(checkpoint)])
             continue
         metrics = held_out(cfg, target, datamodule, checkpoint)
         drafter = load_drafter(checkpoint, target)
-        tau = decoding_tau(target, tokenizer, drafter, prompts, args.max_new_tokens, args.tree)
+        tau = decoding_tau(target, tokenizer, drafter, prompt_ids, max_new_tokens, tree)
         record({**entry, **metrics, "tau_alone": tau, "run": "milestones", "source": str(checkpoint)})
         log.info("%d tokens: %s, tau alone %.3f", entry["tokens"], metrics, tau)
-    for run in args.epochs_run:
-        for point in epoch_points(run, datamodule):
+    for run in epochs_run:
+        for point in epoch_points(Path(run), datamodule):
             if point["source"] in done:
                 record(done[point["source"]])
                 continue
             if point.pop("exported", False):
-                drafter = load_drafter(run / "drafter", target)
-                point["tau_alone"] = decoding_tau(target, tokenizer, drafter, prompts, args.max_new_tokens, args.tree)
+                drafter = load_drafter(Path(run) / "drafter", target)
+                point["tau_alone"] = decoding_tau(target, tokenizer, drafter, prompt_ids, max_new_tokens, tree)
             record(point)
             log.info("%s", point)
     depths = int(cfg.drafter.module.ttt_steps)
+    plot(points, run_dir / "curve.png", depths)
     header = ["tokens", "step", *[f"val/acc_top1_depth{d}" for d in range(1, depths + 1)], "val/sim_tau_chain"]
-    print("| " + " | ".join([*header, "tau_alone"]) + " |")
-    print("|" + "---|" * (len(header) + 1))
-    for p in points:
-        print("| " + " | ".join(_cell(p.get(k)) for k in [*header, "tau_alone"]) + " |")
-    plot(points, args.run_dir / "curve.png", depths)
-
-
-if __name__ == "__main__":
-    main()
+    lines = ["| " + " | ".join([*header, "tau_alone"]) + " |", "|" + "---|" * (len(header) + 1)]
+    lines += ["| " + " | ".join(_cell(p.get(k)) for k in [*header, "tau_alone"]) + " |" for p in points]
+    return Report({"settings": settings, "points": points}, notes=lines, out=out_file)

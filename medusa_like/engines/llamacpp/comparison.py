@@ -2,7 +2,7 @@
 
     python -m eval.llamacpp drafter.path=runs/make_run/train/drafter        # or: make llamacpp
 
-Building and running llama.cpp is `llamacpp_runner.py`; this module exports the drafter as GGUF in each precision,
+Building and running llama.cpp is `runner.py`; this module exports the drafter as GGUF in each precision,
 runs every setting on the validation prompts and writes the table (llamacpp.json, llamacpp.md). The settings, each
 one `llama-speculative-simple` process per prompt, greedy, settings interleaved prompt by prompt:
 
@@ -13,18 +13,27 @@ one `llama-speculative-simple` process per prompt, greedy, settings interleaved 
 What llama.cpp prints at the end (`decoded N tokens in S seconds`, `n_drafted`, `n_accept`) is summed over the
 first `batch1_prompts` prompts: tokens/s = sum of tokens / sum of decode seconds (prompt processing excluded),
 acceptance = accepted draft tokens / drafted tokens. At batch 8 and 32, plain decoding and the f32 drafter at each
-chain length run in `llama-server` over all the prompts (llamacpp_server.py: throughput with prompt processing
+chain length run in `llama-server` over all the prompts (server.py: throughput with prompt processing
 included, as for vLLM). Beside it, this framework's own chain acceptance for the same drafter and prompts (fp32
 target, `tree=[[0], [0, 0], ...]`), where acceptance is accepted draft tokens / (steps * depth).
 """
 
 import logging
 import os
-import subprocess
-import time
 from pathlib import Path
 
-from medusa_like.evaluation.llamacpp_runner import (
+import torch
+
+from medusa_like.evaluation.setup import question_set, run_dir
+from medusa_like.formats import export_drafter, load_drafter
+from medusa_like.formats.gguf import GGUF_FILE, target_gguf
+from medusa_like.io import write_json
+from medusa_like.model import MedusaLikeModel
+from medusa_like.targets import load_target
+
+from ..engine import Engine
+from ..report import batch_entry, machine, stamp
+from .runner import (
     EXECUTABLE,
     PLAIN,
     PLAIN_MAX_CONTEXT,
@@ -34,9 +43,9 @@ from medusa_like.evaluation.llamacpp_runner import (
     bench_lock,
     build,
     run_settings,
+    unavailable_reason,
 )
-from medusa_like.evaluation.llamacpp_server import check_slots, run_batched
-from medusa_like.io import write_json
+from .server import check_slots, run_batched
 
 log = logging.getLogger(__name__)
 
@@ -123,33 +132,11 @@ def markdown(report: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def batch_entry(batches: dict, size: int) -> dict | None:
-    """One batch size's figures in a {batch size: figures} dict, read back from JSON or not (int keys become
-    strings there)."""
-    return batches.get(size) or batches.get(str(size))
-
-
-def machine() -> str:
-    """`lscpu`'s model name and the cores this process may use."""
-    name = "unknown CPU"
-    try:
-        for line in subprocess.run(["lscpu"], capture_output=True, text=True).stdout.splitlines():
-            if line.startswith("Model name:"):
-                name = line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return f"{name}, {len(os.sched_getaffinity(0))} cores"
-
-
 def write_report(report: dict, out_dir: Path) -> None:
     out_dir.mkdir(parents=True, exist_ok=True)
     write_json(out_dir / "llamacpp.json", report)
     (out_dir / "llamacpp.md").write_text(markdown(report))
     log.info("wrote %s and %s", out_dir / "llamacpp.json", out_dir / "llamacpp.md")
-
-
-def stamp() -> str:
-    return time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -160,14 +147,6 @@ def measure(cfg) -> dict | None:
     """Build llama.cpp (or reuse the build), export the drafter in each precision, run every setting on the
     validation prompts, measure this framework's chains; write llamacpp.json / llamacpp.md. None when llama.cpp
     cannot be built here (the reason is logged)."""
-    import torch
-
-    from medusa_like.evaluation.setup import question_set, run_dir
-    from medusa_like.formats import export_drafter, load_drafter
-    from medusa_like.formats.gguf import GGUF_FILE, target_gguf
-    from medusa_like.model import MedusaLikeModel
-    from medusa_like.targets import load_target
-
     run = cfg.llamacpp
     try:
         binary = build(Path(run.cache), run.sdist)
@@ -234,3 +213,12 @@ def measure(cfg) -> dict | None:
     write_report(report, out_dir)
     print(markdown(report))
     return report
+
+
+LLAMACPP = Engine(
+    "llamacpp",
+    "llama.cpp's CPU build (from the llama-cpp-python sources): our drafter as GGUF against plain llama.cpp and its "
+    "lookup modes, one sequence and batches in llama-server",
+    unavailable_reason,
+    measure,
+)

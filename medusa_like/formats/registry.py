@@ -1,22 +1,23 @@
-"""Every drafter kind by name. A kind is one object in its drafter's own module (see `protocol.DrafterKind` and the two
-shapes in `kinds.py`); `register` makes it known to everything that takes a kind's name, and the framework finds it
-here by name, never by probing a drafter's type.
+"""Every drafter kind by name: the one place where each shipped kind is listed, and where a kind with weights is made
+from its two halves, its drafter's `fresh` (`drafters/`) and its codec (`formats/`). It sits above both, so neither
+imports the other's kind objects: a codec imports the drafter it reads, and a drafter module imports no format.
 
     register(MY_KIND)                            # from_pretrained(drafter="my_kind"), loading, export, training
     kind_of(drafter).export(drafter, ...)        # the kind a drafter object belongs to
     kind_named("eagle3").fresh(target)           # a kind by its name (configs, checkpoints, config.json)
 
-The kinds shipped with the package are registered at the bottom of this module; docs/drafters.md ("Write your own
-drafter") walks through adding one.
+The framework finds a kind here by name, never by probing a drafter's type. The two shapes of a kind are in
+`drafters/kinds.py`; docs/drafters.md ("Write your own drafter") walks through adding one.
 """
 
-import inspect
+from medusa_like.drafters.combined import COMBINED
+from medusa_like.drafters.eagle3 import fresh_eagle3
+from medusa_like.drafters.kinds import WeightsKind
+from medusa_like.drafters.lookup import LOOKUP
+from medusa_like.drafters.medusa import fresh_heads
+from medusa_like.drafters.protocol import Drafter, DrafterKind
 
-from .combined import COMBINED
-from .eagle3 import EAGLE3
-from .lookup import LOOKUP
-from .medusa import MEDUSA
-from .protocol import Drafter, DrafterKind
+from . import eagle3, heads_io
 
 KINDS: dict[str, DrafterKind] = {}
 _KIND_MEMBERS = ("name", "formats", "trainable", "fresh", "recognises", "read", "from_checkpoint", "export")
@@ -25,7 +26,7 @@ _KIND_MEMBERS = ("name", "formats", "trainable", "fresh", "recognises", "read", 
 def register(kind: DrafterKind) -> DrafterKind:
     """Make `kind` known by its name; returns it. A second kind under a taken name is refused (registering the same
     object again changes nothing)."""
-    missing = [name for name in _KIND_MEMBERS if not _has(kind, name)]
+    missing = [name for name in _KIND_MEMBERS if not hasattr(kind, name)]
     if missing:
         raise TypeError(
             f"{kind!r} is not a drafter kind: it lacks {missing} (see `DrafterKind` in drafters/protocol.py, or build "
@@ -35,15 +36,6 @@ def register(kind: DrafterKind) -> DrafterKind:
         raise ValueError(f"another drafter kind is registered as {kind.name!r}; pick another name")
     KINDS[kind.name] = kind
     return kind
-
-
-def _has(kind, name: str) -> bool:
-    """Whether `kind` has `name`, without computing it (a weights kind's `formats` would import its codec)."""
-    try:
-        inspect.getattr_static(kind, name)
-    except AttributeError:
-        return False
-    return True
 
 
 def kind_named(name: str) -> DrafterKind:
@@ -60,5 +52,10 @@ def kind_of(drafter: Drafter) -> DrafterKind:
     return kind_named(name)
 
 
-for _kind in (EAGLE3, MEDUSA, LOOKUP, COMBINED):
-    register(_kind)
+# ---------------------------------------------------------------------------------------------------------------------
+# The shipped kinds: the two with weights joined here, the training-free ones as their drafter modules define them
+
+EAGLE3 = register(WeightsKind("eagle3", fresh_eagle3, eagle3.CODEC))
+MEDUSA = register(WeightsKind("medusa", fresh_heads, heads_io.CODEC))
+register(LOOKUP)
+register(COMBINED)

@@ -1,7 +1,7 @@
 """The vLLM engine process: run by the vLLM environment's Python as a script, it imports vLLM and nothing of this package.
 
 vLLM's CPU build pins a transformers older than the one this project is tested on, so it lives in an environment of
-its own (`make vllm-install`: `.venv-vllm`); `vllm_engine.VllmEngine` starts this file there and talks to it:
+its own (`make vllm-install`: `.venv-vllm`); `driver.VllmEngine` starts this file there and talks to it:
 
     argv[1]   the engine's settings as JSON: `LLM(**settings)` (model directory, dtype, max_model_len,
               speculative_config, ...)

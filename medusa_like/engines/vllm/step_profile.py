@@ -17,7 +17,13 @@ import logging
 from collections import defaultdict
 from pathlib import Path
 
+from medusa_like.evaluation.setup import question_set, run_dir
+from medusa_like.formats import export_drafter, load_drafter
 from medusa_like.io import write_json, write_text
+from medusa_like.targets import chat_input_ids, eos_token_ids, load_target
+
+from ..report import machine, stamp
+from .driver import VllmEngine, check_export, eagle3, target_directory
 
 log = logging.getLogger(__name__)
 
@@ -59,12 +65,6 @@ def newest_trace(directory: Path, prefix: str) -> Path:
 
 def profile(cfg) -> dict:
     """Profile plain decoding and EAGLE-3 at `cfg.vllm.profile.batch`; write profile.json and profile.md."""
-    from medusa_like.engines.vllm_engine import VllmEngine, check_export, eagle3, target_directory
-    from medusa_like.evaluation.llamacpp import machine, stamp
-    from medusa_like.evaluation.setup import question_set, run_dir
-    from medusa_like.formats import export_drafter, load_drafter
-    from medusa_like.targets import chat_input_ids, eos_token_ids, load_target
-
     out_dir = run_dir(cfg)
     run = cfg.vllm
     target, tokenizer = load_target(cfg.model.name_or_path, dtype="float32", device="cpu")

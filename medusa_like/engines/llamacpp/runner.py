@@ -2,7 +2,7 @@
 
 llama.cpp comes from a source distribution on PyPI (`llama-cpp-python` vendors it, EAGLE-3 included), downloaded
 with pip, built CPU-only with cmake/ninja for the executables needed (`llama-speculative-simple` for one sequence,
-`llama-server` for batches, see llamacpp_server.py) into `.llamacpp/` (git-ignored); a second run reuses the build.
+`llama-server` for batches, see server.py) into `.llamacpp/` (git-ignored); a second run reuses the build.
 Nothing from llama.cpp is committed or imported.
 
 `--spec-type none` makes this version's `llama-speculative-simple` exit ("failed to initialize speculative
@@ -17,6 +17,7 @@ end (`decoded N tokens in S seconds`, `n_drafted`, `n_accept`) is summed over th
 """
 
 import logging
+import os
 import re
 import shutil
 import subprocess
@@ -31,6 +32,7 @@ log = logging.getLogger(__name__)
 
 EXECUTABLE = "llama-speculative-simple"
 SERVER = "llama-server"
+BUILD_TOOLS = ("cmake", "ninja", "g++")
 BENCH_LOCK = "/tmp/medusa_bench.lock"
 CMAKE_OPTIONS = (
     "-DCMAKE_BUILD_TYPE=Release",
@@ -89,13 +91,31 @@ def source_dir(cache: Path, sdist: str) -> Path:
     return vendored
 
 
+def default_cache() -> Path:
+    """conf/llamacpp.yaml's `llamacpp.cache`: `.llamacpp` under $MEDUSA_LIKE_ROOT, else the working directory."""
+    return Path(os.environ.get("MEDUSA_LIKE_ROOT", ".")) / ".llamacpp"
+
+
+def missing_tools() -> list[str]:
+    return [tool for tool in BUILD_TOOLS if shutil.which(tool) is None]
+
+
+def unavailable_reason(cache: Path | None = None) -> str | None:
+    """None when llama.cpp is built in `cache` (default: `default_cache()`) or can be built here; else why not. (A
+    build can still fail later: no network to PyPI, a compiler error; `build` says so.)"""
+    if executable(cache or default_cache()).is_file():
+        return None
+    missing = missing_tools()
+    return f"building llama.cpp needs {missing} on PATH" if missing else None
+
+
 def build(cache: Path, sdist: str, jobs: int = 2, name: str = EXECUTABLE) -> Path:
     """The executable `name` (llama-speculative-simple or llama-server), built once into `cache/build` (a second
     call only checks it)."""
     binary = executable(cache, name)
     if binary.is_file():
         return binary
-    missing = [tool for tool in ("cmake", "ninja", "g++") if shutil.which(tool) is None]
+    missing = missing_tools()
     if missing:
         raise LlamaCppUnavailable(f"building llama.cpp needs {missing} on PATH")
     source = source_dir(cache, sdist)

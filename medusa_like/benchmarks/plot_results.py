@@ -1,8 +1,8 @@
 """Plot tokens/s per decoding method on one or more question sets, each bar labelled with its speedup over a baseline.
 
-    python -m eval.plot_results                                            # docs/figures/headline.json -> speedup.png
-    python -m eval.plot_results --results my_figures.json --out my.png
-    python -m eval.plot_results --report validation=runs/x/eval/report.json --report MT-Bench=runs/x/bench/report.json
+    python -m eval.bench plot_results                                     # docs/figures/headline.json -> speedup.png
+    python -m eval.bench plot_results --results my_figures.json --out my.png
+    python -m eval.bench plot_results --report validation=runs/x/eval/report.json,MT-Bench=runs/x/bench/report.json
 
 The figures come either from a results file (the form of docs/figures/headline.json: `sets` maps a set's name to
 {method: {"tokens_per_second", "tau"} or null when not measured}, with optional `labels`, `title`, `machine`, `date`)
@@ -10,26 +10,30 @@ or from evaluation reports (`report.json` of `python -m eval.evaluate`: its medi
 this project's methods). A method missing from a set, or null there, is drawn as "not measured".
 """
 
-import argparse
 import json
 from pathlib import Path
+from typing import Annotated
 
 import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402  (the backend must be chosen first)
 
-DEFAULT_RESULTS = Path(__file__).resolve().parent.parent / "docs" / "figures" / "headline.json"
+from medusa_like.evaluation.methods import label  # noqa: E402  (the report's own method labels)
+
+from .harness import Report  # noqa: E402
+
+DEFAULT_RESULTS = Path(__file__).resolve().parents[2] / "docs" / "figures" / "headline.json"  # in a checkout
 DEFAULT_BASELINE = "hf_greedy_stock"  # transformers greedy as it ships: what a user would otherwise run
 
 
 def read_json(path: Path) -> dict:
     if not path.is_file():
-        raise SystemExit(f"error: {path}: no such file (expected a results JSON or an evaluation's report.json)")
+        raise FileNotFoundError(f"{path}: no such file (expected a results JSON or an evaluation's report.json)")
     try:
         return json.loads(path.read_text())
     except json.JSONDecodeError as e:
-        raise SystemExit(f"error: {path}: not valid JSON ({e})") from None
+        raise ValueError(f"{path}: not valid JSON ({e})") from None
 
 
 def results_from_file(path: Path) -> dict:
@@ -37,31 +41,29 @@ def results_from_file(path: Path) -> dict:
     data = read_json(path)
     sets = data.get("sets")
     if not isinstance(sets, dict) or not sets or not all(isinstance(s, dict) for s in sets.values()):
-        raise SystemExit(f"error: {path}: expected 'sets': {{set name: {{method: {{tokens_per_second, tau}}}}}}")
+        raise ValueError(f"{path}: expected 'sets': {{set name: {{method: {{tokens_per_second, tau}}}}}}")
     for name, methods in sets.items():
         for method, figures in methods.items():
             if figures is None:  # not measured
                 continue
             tps = figures.get("tokens_per_second") if isinstance(figures, dict) else None
             if not isinstance(tps, (int, float)):
-                raise SystemExit(f"error: {path}: sets[{name!r}][{method!r}] has no numeric tokens_per_second")
+                raise ValueError(f"{path}: sets[{name!r}][{method!r}] has no numeric tokens_per_second")
     return data
 
 
 def results_from_reports(named_reports: list[str]) -> dict:
     """Results in the results file's form from `NAME=path/to/report.json` arguments."""
-    from medusa_like.evaluation.methods import label  # the report's own method labels
-
     sets, labels = {}, {}
     for item in named_reports:
         name, sep, path = item.partition("=")
         if not sep or not name or not path:
-            raise SystemExit(f"error: --report {item!r}: expected NAME=path/to/report.json")
+            raise ValueError(f"--report {item!r}: expected NAME=path/to/report.json")
         report = read_json(Path(path))
         try:
             tps = report["speed"]["median_tokens_per_second"]
         except (KeyError, TypeError):
-            raise SystemExit(f"error: {path}: not an evaluation report (no speed.median_tokens_per_second)") from None
+            raise ValueError(f"{path}: not an evaluation report (no speed.median_tokens_per_second)") from None
         taus = {m: row.get("tau") for m, row in report.get("methods", {}).items()}
         sets[name] = {m: {"tokens_per_second": v, "tau": taus.get(m)} for m, v in tps.items()}
         labels.update({m: label(m) for m in tps})
@@ -106,25 +108,22 @@ def plot(results: dict, out: Path, baseline: str) -> Path:
     return out
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    source = parser.add_mutually_exclusive_group()
-    source.add_argument("--results", type=Path, default=None, help=f"a results JSON (default: {DEFAULT_RESULTS})")
-    source.add_argument(
-        "--report", action="append", metavar="NAME=PATH", help="an evaluation's report.json, repeatable"
-    )
-    parser.add_argument("--baseline", default=DEFAULT_BASELINE, help="the method speedups are relative to")
-    parser.add_argument("--out", type=Path, default=None, help="PNG to write (default: speedup.png next to --results)")
-    args = parser.parse_args()
-    if args.report:
-        results = results_from_reports(args.report)
-        out = args.out or Path("speedup.png")
+def run(
+    *,
+    results: Annotated[Path | None, f"a results JSON (default: {DEFAULT_RESULTS})"] = None,
+    report: Annotated[tuple[str, ...], "evaluation reports as NAME=PATH (instead of --results)"] = (),
+    baseline: Annotated[str, "the method speedups are relative to"] = DEFAULT_BASELINE,
+    out: Annotated[Path | None, "PNG to write (default: speedup.png next to --results)"] = None,
+) -> Report:
+    """Tokens/s per decoding method on one or more question sets, each bar labelled with its speedup (a PNG)."""
+    if report and results:
+        raise ValueError("give --results or --report, not both")
+    if report:
+        figures = results_from_reports(list(report))
+        out = out or Path("speedup.png")
     else:
-        path = args.results or DEFAULT_RESULTS
-        results = results_from_file(path)
-        out = args.out or path.with_name("speedup.png")
-    print(plot(results, out, args.baseline))
-
-
-if __name__ == "__main__":
-    main()
+        path = Path(results or DEFAULT_RESULTS)
+        figures = results_from_file(path)
+        out = out or path.with_name("speedup.png")
+    written = plot(figures, Path(out), baseline)
+    return Report({"figure": str(written)}, notes=[str(written)])

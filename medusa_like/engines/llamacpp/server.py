@@ -22,7 +22,7 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from medusa_like.evaluation.llamacpp_runner import NO_POLLING, Setting, bench_lock
+from .runner import NO_POLLING, Setting, bench_lock
 
 log = logging.getLogger(__name__)
 

@@ -1,63 +1,59 @@
 """Training-step benchmark: where an EAGLE-3 training step's time goes, on the experiment's own batches.
 
-    python -m eval.bench_train_step                                   # the default experiment (make run's training)
-    python -m eval.bench_train_step --steps 8 --out bench_train_step.json data.name=sharegpt_text_800 ...
+    python -m eval.bench train_step                                   # the default experiment (make run's training)
+    python -m eval.bench train_step --steps 8 --out bench_train_step.json data.name=sharegpt_text_800 ...
 
 Composes the train config with the given Hydra overrides (the data must be built already: `make run` or
 `python -m train.train` builds it), then for each of `--steps` training batches (after one untimed) times, in the
 run's precision: the frozen target's layers (`target_hidden`), its output projection and top-k labels with the
 vocabulary check (the whole vocabulary, EAGLE-3's rule) and without it (the draft vocabulary's rows alone), the
-drafter's unrolled forward, and its backward with the optimizer step. Prints the medians and writes JSON. A step with
-data echoing (`data.module.echo=E`) reads the target once every E steps, so its cost is (read) / E + (drafter).
+drafter's unrolled forward, and its backward with the optimizer step. Reports the medians. A step with data echoing
+(`data.module.echo=E`) reads the target once every E steps, so its cost is (read) / E + (drafter).
 """
 
-import argparse
 import statistics
-import sys
-import time
+from typing import Annotated
 
 import torch
 from hydra import compose, initialize_config_dir
 from hydra.core.hydra_config import HydraConfig
 from hydra.utils import instantiate
-from rich.console import Console
-from rich.table import Table
 
 from medusa_like.apps import CONFIG_DIR
-from medusa_like.cli import register_resolvers
+from medusa_like.config_checks import register_resolvers
 from medusa_like.data.prepare import load_model
-from medusa_like.io import write_json
 from medusa_like.targets import output_logits
 from medusa_like.training.build import build_module
 from medusa_like.training.eagle3_module import Eagle3Module
+
+from .harness import Report, table, timed
 
 PHASES = ("target layers", "output projection + top-k (vocabulary check)", "output projection + top-k (draft rows)",
           "drafter forward", "drafter backward + optimizer")  # fmt: skip
 
 
-def timed(fn) -> tuple[float, object]:
-    start = time.perf_counter()
-    out = fn()
-    return 1000 * (time.perf_counter() - start), out
-
-
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--steps", type=int, default=6, help="timed batches (after one untimed)")
-    parser.add_argument("--out", default="bench_train_step.json")
-    parser.add_argument("overrides", nargs="*", help="Hydra overrides of the train config")
-    args = parser.parse_args()
-    overrides = ["experiment=smollm2_eagle3", *args.overrides]
+def train_config(overrides: list[str]):
+    """The train config of the default experiment with `overrides`, set as Hydra's current one (paths resolve)."""
     register_resolvers()
     with initialize_config_dir(str(CONFIG_DIR), version_base=None):
-        cfg = compose("train", overrides=overrides, return_hydra_config=True)
+        cfg = compose("train", overrides=["experiment=smollm2_eagle3", *overrides], return_hydra_config=True)
     HydraConfig().set_config(cfg)
+    return cfg
+
+
+def run(
+    *overrides: Annotated[str, "Hydra overrides of the train config"],
+    steps: Annotated[int, "timed batches (after one untimed)"] = 6,
+    out: str = "bench_train_step.json",
+) -> Report:
+    """Where an EAGLE-3 training step's time goes on the experiment's own batches."""
+    cfg = train_config(list(overrides))
     target, _ = load_model(cfg.model)
     datamodule = instantiate(cfg.data.module)
     datamodule.setup("fit")
     module = build_module(cfg, target)
     if not isinstance(module, Eagle3Module):
-        sys.exit("error: the training step benchmark times an EAGLE-3 drafter (drafter=eagle3)")
+        raise ValueError("the training step benchmark times an EAGLE-3 drafter (drafter=eagle3)")
     module.train()
     optimizer = torch.optim.AdamW(module.drafter.parameters(), lr=1e-4)  # the step's cost, not the run's schedule
     precision = str(cfg.trainer.precision)
@@ -66,7 +62,7 @@ def main() -> None:
     times: dict[str, list[float]] = {phase: [] for phase in PHASES}
     layers = module.drafter.config.aux_layer_ids
     rows, k = module.drafter.token_ids, module.top_k
-    for step in range(args.steps + 1):
+    for step in range(steps + 1):
         batch = next(batches)
         wanted = module._wanted(batch, training=True)
         with autocast:
@@ -85,14 +81,12 @@ def main() -> None:
                 times[phase].append(ms)
     medians = {phase: statistics.median(ms) for phase, ms in times.items()}
     shape = f"{datamodule.batch_size} x {datamodule.max_length}"
-    table = Table(title=f"one training step, ms (median of {args.steps}; batches of {shape}, {precision})")
-    table.add_column("phase")
-    table.add_column("ms", justify="right")
-    for phase, ms in medians.items():
-        table.add_row(phase, f"{ms:.0f}")
-    Console(width=200).print(table)
-    write_json(args.out, {"overrides": overrides, "precision": precision, "batch": shape, "median_ms": medians})
-
-
-if __name__ == "__main__":
-    main()
+    shown = table(
+        f"one training step, ms (median of {steps}; batches of {shape}, {precision})",
+        ["phase", "ms"],
+        [[phase, f"{ms:.0f}"] for phase, ms in medians.items()],
+    )
+    overrides = ["experiment=smollm2_eagle3", *overrides]
+    return Report(
+        {"overrides": overrides, "precision": precision, "batch": shape, "median_ms": medians}, [shown], out=out
+    )

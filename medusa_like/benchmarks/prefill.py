@@ -1,0 +1,88 @@
+"""Prefill benchmark: what the target's forward over an N-token prompt costs with each prefill kernel.
+
+    python -m eval.bench prefill                                  # default target, fp32, N = 65, 128, 300, 600
+    python -m eval.bench prefill --tokens 128,512 --rounds 5 --out bench_prefill.json
+    python -m eval.bench prefill --batch 4 --tokens 384          # training's read: [4, 384] through the public forward
+
+A prompt's products run over more rows than any tree step (over `few_row_linear.MAX_ROWS`), by the prefill kernel the
+cost model picks (`few_row_linear.PREFILL_KERNELS`: F.linear, or oneDNN's pack). A copy of the target with its own
+`nn.Linear` layers and a few-row copy per prefill kernel this machine can run prefill random prompts of each length
+alternately, round after round (the forward alone, into an empty KV cache: decoding projects only a prompt's last
+row); the median round is reported. With `--batch B`, each round instead reads B rows of N tokens through the
+target's public forward with every hidden state returned, as training reads the frozen target (`DrafterModule
+.target_hidden`, the target cache's build).
+"""
+
+import copy
+from typing import Annotated
+
+import torch
+
+from medusa_like.decoding.attention import pick_backend
+from medusa_like.decoding.step import EagerStep
+from medusa_like.evaluation.timing import alternating_medians, ms_table
+from medusa_like.forward.cpu.few_row_linear import (
+    PREFILL_KERNELS,
+    set_prefill_kernel,
+    sync_packs,
+    usable_row_kernels,
+    use_few_row_linears,
+)
+from medusa_like.targets import DEFAULT_TARGET
+
+from .harness import Report, load, timed
+
+
+@torch.inference_mode()
+def prefill_ms(target, ids: torch.Tensor) -> float:
+    """ms of the target's forward over `ids` [1, N] into an empty KV cache."""
+    step = EagerStep(target, pick_backend("auto", ids.device))
+    cache = step.new_cache(ids.shape[1])
+    positions = torch.arange(ids.shape[1], device=ids.device)[None]
+    return timed(lambda: step.forward(ids, positions, None, cache, last=True))[0]
+
+
+@torch.inference_mode()
+def read_ms(target, ids: torch.Tensor) -> float:
+    """ms of training's read of `ids` [B, N]: the public forward, every hidden state returned."""
+    mask = torch.ones_like(ids)
+    return timed(lambda: target.base_model(input_ids=ids, attention_mask=mask, output_hidden_states=True))[0]
+
+
+def prefill_targets(stock) -> dict:
+    """`stock` (its own nn.Linear layers) and a few-row copy per prefill kernel this machine runs, by name."""
+    targets = {"nn.Linear": stock}
+    for kernel in PREFILL_KERNELS:
+        few_row = copy.deepcopy(stock)
+        use_few_row_linears(few_row)
+        if kernel in usable_row_kernels(few_row):
+            set_prefill_kernel(few_row, kernel)
+            sync_packs(few_row)
+            targets[f"few_row, prefill {kernel}"] = few_row
+    return targets
+
+
+def run(
+    *,
+    target: str = DEFAULT_TARGET,
+    dtype: str = "float32",
+    rounds: Annotated[int, "alternating rounds; the median round is reported"] = 5,
+    tokens: Annotated[tuple[int, ...], "prompt lengths"] = (65, 128, 300, 600),
+    batch: Annotated[int | None, "time training's read of B rows instead of a prefill"] = None,
+    out: str = "bench_prefill.json",
+) -> Report:
+    """The target's forward over an N-token prompt per prefill kernel against nn.Linear (or training's read)."""
+    lengths = sorted(set(tokens))
+    stock, _, _ = load(target, dtype=dtype, device=None)
+    targets = prefill_targets(stock)
+    vocab = stock.config.get_text_config().vocab_size
+    rows = batch or 1
+    prompts = [torch.randint(0, vocab, (rows, n), generator=torch.Generator().manual_seed(n)) for n in lengths]
+    measure = read_ms if batch else prefill_ms
+    for model in targets.values():  # a warm-up
+        measure(model, prompts[0])
+    median = alternating_medians(lambda model: [measure(model, ids) for ids in prompts], targets, rounds)
+    what = f"training's read of {rows} x N tokens" if batch else "target forward over an N-token prompt"
+    shown = ms_table(f"{what}, ms ({dtype}, {torch.get_num_threads()} threads)", "linears", lengths, median)
+    result = {"target": target, "dtype": dtype, "batch": batch, "tokens": lengths, "prefill_ms": median}
+    return Report(result, [shown], out=out)

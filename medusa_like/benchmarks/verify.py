@@ -1,0 +1,85 @@
+"""Verification benchmark: where one verification forward's time goes, over N tree nodes.
+
+    python -m eval.bench verify --tree runs/make_run/tree.json            # the kernels of a tree file's cost model
+    python -m eval.bench verify --nodes 1,3,6,13 --out bench_verify.json  # without --tree: a full cost model first
+
+The forward is the cost model's (`forward/cost_measure.py Forwards`: the target's forward and vocabulary projection
+over a chain of N nodes after a 128-token context, the cache rewound after each), run on the few-row kernels a cost
+model picked for each size. Each size is timed on the wall clock (median of `--repeats` forwards), then profiled with
+`torch.profiler` over as many forwards, and the operators' own time is split three ways: the linear products (every
+kernel `FewRowLinear` runs: `F.linear`, weight-first products, MKL's and oneDNN's packs), attention (SDPA) and the
+rest (the layers' elementwise operators, the cache, the dispatch between them). A product over one or two rows
+streams every weight once and is bound by memory; what more nodes add on top of it is what a tree step pays over a
+single token's forward.
+"""
+
+from typing import Annotated
+
+import torch
+
+from medusa_like.forward.cost_measure import PREFIX, Forwards
+from medusa_like.model import MedusaLikeModel
+from medusa_like.targets import DEFAULT_TARGET
+
+from .harness import Report, median_ms, table, use_threads
+
+# the operators the few-row layers' kernels run (cpu/few_row_linear.py), and SDPA's
+PRODUCTS = ("aten::mm", "aten::addmm", "mkldnn::_linear_pointwise", "mkl::_mkl_linear")
+ATTENTION = "scaled_dot_product"
+MAX_NODES = 32  # the largest size a cost model measures
+
+
+def split(events, forwards: int) -> dict[str, float]:
+    """Milliseconds per forward of the profiled operators' own time: products, attention, rest and their total."""
+    parts = {"products": 0.0, "attention": 0.0, "rest": 0.0}
+    for event in events:
+        part = "products" if event.key in PRODUCTS else "attention" if ATTENTION in event.key else "rest"
+        parts[part] += event.self_cpu_time_total / 1000 / forwards
+    return {**parts, "total": sum(parts.values())}
+
+
+@torch.inference_mode()
+def where_time_goes(prepared, nodes: list[int], repeats: int) -> list[dict]:
+    """For each node count: the wall ms of one forward (median of `repeats`) and `split` of `repeats` profiled ones,
+    on `prepared`'s step (`forward.PreparedTarget`)."""
+    forwards = Forwards(prepared.step, PREFIX, max(nodes))
+    forwards.prefill()
+    rows = []
+    for n in nodes:
+        wall = median_ms(lambda n=n: forwards.forward(n), repeats, warmup=2)
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+            for _ in range(repeats):
+                forwards.forward(n)
+        rows.append({"nodes": n, "wall_ms": wall, **split(prof.key_averages(), repeats)})
+    return rows
+
+
+def run(
+    *,
+    target: str = DEFAULT_TARGET,
+    tree: Annotated[str | None, "a tree file from the tree search: its cost model's kernels"] = None,
+    nodes: Annotated[tuple[int, ...], f"node counts, 1..{MAX_NODES}"] = (1, 2, 3, 6, 13, 21),
+    repeats: int = 10,
+    threads: int | None = None,
+    out: str = "bench_verify.json",
+) -> Report:
+    """Where one verification forward's time goes over N nodes: products, attention and the rest."""
+    threads = use_threads(threads)
+    sizes = sorted(set(nodes))
+    if not sizes or sizes[0] < 1 or sizes[-1] > MAX_NODES or repeats < 1:
+        raise ValueError(f"nodes must lie in 1..{MAX_NODES} and repeats be at least 1, got {nodes} and {repeats}")
+    model = MedusaLikeModel.from_pretrained(target, drafter="lookup", dtype="float32")
+    if tree:
+        model.use_tree_settings(tree)
+    else:
+        model.measure_cost_model()
+    rows = where_time_goes(model.forward, sizes, repeats)
+    cells = [
+        [str(r["nodes"]), *(f"{r[k]:.1f}" for k in ("wall_ms", "products", "attention", "rest", "total"))] for r in rows
+    ]
+    shown = table(
+        f"one verification forward after {PREFIX} tokens (ms; profiled: operators' own time)",
+        ["nodes", "wall", "products", "attention", "rest", "profiled total"],
+        cells,
+    )
+    return Report({"target": target, "tree": tree, "threads": threads, "rows": rows}, [shown], out=out)
