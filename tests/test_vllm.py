@@ -14,7 +14,6 @@ from medusa_like.decoding.tree_files import resolve_tree
 from medusa_like.drafters.base import DrafterMismatchError
 from medusa_like.drafters.eagle3 import Eagle3Proposer
 from medusa_like.drafters.vocab import DraftVocab
-from medusa_like.engines.vllm.comparison import acceptance_per_position
 from medusa_like.engines.vllm.driver import VllmEngine, check_export, eagle3, ngram, unavailable_reason
 from medusa_like.formats.common import FormatError
 from medusa_like.formats.eagle3 import write_eagle3
