@@ -5,7 +5,7 @@
     out = model.generate(ids, max_new_tokens=128, tree="dynamic")
     print(model.tokenizer.decode(out.new_tokens), out.stats.tau)
 
-The drafter is any kind of `drafters/registry.py`: Medusa heads, the EAGLE-3-style draft model, lookup, or a learned
+The drafter is any kind of `formats/registry.py`: Medusa heads, the EAGLE-3-style draft model, lookup, or a learned
 drafter and lookup combined in one tree. Without one, training-free lookup drafting (context and output store) is
 used. Every drafter is lossless; a good one is only faster.
 """

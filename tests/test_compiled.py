@@ -14,8 +14,8 @@ import torch
 from medusa_like.decoding.tree import DynamicTreeSpec
 from medusa_like.decoding.tree_files import resolve_tree
 from medusa_like.drafters.combined import CombinedDrafter
-from medusa_like.drafters.eagle3 import EAGLE3
 from medusa_like.drafters.lookup import LookupDrafter
+from medusa_like.formats.registry import EAGLE3
 from medusa_like.forward import compile_cache, prepare_target
 from medusa_like.forward import platform as forward_platform
 from medusa_like.forward.compiled import CompiledStep

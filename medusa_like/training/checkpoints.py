@@ -41,7 +41,7 @@ class LastCheckpoint(ModelCheckpoint):
 class TokenMilestones(Callback):
     """Save `tokens-<n>.ckpt` when the supervised tokens trained on (assistant tokens, `loss_mask`, summed over every
     batch, repeats of later epochs included) first reach each of `milestones`; `milestones.json` lists them with the
-    step. The points of a learning curve (`eval.learning_curve`) from one run: each checkpoint is the drafter after
+    step. The points of a learning curve (`python -m eval.bench learning_curve`) from one run: each checkpoint is the drafter after
     that many tokens, with the learning-rate schedule of the whole run. With `stop_at_last`, training stops once the
     last milestone is saved."""
 

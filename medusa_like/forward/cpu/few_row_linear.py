@@ -6,7 +6,7 @@ BLAS (MKL, as torch ships it) often does this faster when the weight is the left
 `FewRowLinear` carries its weight's row plan (`row_plans.py`, measured once per shape on this machine): for
 1..MAX_ROWS rows, `F.linear` or weight-first over how many rows. Until its plan is measured a layer runs `F.linear`
 for one row and weight-first for 2..MAX_ROWS (`UNMEASURED_PLAN`). Longer products (a prompt's prefill) run
-`F.linear`, or oneDNN's pack (below). `eval/bench_linear.py` measures the whole forward.
+`F.linear`, or oneDNN's pack (below). `python -m eval.bench linear` measures the whole forward.
 
 From a few rows on, MKL's packed sgemm can do better still: the weight is laid out once for a product over m rows
 (`torch.ops.mkl._mkl_reorder_linear_weight`, what inductor uses for frozen CPU linears), and the product over m rows
@@ -19,7 +19,7 @@ oneDNN lays a weight out once for every row count (`torch.ops.mkldnn._reorder_li
 for frozen bf16 CPU linears) and runs its own JIT kernels for the CPU's instruction set, whoever made the CPU; MKL
 takes slower paths on some vendors' CPUs. So oneDNN's pack is a row kernel too (plan entry ONEDNN), picked per tree
 size the same way, and a prompt's products over MAX_ROWS rows run on it where the measurement found that faster than
-F.linear (`FewRowLinear.prefill`; `eval.bench_prefill`). In bf16 on a CPU with AMX or AVX512-BF16 every product runs
+F.linear (`FewRowLinear.prefill`; `python -m eval.bench prefill`). In bf16 on a CPU with AMX or AVX512-BF16 every product runs
 on it, whatever the plan (`F.linear` in bf16 reorders the weight at every call). Row plans are fp32's: bf16 layers
 carry none.
 
@@ -70,7 +70,7 @@ def onednn_packs_available() -> bool:
 @functools.cache
 def onednn_bf16_packs_available() -> bool:
     """Where bf16 layers run on oneDNN's packed weight: CPUs that compute in bf16, with AMX or AVX512-BF16, where whole
-    forwards ran faster on it (`eval.bench_linear --dtype bfloat16`). Elsewhere (AVX2, AVX512 without BF16: bf16
+    forwards ran faster on it (`python -m eval.bench linear --dtype bfloat16`). Elsewhere (AVX2, AVX512 without BF16: bf16
     emulated) bf16 layers keep `nn.Linear`'s own kernel."""
     native = (
         getattr(torch.cpu, name, lambda: False)() for name in ("_is_amx_tile_supported", "_is_avx512_bf16_supported")

@@ -3,7 +3,7 @@
 BLAS picks its blocking from the product's shape, and on a CPU the time of a product over n rows is far from monotonic
 in n: fewer rows can cost more than a few more, and one row by `W @ x.T` can cost more than two. A plan says, for each
 row count n in 1..PLANNED_ROWS, what computes n rows fastest: `F.linear` (0), or `W @ x.T` over the rows zero-padded
-to m >= n rows (m). `eval/bench_linear.py` shows the effect on a whole forward.
+to m >= n rows (m). `python -m eval.bench linear` shows the effect on a whole forward.
 
 A decoding step streams every weight of the model from memory, so a plan is timed the same way: each call reads another
 copy of the weight, COLD_BYTES of copies in all (more than any CPU's last-level cache). Timed with one weight hot in
