@@ -22,12 +22,12 @@ class LetterTokenizer:
 
 
 def lookup_model(
-    family: str = "llama", per_node_ms: float = 0.5, few_row_linear: bool | None = None
+    family: str = "llama", per_node_ms: float = 0.5, tuned_layers: bool | None = None
 ) -> MedusaLikeModel:
     """A tiny target with a lookup drafter (context and a store that grows with every remembered answer), its cost
     model given so that no test measures one."""
     model = MedusaLikeModel(
-        tiny_target(family), LetterTokenizer(), LookupDrafter(), backend="sdpa", few_row_linear=few_row_linear
+        tiny_target(family), LetterTokenizer(), LookupDrafter(), backend="sdpa", tuned_layers=tuned_layers
     )
     model.drafter.state.cost_model = flat_cost(model.target, per_node_ms=per_node_ms)
     return model
@@ -181,7 +181,7 @@ def test_two_threads_generating_on_one_model_draft_what_sequential_calls_draft(m
     Negative control (`serialised=False`): the model's serialisation removed and the threads' proposer calls made to
     alternate, the comparison catches thread 0's first call drafting from thread 1's context, every run."""
     # nn.Linear layers and a flat cost model: trees depend on the drafter's state alone, not on timings or row plans
-    model = lookup_model("mistral", per_node_ms=0.0, few_row_linear=False)
+    model = lookup_model("mistral", per_node_ms=0.0, tuned_layers=False)
     prompts = random_prompts(2, seed=7, min_len=10, max_len=30)
     if not serialised:
         monkeypatch.setattr(model, "_one_generation", contextlib.nullcontext)
@@ -204,7 +204,7 @@ def test_two_threads_generating_on_one_model_draft_what_sequential_calls_draft(m
     for thread in threads:
         thread.join()
     served = [record["prompt"] for record in threaded.records]
-    sequential = Recorded(lookup_model("mistral", per_node_ms=0.0, few_row_linear=False), prompts)
+    sequential = Recorded(lookup_model("mistral", per_node_ms=0.0, tuned_layers=False), prompts)
     for i in served:
         sequential.generate(i)
     if serialised:

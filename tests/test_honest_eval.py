@@ -45,20 +45,22 @@ import sys
 
 import torch
 
-from medusa_like.evaluation import methods, summary
 from medusa_like.evaluation.methods import METHODS, Method
 
 broken, sys.argv = sys.argv[1], [sys.argv[0], *sys.argv[2:]]
 if broken == "stock":
-    real_stock = methods.with_stock_linears
+    from medusa_like.forward import PreparedTarget
+    from medusa_like.forward.cpu.few_row_linear import with_stock_linears
 
-    def negated_stock(target):
-        stock = real_stock(target)
+    real_stock = PreparedTarget.stock
+
+    def negated_stock(self):
+        stock = with_stock_linears(real_stock(self))  # a copy sharing every weight, so the norm below is its own
         norm = stock.model.norm  # a weight of its own: the target's, shared with every other method, is untouched
         norm.weight = torch.nn.Parameter(-norm.weight.detach().clone(), requires_grad=False)
         return stock
 
-    methods.with_stock_linears = summary.with_stock_linears = negated_stock
+    PreparedTarget.stock = negated_stock
 elif broken != "none":
     method = METHODS[broken]
 

@@ -22,7 +22,6 @@ The output is what this compiled forward computes, which rounds differently from
 same step is the reference every method is compared with (`tree="none"`), as it is for any other kernel.
 """
 
-import functools
 import logging
 import time
 from contextlib import contextmanager
@@ -242,14 +241,28 @@ class CompiledStep(TargetStep):
     def _compiled_for(self, layers):
         if layers not in self.compiled:
             log.info("compiling the target's step (%s) on its first use: once per process", self.label)
-            graph = functools.partial(self._graph, feature_layers=layers)
+            graph = _Graph(self.target, self.cache_keyword, layers)
             self.compiled[layers] = _Timed(torch.compile(graph, fullgraph=True, options=self.options), self)
         return self.compiled[layers]
 
     def _graph(self, input_ids, position_ids, slots, mask, buffer, feature_layers=None, last=False):
-        """The target's public forward over the live part of the cache `buffer` (as long as `mask` is wide; its T new
-        entries written at `slots`), then its logits (of the last row only when `last`) and the features the drafter
-        reads: what is compiled."""
+        """`_Graph`'s forward, run eagerly (a prefill, a large forward, after a failure)."""
+        return _Graph(self.target, self.cache_keyword, feature_layers)(input_ids, position_ids, slots, mask, buffer, last)
+
+
+class _Graph(torch.nn.Module):
+    """What is compiled: the target's public forward over the live part of a KV buffer, its logits and the features a
+    drafter reads. A module holding the target, so that the compiler sees the target's weights as parameters, which
+    freezing turns into constants (reached through a plain object, they would be ordinary inputs: nothing packed)."""
+
+    def __init__(self, target, cache_keyword: str, feature_layers: tuple[int, ...] | None):
+        super().__init__()
+        self.target, self.cache_keyword, self.feature_layers = target, cache_keyword, feature_layers
+
+    def forward(self, input_ids, position_ids, slots, mask, buffer, last: bool = False):
+        """input_ids, position_ids [1, T]; slots [T]: where the T new entries are written; mask [1, 2, T, S]; buffer
+        [L, 2, 1, H_kv, capacity, D], of which the first S slots are live -> (logits [T, V] (or [1, V] of the last
+        row when `last`), features [T, F])."""
         live = buffer[:, :, :, :, : mask.shape[-1]]
         model = self.target.base_model
         out = model(
@@ -258,12 +271,11 @@ class CompiledStep(TargetStep):
             attention_mask=mask,
             use_cache=True,
             **{self.cache_keyword: _SlotCache(live, slots)},
-            output_hidden_states=feature_layers is not None,
+            output_hidden_states=self.feature_layers is not None,
         )
         hidden = out.last_hidden_state[0]  # [T, H]
-        features = (
-            hidden if feature_layers is None else torch.cat([out.hidden_states[i][0] for i in feature_layers], -1)
-        )
+        layers = self.feature_layers
+        features = hidden if layers is None else torch.cat([out.hidden_states[i][0] for i in layers], -1)
         return output_logits(self.target, hidden[-1:] if last else hidden), features  # [T, V], [T, F]
 
 
