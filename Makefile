@@ -36,9 +36,10 @@ $(STAMP): pyproject.toml setup.py
 # combined tree (the drafter + lookup, one cost-aware tree), the drafter's own tree alone (its dynamic trees up to 9
 # nodes: larger ones are slower on a CPU) and transformers' prompt-lookup setting for this machine on validation
 # prompts, and evaluate on other validation prompts (never trained on): the drafter alone, lookup alone and combined,
-# against transformers' greedy and (tuned) prompt-lookup decoding with the same layers, and transformers' greedy as it
-# ships (stock nn.Linear); tau, speed, losslessness
-EVAL_METHODS := [hf_greedy,hf_prompt_lookup,hf_greedy_stock,learned,lookup,speculative]
+# against greedy on the same forward (compiled where this machine compiles it: forward/compiled.py), transformers'
+# prompt-lookup decoding, transformers' greedy as it ships (stock nn.Linear) and with a static cache and torch.compile;
+# tau, speed, losslessness
+EVAL_METHODS := [hf_greedy,hf_prompt_lookup,hf_greedy_stock,hf_greedy_compiled,learned,lookup,speculative]
 run: $(STAMP)
 	$(PY) -m train.train experiment=smollm2_eagle3 hydra.run.dir=$(RUN_DIR)/train
 	$(PY) -m eval.tree_search drafter.path=$(RUN_DIR)/train/drafter tree_search.calibration.limit=4 \
@@ -49,13 +50,16 @@ run: $(STAMP)
 	  data.skip=8 data.limit=16 data.max_turns=1 eval.max_new_tokens=96 eval.sweep.prompts=0 \
 	  'eval.methods=$(EVAL_METHODS)' hydra.run.dir=$(RUN_DIR)/eval
 
+# two workers (pytest-xdist), a test file each at a time: the tiny models use one thread each (tests/conftest.py), so
+# two files at once keep both cores busy where one would leave one idle
+PYTEST_WORKERS ?= 2
 test: $(STAMP)
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q -n $(PYTEST_WORKERS) --dist loadfile tests
 
 # the suite without the tests marked `slow` (about half a second or more each: entry points run as processes,
 # training, evaluation and tree-search runs, wheels, the decoding matrices over every family, backend and tree)
 test-fast: $(STAMP)
-	$(PY) -m pytest -q -m "not slow" tests
+	$(PY) -m pytest -q -n $(PYTEST_WORKERS) --dist loadfile -m "not slow" tests
 
 # all 80 MT-Bench questions, both turns, with `make run`'s drafter and tree: transformers greedy and prompt lookup (the
 # same layers), transformers greedy as it ships, lookup alone and combined, interleaved; resumable (run it again after
@@ -64,7 +68,8 @@ MT_BENCH ?= ../shared/data/mt_bench_question.jsonl
 bench: $(STAMP)
 	$(PY) -m eval.evaluate data.source=jsonl data.path=$(MT_BENCH) drafter.path=$(RUN_DIR)/train/drafter \
 	  tree=$(RUN_DIR)/tree.json eval.max_new_tokens=96 eval.sweep.prompts=0 eval.resume=true \
-	  'eval.methods=[hf_greedy,hf_prompt_lookup,hf_greedy_stock,lookup,speculative]' hydra.run.dir=$(RUN_DIR)/bench
+	  'eval.methods=[hf_greedy,hf_prompt_lookup,hf_greedy_stock,hf_greedy_compiled,lookup,speculative]' \
+	  hydra.run.dir=$(RUN_DIR)/bench
 
 # llama.cpp on this CPU: build it from the llama-cpp-python source distribution (cached), export `make run`'s drafter
 # as GGUF and time speculative decoding with it against plain decoding and llama.cpp's own lookup (not part of CI)

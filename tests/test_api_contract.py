@@ -21,9 +21,7 @@ class LetterTokenizer:
         return "".join(chr(ord("a") + int(t) % 26) for t in ids)
 
 
-def lookup_model(
-    family: str = "llama", per_node_ms: float = 0.5, tuned_layers: bool | None = None
-) -> MedusaLikeModel:
+def lookup_model(family: str = "llama", per_node_ms: float = 0.5, tuned_layers: bool | None = None) -> MedusaLikeModel:
     """A tiny target with a lookup drafter (context and a store that grows with every remembered answer), its cost
     model given so that no test measures one."""
     model = MedusaLikeModel(

@@ -14,7 +14,7 @@ from medusa_like.decoding.tree_files import resolve_tree
 from medusa_like.drafters.base import DrafterMismatchError
 from medusa_like.drafters.lookup import DEFAULT_STORE_TOKENS, LookupDrafter
 from medusa_like.evaluation.benchmark import context_overflow
-from medusa_like.targets import target_fingerprint
+from medusa_like.targets import weights_fingerprint
 
 from .conftest import greedy_reference, random_prompts, tiny_target
 from .test_lookup import flat_cost
@@ -158,7 +158,7 @@ def test_the_context_rule_counts_the_positions_a_step_reaches_not_the_lookup_dep
 
 
 def saved_store(tmp_path, target, documents, **fields):
-    store = OutputStore(50, fingerprint=target_fingerprint(target.config))
+    store = OutputStore(50, fingerprint=weights_fingerprint(target))
     for doc in documents:
         store.add(doc)
     path = store.save(tmp_path / "store.json")

@@ -28,7 +28,7 @@ from medusa_like.formats.registry import EAGLE3
 from medusa_like.forward import prepare_target
 from medusa_like.forward.cost_measure import measure_cost_model
 from medusa_like.model import MedusaLikeModel
-from medusa_like.targets import target_fingerprint
+from medusa_like.targets import weights_fingerprint
 
 from .conftest import FAMILIES, VOCAB, flat_cost, greedy_reference, random_heads, random_prompts, tiny_target
 
@@ -106,7 +106,7 @@ def test_store_evicts_oldest_answers_at_its_bound():
 
 def test_store_save_load_round_trip_and_clear_errors(tmp_path):
     target = tiny_target("llama")
-    store = OutputStore(max_tokens=50, fingerprint=target_fingerprint(target.config))
+    store = OutputStore(max_tokens=50, fingerprint=weights_fingerprint(target))
     store.add([1, 2, 3, 4])
     store.add([3, 4, 9])
     path = store.save(tmp_path / "store.json")
@@ -122,8 +122,10 @@ def test_store_save_load_round_trip_and_clear_errors(tmp_path):
     foreign.write_text(json.dumps({"paths": [[0]]}))
     with pytest.raises(ValueError, match="not an output store"):
         OutputStore.load(foreign)
-    other = tiny_target("llama", num_hidden_layers=3)
-    with pytest.raises(DrafterMismatchError, match="fingerprint"):
+    other = tiny_target("llama", seed=1)  # the same config, other weights: other answers
+    with pytest.raises(
+        DrafterMismatchError, match=f"fingerprint {weights_fingerprint(target)}.*{weights_fingerprint(other)}"
+    ):
         OutputStore.load(path, other)
     with pytest.raises(FileNotFoundError):
         OutputStore.load(tmp_path / "nowhere.json")

@@ -132,3 +132,12 @@ def test_save_and_load_tree(tmp_path):
         load_tree(latin)
     with pytest.raises(FileNotFoundError, match="does not exist"):
         load_tree(tmp_path / "missing.json")
+
+
+def test_a_tree_naming_a_directory_or_another_file_says_so(tmp_path):
+    """`tree=runs/x` (the tree search's run directory, not its tree file) is not called an unknown preset."""
+    with pytest.raises(InvalidTreeError, match="is a directory: expected a tree JSON file"):
+        resolve_tree(str(tmp_path), 4)
+    (tmp_path / "tree.txt").write_text("[[0]]")
+    with pytest.raises(InvalidTreeError, match="is not a .json file"):
+        resolve_tree(str(tmp_path / "tree.txt"), 4)

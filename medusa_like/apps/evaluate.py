@@ -106,7 +106,7 @@ def evaluate(cfg: DictConfig) -> dict:
 
 
 def exit_code(report: dict, fail_on_mismatch: bool) -> int:
-    """1 when `fail_on_mismatch` and some output of this project's methods differs from greedy with the same layers,
+    """1 when `fail_on_mismatch` and some output of this project's methods differs from greedy on the same forward,
     (a), or from transformers' greedy as it ships, (g), where (g) ran (`losslessness.failures`); else 0."""
     return 1 if fail_on_mismatch and not report["summary"]["lossless"] else 0
 

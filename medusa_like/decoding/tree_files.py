@@ -81,6 +81,9 @@ def resolve_tree(tree, max_depth: int | None = None) -> TreeSpec:
     if isinstance(tree, (str, Path)) and str(tree).endswith(".json"):
         return load_tree(tree)
     if isinstance(tree, str):
+        if tree not in PRESETS and Path(tree).exists():
+            kind = "a directory" if Path(tree).is_dir() else "not a .json file"
+            raise InvalidTreeError(f"tree {tree!r} is {kind}: expected a tree JSON file (tree_search.out) or a preset")
         if tree not in PRESETS:
             raise InvalidTreeError(
                 f"unknown tree preset {tree!r}; choose from {sorted([*PRESETS, 'dynamic', 'none'])}, a tree JSON "

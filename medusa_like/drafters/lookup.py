@@ -23,7 +23,7 @@ import torch
 
 from medusa_like.decoding.checks import check_integer
 from medusa_like.io import existing_file, write_json
-from medusa_like.targets import target_fingerprint
+from medusa_like.targets import weights_fingerprint
 
 from ..decoding.tree import DEFAULT_LOOKUP_DEPTH, TreeSpec, budgeted
 from .base import DrafterMismatchError, target_name
@@ -32,7 +32,7 @@ from .merged_tree import MergedTreeProposer, SessionState
 
 SEPARATOR = -1  # between documents of a store: no n-gram or continuation crosses it
 STORE_FORMAT = "medusa_like.output_store"
-STORE_VERSION = 1
+STORE_VERSION = 2  # 2: keyed by the target's weights (`weights_fingerprint`), not its config
 DEFAULT_STORE_TOKENS = 200_000  # an output store's bound when none is given: a few hundred answers
 MAX_NGRAM = 4  # the longest n-gram a lookup source indexes
 MAX_MATCHES = 16  # the most recent occurrences of a matched suffix whose continuations are read
@@ -302,9 +302,10 @@ class OutputStore:
         return store
 
     def check_fits(self, target, source: str = "output store") -> None:
-        """Refuse a store of another target's outputs (by fingerprint, when it has one) or with token ids beyond the
-        target's vocabulary; a store without a fingerprint takes the target's."""
-        actual = target_fingerprint(target.config)
+        """Refuse a store of another target's outputs (by its weights' fingerprint, when it has one: another
+        checkpoint of one architecture answers otherwise) or with token ids beyond the target's vocabulary; a store
+        without a fingerprint takes the target's."""
+        actual = weights_fingerprint(target)
         if self.fingerprint is not None and self.fingerprint != actual:
             raise DrafterMismatchError(
                 f"{source} holds outputs of a target with fingerprint {self.fingerprint}, but target "
@@ -400,7 +401,7 @@ def fresh_lookup(
     if isinstance(store, (str, Path)):
         store = OutputStore.load(store, target)
     elif store is None:
-        store = OutputStore(max_store_tokens, fingerprint=target_fingerprint(target.config))
+        store = OutputStore(max_store_tokens, fingerprint=weights_fingerprint(target))
     return LookupDrafter(store, lookup_depth=lookup_depth, use=tuple(use))
 
 

@@ -11,7 +11,7 @@ import torch
 
 from medusa_like.evaluation.timing import Runner
 
-REFERENCE = "hf_greedy"  # the output every method must reproduce token for token: greedy with the same layers
+REFERENCE = "hf_greedy"  # the output every method must reproduce token for token: greedy on the same forward
 STOCK = "hf_greedy_stock"  # transformers' greedy as it ships: every output is compared with it too
 BASELINES = ("hf_greedy", "hf_prompt_lookup")  # speedups are reported against each of these
 SPECULATIVE = "speculative"  # the method under evaluation: its acceptance and losslessness are reported
@@ -69,6 +69,39 @@ def hf_runner(target, eos: list[int], pad: int | None, prompt_lookup: int | None
     return run
 
 
+def greedy_runner(c: "MethodContext") -> Runner:
+    """Method (a), greedy on the forward every method of this project runs: transformers' `generate` over the same
+    layers where that forward is eager, this project's loop without a drafter where it is compiled (transformers'
+    loop cannot call a compiled step, and compiled code rounds otherwise than eager code)."""
+    if c.model.forward.step is c.model.forward.eager:
+        return hf_runner(c.model.target, c.eos, c.pad)
+    return loop_runner(c.model, c.model.resolve_tree("none"), c.eos)
+
+
+def hf_compiled_runner(target, eos: list[int], pad: int | None, max_cache_len: int = 4096) -> Runner:
+    """transformers `generate`, greedy, over a static cache with its forward compiled by `torch.compile` (Inductor's
+    defaults): what a transformers user can do alone. One cache length for every prompt, so one graph serves them."""
+    from transformers import CompileConfig, StaticCache
+
+    compile_config = CompileConfig(fullgraph=True, mode="default")
+    compile_config._compile_all_devices = True  # transformers compiles on GPUs only unless told
+    kwargs = dict(do_sample=False, num_beams=1, eos_token_id=eos or None, pad_token_id=pad)
+
+    def run(ids: torch.Tensor, max_new_tokens: int):
+        cache = StaticCache(config=target.config, max_cache_len=max_cache_len)
+        out = target.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=max_new_tokens,
+            past_key_values=cache,
+            compile_config=compile_config,
+            **kwargs,
+        )
+        return out[0, ids.shape[1] :].tolist(), None
+
+    return run
+
+
 def loop_runner(model, tree, eos: list[int]) -> Runner:
     """This project's decoding loop with `tree` (any spec `model.generate` takes; "none": no drafter)."""
 
@@ -99,9 +132,10 @@ class Method:
 
 METHODS: dict[str, Method] = {
     "hf_greedy": Method(
-        "(a) transformers greedy",
-        "(a) transformers generate, greedy: the reference",
-        lambda c: hf_runner(c.model.target, c.eos, c.pad),
+        "(a) greedy, same forward",
+        "(a) greedy on the forward every method of this project runs, the reference: transformers generate over the "
+        "same layers where that forward is eager, this project's loop without a drafter where it is compiled",
+        greedy_runner,
     ),
     "hf_prompt_lookup": Method(
         "(b) transformers prompt lookup",
@@ -115,6 +149,13 @@ METHODS: dict[str, Method] = {
         "as well as with (a)",
         lambda c: hf_runner(c.model.forward.stock(), c.eos, c.pad),
         lambda c: c.model.forward.differs_from_stock,
+    ),
+    "hf_greedy_compiled": Method(
+        "(h) transformers greedy, static cache, torch.compile",
+        "(h) transformers generate, greedy, over a static cache with its forward compiled by torch.compile "
+        "(Inductor's defaults), on the target's own nn.Linear layers: what a transformers user can do alone; a speed "
+        "baseline (its compiled code rounds otherwise than (a)'s, so its outputs are not compared)",
+        lambda c: hf_compiled_runner(c.model.forward.stock(), c.eos, c.pad),
     ),
     "plain_loop": Method(
         "(c) our loop, no drafter",

@@ -47,7 +47,7 @@ def failure_clauses(report: dict, name=str) -> list[str]:
 
 
 def mismatch_warning(report: dict) -> str | None:
-    """A warning when some method of this project differs from (a), transformers' greedy with the same layers, or
+    """A warning when some method of this project differs from (a), greedy on the same forward, or
     from (g), transformers' greedy as it ships (where it ran)."""
     lossless = report["losslessness"]
     if report["summary"]["lossless"]:
@@ -83,7 +83,7 @@ def equality_markdown(report: dict) -> list[str]:
         return []
     parts = ["## Equality with greedy decoding", lossless["stock"]["note"]]
     rows = [[label(m), *(share_text(shares.get(ref)) for ref in (REFERENCE, STOCK))] for m, shares in equality.items()]
-    parts.append(_table(["method", "equal to (a), same layers", "equal to (g), stock nn.Linear"], rows))
+    parts.append(_table(["method", "equal to (a), same forward", "equal to (g), stock nn.Linear"], rows))
     rows = [
         [label(d["method"]), label(ref), d["question_id"], d["turn"], d["first_divergence"], margin_text(d)]
         for ref, differences in lossless["differences"].items()

@@ -18,7 +18,7 @@ from medusa_like.evaluation.tree_search import fastest_prompt_lookup, search
 from medusa_like.formats import load_drafter
 from medusa_like.formats.registry import MEDUSA
 from medusa_like.model import MedusaLikeModel
-from medusa_like.targets import target_fingerprint
+from medusa_like.targets import weights_fingerprint
 
 
 def load_eval_model(cfg: DictConfig) -> MedusaLikeModel:
@@ -83,7 +83,7 @@ def output_store(drafter: DictConfig, training_data: DictConfig, target, tokeniz
     if drafter.store:
         store = OutputStore.load(drafter.store, target)
     else:
-        store = OutputStore(drafter.store_tokens, fingerprint=target_fingerprint(target.config))
+        store = OutputStore(drafter.store_tokens, fingerprint=weights_fingerprint(target))
     loaded = store.num_tokens
     seeded = {"seeded_answers": 0, "seeded_tokens": 0, "seeded_from": None}
     if drafter.seed_store:

@@ -33,7 +33,7 @@ DEFINITIONS = {
     "tokens_per_second": "new tokens / wall seconds of the whole call (prefill included); median over prompts (a tree "
     "sweep's rows: the geometric mean over the sweep's prompts, as the tree search ranks trees)",
     "speedup": "median tokens/s of the method / median tokens/s of the baseline (paired: median of per-prompt ratios)",
-    "losslessness": "share of prompts whose speculative tokens equal (a)'s, transformers' greedy with the same layers: "
+    "losslessness": "share of prompts whose speculative tokens equal (a)'s, greedy on the same forward: "
     "same length, equal token for token; lossless: every method of this project equals (a), and (g) wherever (g) ran, "
     "on every prompt (what the exit status follows)",
     "stock_equality": "share of prompts whose tokens equal (g)'s, transformers' greedy with its own nn.Linear layers; "
@@ -65,7 +65,7 @@ def our_methods(records: list[dict], methods: list[str]) -> list[str]:
 
 
 def losslessness_section(model, records: list[dict], methods: list[str]) -> dict:
-    """Every method's outputs against transformers' greedy with the same layers, (a), and against transformers'
+    """Every method's outputs against greedy on the same forward, (a), and against transformers'
     greedy as it ships, (g): equality shares and, for each difference, the logit margin at the first differing token.
 
     The headline fields (`fraction`, `mismatches`, `mismatched`) are the speculative method's against (a). `failures`
@@ -124,7 +124,7 @@ def stock_note(model, methods: list[str]) -> dict:
             "dtype, nothing compiled), so (a) is transformers' greedy as it ships"
         )
     else:
-        note = "(g) not run in this run's records: outputs are compared with (a), greedy with the same layers, alone"
+        note = "(g) not run in this run's records: outputs are compared with (a), greedy on the same forward, alone"
     return {"compared": False, "note": note}
 
 

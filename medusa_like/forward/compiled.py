@@ -28,6 +28,7 @@ from contextlib import contextmanager
 
 import torch
 import torch.nn.functional as F
+from torch._inductor import config as inductor_config
 from transformers import AttentionInterface
 from transformers.cache_utils import Cache, CacheLayerMixin
 
@@ -49,28 +50,32 @@ RECOMPILE_LIMIT = 64
 
 
 # ---------------------------------------------------------------------------------------------------------------------
-# The cache: one buffer, written at given slots, read over the live length
+# The cache: one buffer, read by the graph, written after it
 
 
-class _SlotLayer(CacheLayerMixin):
-    """One decoder layer's view of the shared buffer, in transformers' cache-layer interface."""
+class _LiveLayer(CacheLayerMixin):
+    """One decoder layer's live entries in transformers' cache-layer interface: `update` attends over them with the
+    step's new entries in their slots, and keeps the new ones for the step to write after the graph
+    (`_LiveCache.new`). Nothing is written inside the graph: the compiler turns an in-place write into a view of the
+    graph's input into a copy of the whole buffer, every layer."""
 
     is_sliding = False  # the window is applied by the mask (`window_mask`), not by dropping entries
     is_compileable = True
 
-    def __init__(self, keys: torch.Tensor, values: torch.Tensor, owner: "_SlotCache"):
+    def __init__(self, keys: torch.Tensor, values: torch.Tensor, owner: "_LiveCache"):
         super().__init__()
-        self.keys, self.values, self.owner = keys, values, owner  # [1, H_kv, S_live, D]
+        self.keys, self.values, self.owner = keys, values, owner  # [1, H_kv, S, D]
         self.is_initialized = True
 
     def lazy_initialization(self, key_states, value_states) -> None:
         pass
 
     def update(self, key_states, value_states, *args, **kwargs):
-        """Write the T new entries at the owner's slots; return the live keys and values [1, H_kv, S, D]."""
-        self.keys.index_copy_(2, self.owner.slots, key_states)
-        self.values.index_copy_(2, self.owner.slots, value_states)
-        return self.keys, self.values
+        """Keep the T new entries [1, H_kv, T, D]; return the live keys and values with them in their slots
+        [1, H_kv, S, D] (a copy: the committed part of a size the compiler need not name apart)."""
+        self.owner.new.append(torch.stack([key_states, value_states]))  # [2, 1, H_kv, T, D]
+        slots = self.owner.slots
+        return self.keys.index_copy(2, slots, key_states), self.values.index_copy(2, slots, value_states)
 
     def get_seq_length(self) -> int:
         return self.keys.shape[2]
@@ -82,12 +87,13 @@ class _SlotLayer(CacheLayerMixin):
         return self.keys.shape[2]
 
 
-class _SlotCache(Cache):
-    """transformers' view of `live` [L, 2, 1, H_kv, S, D] (a slice of the step's buffer), written at `slots` [T]."""
+class _LiveCache(Cache):
+    """transformers' view of `live` [L, 2, 1, H_kv, S, D] (the live part of the step's buffer), the step's entries
+    at `slots` [T]; `new` collects each layer's new entries."""
 
     def __init__(self, live: torch.Tensor, slots: torch.Tensor):
-        self.slots = slots
-        super().__init__(layers=[_SlotLayer(live[i, 0], live[i, 1], self) for i in range(live.shape[0])])
+        self.slots, self.new = slots, []
+        super().__init__(layers=[_LiveLayer(live[i, 0], live[i, 1], self) for i in range(live.shape[0])])
 
 
 class StaticTreeCache:
@@ -119,6 +125,10 @@ class StaticTreeCache:
             dest = torch.arange(self.length, self.length + n, device=slots.device)
             self.buffer.index_copy_(4, dest, self.buffer.index_select(4, slots))  # index_select copies: overlap safe
         self.length += n
+
+    def write(self, new: torch.Tensor) -> None:
+        """Write a step's new entries [L, 2, 1, H_kv, T, D] right after the committed ones."""
+        self.buffer[:, :, :, :, self.length : self.length + new.shape[4]] = new
 
     def commit_all(self, num_tokens: int) -> None:
         self.length += num_tokens
@@ -194,7 +204,8 @@ class CompiledStep(TargetStep):
         if last or real > self.max_rows or self.failed:  # a prefill, a large forward, or after a failure: eagerly
             mask, slots, positions = self._inputs(cache, position_ids, tree_mask, real)
             with torch.inference_mode(), self._attention():
-                logits, features = self._graph(input_ids, positions, slots, mask, cache.buffer, layers, last)
+                logits, features, new = self._graph(input_ids, positions, slots, mask, cache.buffer, layers, last)
+            cache.write(new)
             return logits, features
         rows = max(real, MIN_ROWS)
         ids = torch.cat([input_ids, input_ids.new_zeros(1, rows - real)], dim=1)  # [1, T]: a dummy row after one node
@@ -207,11 +218,12 @@ class CompiledStep(TargetStep):
             torch._dynamo.mark_dynamic(tensor, dim, min=MIN_ROWS, max=top)
         try:
             with self._attention(), torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT):
-                logits, features = self._compiled_for(layers)(ids, positions, slots, mask, cache.buffer)
+                logits, features, new = self._compiled_for(layers)(ids, positions, slots, mask, cache.buffer)
         except Exception as err:  # the compiler's errors have many types; the eager run below is always correct
             self.failed = f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
             log.warning("the compiled step failed (%s): the eager step runs from now on", self.failed)
             return self.forward(input_ids, position_ids, tree_mask, cache, feature_layers, last)
+        cache.write(new)
         return logits[:real], features[:real]
 
     @contextmanager
@@ -226,8 +238,8 @@ class CompiledStep(TargetStep):
 
     def _inputs(self, cache: StaticTreeCache, position_ids, tree_mask, rows: int):
         """The [1, 2, T, S] mask of a forward of `rows` nodes (the first `position_ids.shape[1]` real, the others
-        dummies that see only themselves) after the committed entries, the slots they are written to and the
-        positions [1, T]."""
+        dummies that see only themselves) after the committed entries, the slots they take and their positions
+        [1, T]."""
         length, real, device = cache.length, position_ids.shape[1], position_ids.device
         block = torch.eye(rows, dtype=torch.bool, device=device)  # [T, T]
         causal = torch.ones(real, real, dtype=torch.bool, device=device).tril()
@@ -247,7 +259,9 @@ class CompiledStep(TargetStep):
 
     def _graph(self, input_ids, position_ids, slots, mask, buffer, feature_layers=None, last=False):
         """`_Graph`'s forward, run eagerly (a prefill, a large forward, after a failure)."""
-        return _Graph(self.target, self.cache_keyword, feature_layers)(input_ids, position_ids, slots, mask, buffer, last)
+        return _Graph(self.target, self.cache_keyword, feature_layers)(
+            input_ids, position_ids, slots, mask, buffer, last
+        )
 
 
 class _Graph(torch.nn.Module):
@@ -260,23 +274,23 @@ class _Graph(torch.nn.Module):
         self.target, self.cache_keyword, self.feature_layers = target, cache_keyword, feature_layers
 
     def forward(self, input_ids, position_ids, slots, mask, buffer, last: bool = False):
-        """input_ids, position_ids [1, T]; slots [T]: where the T new entries are written; mask [1, 2, T, S]; buffer
-        [L, 2, 1, H_kv, capacity, D], of which the first S slots are live -> (logits [T, V] (or [1, V] of the last
-        row when `last`), features [T, F])."""
-        live = buffer[:, :, :, :, : mask.shape[-1]]
-        model = self.target.base_model
-        out = model(
+        """input_ids, position_ids [1, T]; slots [T]: the last T of the S live slots, the new entries'; mask
+        [1, 2, T, S]; buffer [L, 2, 1, H_kv, capacity, D] -> (logits [T, V] (or [1, V] of the last row when `last`),
+        features [T, F], the new entries [L, 2, 1, H_kv, T, D], which the step writes at `slots` after the graph)."""
+        cache = _LiveCache(buffer[:, :, :, :, : mask.shape[-1]], slots)
+        out = self.target.base_model(
             input_ids=input_ids,
             position_ids=position_ids,
             attention_mask=mask,
             use_cache=True,
-            **{self.cache_keyword: _SlotCache(live, slots)},
+            **{self.cache_keyword: cache},
             output_hidden_states=self.feature_layers is not None,
         )
         hidden = out.last_hidden_state[0]  # [T, H]
         layers = self.feature_layers
         features = hidden if layers is None else torch.cat([out.hidden_states[i][0] for i in layers], -1)
-        return output_logits(self.target, hidden[-1:] if last else hidden), features  # [T, V], [T, F]
+        logits = output_logits(self.target, hidden[-1:] if last else hidden)  # [T, V]
+        return logits, features, torch.stack(cache.new)  # ..., [L, 2, 1, H_kv, T, D]
 
 
 def _slides(text) -> bool:
@@ -296,8 +310,14 @@ class _Timed:
         self.fn, self.step, self.first = fn, step, True
 
     def __call__(self, *args):
-        if not self.first:
-            return self.fn(*args)
+        # Inductor's options in its global config while the graph is traced (the first call, and any recompile):
+        # Dynamo reads `freezing` there (not in torch.compile's options) to make the weights graph constants
+        with inductor_config.patch(self.step.options):
+            if not self.first:
+                return self.fn(*args)
+            return self._first(*args)
+
+    def _first(self, *args):
         start = time.perf_counter()
         reused = is_cached(self.step)
         with compile_cache(self.step) as directory:
