@@ -81,6 +81,7 @@ def test_every_tree_node_sees_exactly_its_path_compiled(compiled_targets, family
             ancestors = tree.attention_mask[node].nonzero().flatten()  # ascending = root to node
             expected = target(torch.cat([prompt[0], tokens[ancestors]])[None]).logits[0, -1]
             torch.testing.assert_close(logits[node], expected, atol=1e-4, rtol=1e-4)
+    assert step.failed is None  # compiled, not the eager fallback
 
 
 @needs_compile
@@ -110,6 +111,8 @@ def test_compiled_greedy_equals_eager_greedy_and_every_drafter_is_lossless_on_it
             assert out.new_tokens.tolist() == reference, (drafter.kind, tree)
             accepted += sum(out.stats.accepted_draft)
     assert accepted > 0
+    # every run above ran compiled (a failed compile falls back to eager for good: equal tokens, nothing tested)
+    assert prepared.compiled.failed is None and prepared.step is prepared.compiled
 
 
 @needs_compile

@@ -212,6 +212,7 @@ def test_installed_wheel_names_its_extra_then_trains_exports_and_evaluates_outsi
         "eval.max_new_tokens=8",
         "eval.sweep.prompts=0",
         "eval.warmup=false",
+        "target.compile=false",  # the installed package, not the compiled step (tests/test_honest_eval.py)
         f"out_dir={eval_dir}",
         f"hydra.run.dir={tmp_path / 'eval_run'}",
         cwd=work,

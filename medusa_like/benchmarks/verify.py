@@ -2,6 +2,7 @@
 
     python -m eval.bench verify --tree runs/make_run/tree.json            # the kernels of a tree file's cost model
     python -m eval.bench verify --nodes 1,3,6,13 --out bench_verify.json  # without --tree: a full cost model first
+    python -m eval.bench verify --compile --nodes 1,2,4,8,16,32           # the compiled step (forward/compiled.py)
 
 The forward is the cost model's (`forward/cost_measure.py Forwards`: the target's forward and vocabulary projection
 over a chain of N nodes after a 128-token context, the cache rewound after each), run on the few-row kernels a cost
@@ -11,6 +12,10 @@ kernel `FewRowLinear` runs: `F.linear`, weight-first products, MKL's and oneDNN'
 rest (the layers' elementwise operators, the cache, the dispatch between them). A product over one or two rows
 streams every weight once and is bound by memory; what more nodes add on top of it is what a tree step pays over a
 single token's forward.
+
+With `--compile` the step is the compiled one: the products, norms, rotary and activations run inside one generated
+graph whose time the profiler reports as one block ("compiled"), so only attention (SDPA, called out of the graph)
+is told apart from it. `--dtype bfloat16` runs the target in bf16 (fast only where the CPU computes bf16 natively).
 """
 
 from typing import Annotated
@@ -26,14 +31,21 @@ from .harness import Report, median_ms, table, use_threads
 # the operators the few-row layers' kernels run (cpu/few_row_linear.py), and SDPA's
 PRODUCTS = ("aten::mm", "aten::addmm", "mkldnn::_linear_pointwise", "mkl::_mkl_linear")
 ATTENTION = "scaled_dot_product"
+COMPILED = "CompiledFxGraph"  # the profiler's name for a call of Inductor's generated code
 MAX_NODES = 32  # the largest size a cost model measures
 
 
 def split(events, forwards: int) -> dict[str, float]:
-    """Milliseconds per forward of the profiled operators' own time: products, attention, rest and their total."""
-    parts = {"products": 0.0, "attention": 0.0, "rest": 0.0}
+    """Milliseconds per forward of the profiled operators' own time: products, attention, compiled code (the
+    generated graph's own time: fused products and elementwise work), the rest and their total."""
+    parts = {"products": 0.0, "attention": 0.0, "compiled": 0.0, "rest": 0.0}
     for event in events:
-        part = "products" if event.key in PRODUCTS else "attention" if ATTENTION in event.key else "rest"
+        if event.key in PRODUCTS:
+            part = "products"
+        elif ATTENTION in event.key:
+            part = "attention"
+        else:
+            part = "compiled" if COMPILED in event.key else "rest"
         parts[part] += event.self_cpu_time_total / 1000 / forwards
     return {**parts, "total": sum(parts.values())}
 
@@ -61,25 +73,30 @@ def run(
     nodes: Annotated[tuple[int, ...], f"node counts, 1..{MAX_NODES}"] = (1, 2, 3, 6, 13, 21),
     repeats: int = 10,
     threads: int | None = None,
+    compile: Annotated[bool, "the compiled step (minutes to compile on first use)"] = False,
+    dtype: Annotated[str, "the target's dtype: float32 or bfloat16"] = "float32",
     out: str = "bench_verify.json",
 ) -> Report:
-    """Where one verification forward's time goes over N nodes: products, attention and the rest."""
+    """Where one verification forward's time goes over N nodes: products, attention, compiled code and the rest."""
     threads = use_threads(threads)
     sizes = sorted(set(nodes))
     if not sizes or sizes[0] < 1 or sizes[-1] > MAX_NODES or repeats < 1:
         raise ValueError(f"nodes must lie in 1..{MAX_NODES} and repeats be at least 1, got {nodes} and {repeats}")
-    model = MedusaLikeModel.from_pretrained(target, drafter="lookup", dtype="float32")
+    model = MedusaLikeModel.from_pretrained(target, drafter="lookup", dtype=dtype, compile=compile)
     if tree:
         model.use_tree_settings(tree)
-    else:
+    elif not compile:  # the eager step's few-row kernels are a cost model's choice; the compiled step has its own
         model.measure_cost_model()
     rows = where_time_goes(model.forward, sizes, repeats)
     cells = [
-        [str(r["nodes"]), *(f"{r[k]:.1f}" for k in ("wall_ms", "products", "attention", "rest", "total"))] for r in rows
+        [str(r["nodes"]), *(f"{r[k]:.1f}" for k in ("wall_ms", "products", "attention", "compiled", "rest", "total"))]
+        for r in rows
     ]
     shown = table(
-        f"one verification forward after {PREFIX} tokens (ms; profiled: operators' own time)",
-        ["nodes", "wall", "products", "attention", "rest", "profiled total"],
+        f"one verification forward after {PREFIX} tokens, {model.forward.describe()}, {dtype} (ms; profiled: "
+        "operators' own time)",
+        ["nodes", "wall", "products", "attention", "compiled", "rest", "profiled total"],
         cells,
     )
-    return Report({"target": target, "tree": tree, "threads": threads, "rows": rows}, [shown], out=out)
+    data = {"target": target, "tree": tree, "threads": threads, "step": model.forward.describe(), "dtype": dtype}
+    return Report({**data, "rows": rows}, [shown], out=out)

@@ -93,7 +93,7 @@ def hf_compiled_runner(target, eos: list[int], pad: int | None, max_cache_len: i
             ids,
             attention_mask=torch.ones_like(ids),
             max_new_tokens=max_new_tokens,
-            past_key_values=cache,
+            cache=cache,
             compile_config=compile_config,
             **kwargs,
         )
@@ -128,6 +128,7 @@ class Method:
     description: str  # for the report's setup section
     make: Callable[[MethodContext], Runner]
     applies: Callable[[MethodContext], bool] = lambda c: True
+    by_default: bool = True  # run when eval.methods names none; else only when named
 
 
 METHODS: dict[str, Method] = {
@@ -156,6 +157,7 @@ METHODS: dict[str, Method] = {
         "(Inductor's defaults), on the target's own nn.Linear layers: what a transformers user can do alone; a speed "
         "baseline (its compiled code rounds otherwise than (a)'s, so its outputs are not compared)",
         lambda c: hf_compiled_runner(c.model.forward.stock(), c.eos, c.pad),
+        by_default=False,  # minutes of compiling: make run and make bench name it
     ),
     "plain_loop": Method(
         "(c) our loop, no drafter",
@@ -210,7 +212,8 @@ def make_runners(model, tree, prompt_lookup_num_tokens: int, names=None, learned
     unknown = set(names or ()) - set(METHODS)
     if unknown:
         raise ValueError(f"eval.methods: unknown methods {sorted(unknown)}; known: {list(METHODS)}")
-    wanted = set(names or METHODS) | {REFERENCE, STOCK, SPECULATIVE, *BASELINES}
+    default = [name for name, method in METHODS.items() if method.by_default]
+    wanted = set(names or default) | {REFERENCE, STOCK, SPECULATIVE, *BASELINES}
     return {
         name: method.make(context) for name, method in METHODS.items() if name in wanted and method.applies(context)
     }

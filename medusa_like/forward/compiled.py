@@ -31,6 +31,7 @@ import torch.nn.functional as F
 from torch._inductor import config as inductor_config
 from transformers import AttentionInterface
 from transformers.cache_utils import Cache, CacheLayerMixin
+from transformers.utils.output_capturing import maybe_install_capturing_hooks
 
 from medusa_like.decoding.kv_cache import CacheOverflowError
 from medusa_like.decoding.step import TargetStep
@@ -44,7 +45,7 @@ ATTENTION = "medusa_like_static"  # the attention function the compiled step's t
 MIN_ROWS = 2  # a dimension of 1 is specialised by the compiler: single nodes are padded to two rows
 MAX_ROWS = 64  # steps of up to this many nodes run compiled; larger forwards (prefills) run the same code eagerly
 MAX_CONTEXT = 1 << 20  # the longest live cache the compiled graph is built for (a bound the compiler needs)
-# every compiled step compiles one function (`_graph`) for its own target: the compiler's default of 8 per function
+# every compiled step compiles one function (`_Graph`) for its own target: the compiler's default of 8 per function
 # would send a process's ninth target (tests, several models) back to eager
 RECOMPILE_LIMIT = 64
 
@@ -186,7 +187,7 @@ class CompiledStep(TargetStep):
         self.head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
         self.min_rows, self.max_rows = MIN_ROWS, MAX_ROWS  # the node counts that run compiled
         self.cache_keyword = cache_keyword(target.base_model)  # looked up here: the compiled graph reads a string
-        self.compiled: dict = {}  # feature layers -> the compiled function
+        self.compiled = None  # the compiled function (one for every drafter: it returns every layer's states)
         self.compile_seconds = 0.0
         self.failed: str | None = None  # why the compiled function stopped being used, if it did
 
@@ -204,9 +205,10 @@ class CompiledStep(TargetStep):
         if last or real > self.max_rows or self.failed:  # a prefill, a large forward, or after a failure: eagerly
             mask, slots, positions = self._inputs(cache, position_ids, tree_mask, real)
             with torch.inference_mode(), self._attention():
-                logits, features, new = self._graph(input_ids, positions, slots, mask, cache.buffer, layers, last)
+                graph = _Graph(self.target, self.cache_keyword, every_state=layers is not None)
+                logits, hidden, states, new = graph(input_ids, positions, slots, mask, cache.buffer, last)
             cache.write(new)
-            return logits, features
+            return logits, _features(hidden, states, layers)
         rows = max(real, MIN_ROWS)
         ids = torch.cat([input_ids, input_ids.new_zeros(1, rows - real)], dim=1)  # [1, T]: a dummy row after one node
         mask, slots, positions = self._inputs(cache, position_ids, tree_mask, rows)
@@ -218,13 +220,13 @@ class CompiledStep(TargetStep):
             torch._dynamo.mark_dynamic(tensor, dim, min=MIN_ROWS, max=top)
         try:
             with self._attention(), torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT):
-                logits, features, new = self._compiled_for(layers)(ids, positions, slots, mask, cache.buffer)
+                logits, hidden, states, new = self._compiled()(ids, positions, slots, mask, cache.buffer)
         except Exception as err:  # the compiler's errors have many types; the eager run below is always correct
             self.failed = f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
             log.warning("the compiled step failed (%s): the eager step runs from now on", self.failed)
             return self.forward(input_ids, position_ids, tree_mask, cache, feature_layers, last)
         cache.write(new)
-        return logits[:real], features[:real]
+        return logits[:real], _features(hidden[:real], states[:, :real], layers)
 
     @contextmanager
     def _attention(self):
@@ -250,33 +252,33 @@ class CompiledStep(TargetStep):
         slots = torch.arange(length, length + rows, device=device)  # [T]
         return window_mask(visible, q_pos, k_pos, self.window), slots, q_pos[None]
 
-    def _compiled_for(self, layers):
-        if layers not in self.compiled:
+    def _compiled(self):
+        if self.compiled is None:
             log.info("compiling the target's step (%s) on its first use: once per process", self.label)
-            graph = _Graph(self.target, self.cache_keyword, layers)
-            self.compiled[layers] = _Timed(torch.compile(graph, fullgraph=True, options=self.options), self)
-        return self.compiled[layers]
-
-    def _graph(self, input_ids, position_ids, slots, mask, buffer, feature_layers=None, last=False):
-        """`_Graph`'s forward, run eagerly (a prefill, a large forward, after a failure)."""
-        return _Graph(self.target, self.cache_keyword, feature_layers)(
-            input_ids, position_ids, slots, mask, buffer, last
-        )
+            # transformers installs its hidden-state hooks on the first forward that asks for them, under a lock
+            # the compiler cannot trace: installed here, before tracing
+            maybe_install_capturing_hooks(self.target.base_model)
+            graph = _Graph(self.target, self.cache_keyword, every_state=True)
+            self.compiled = _Timed(torch.compile(graph, fullgraph=True, options=self.options), self)
+        return self.compiled
 
 
 class _Graph(torch.nn.Module):
     """What is compiled: the target's public forward over the live part of a KV buffer, its logits and the features a
     drafter reads. A module holding the target, so that the compiler sees the target's weights as parameters, which
-    freezing turns into constants (reached through a plain object, they would be ordinary inputs: nothing packed)."""
+    freezing turns into constants (reached through a plain object, they would be ordinary inputs: nothing packed).
+    Compiled, it returns every layer's hidden states (`every_state`), so that one graph serves every drafter, whatever
+    layers it reads: a few rows of them cost next to nothing beside the weights."""
 
-    def __init__(self, target, cache_keyword: str, feature_layers: tuple[int, ...] | None):
+    def __init__(self, target, cache_keyword: str, every_state: bool):
         super().__init__()
-        self.target, self.cache_keyword, self.feature_layers = target, cache_keyword, feature_layers
+        self.target, self.cache_keyword, self.every_state = target, cache_keyword, every_state
 
     def forward(self, input_ids, position_ids, slots, mask, buffer, last: bool = False):
         """input_ids, position_ids [1, T]; slots [T]: the last T of the S live slots, the new entries'; mask
         [1, 2, T, S]; buffer [L, 2, 1, H_kv, capacity, D] -> (logits [T, V] (or [1, V] of the last row when `last`),
-        features [T, F], the new entries [L, 2, 1, H_kv, T, D], which the step writes at `slots` after the graph)."""
+        the last hidden state [T, H], every layer's hidden states [L + 1, T, H] (with `every_state`; else [0]), the
+        new entries [L, 2, 1, H_kv, T, D], which the step writes at `slots` after the graph)."""
         cache = _LiveCache(buffer[:, :, :, :, : mask.shape[-1]], slots)
         out = self.target.base_model(
             input_ids=input_ids,
@@ -284,13 +286,18 @@ class _Graph(torch.nn.Module):
             attention_mask=mask,
             use_cache=True,
             **{self.cache_keyword: cache},
-            output_hidden_states=self.feature_layers is not None,
+            output_hidden_states=self.every_state,
         )
         hidden = out.last_hidden_state[0]  # [T, H]
-        layers = self.feature_layers
-        features = hidden if layers is None else torch.cat([out.hidden_states[i][0] for i in layers], -1)
+        states = torch.stack(out.hidden_states)[:, 0] if self.every_state else hidden.new_empty(0)  # [L + 1, T, H]
         logits = output_logits(self.target, hidden[-1:] if last else hidden)  # [T, V]
-        return logits, features, torch.stack(cache.new)  # ..., [L, 2, 1, H_kv, T, D]
+        return logits, hidden, states, torch.stack(cache.new)  # ..., [L, 2, 1, H_kv, T, D]
+
+
+def _features(hidden: torch.Tensor, states: torch.Tensor, layers: tuple[int, ...] | None) -> torch.Tensor:
+    """What a drafter reads: the last hidden state [T, H] (`layers` None), else the hidden states of `layers`
+    side by side [T, len(layers) * H]."""
+    return hidden if layers is None else torch.cat([states[i] for i in layers], -1)
 
 
 def _slides(text) -> bool:
