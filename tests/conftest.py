@@ -235,3 +235,27 @@ class OracleProposer:
             if right >= 0:
                 out[row, 0] = right
         return out, logp
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Order: under `make test`'s two workers (pytest-xdist, a file at a time) the longest files start first, so that both
+# workers finish together; MEDUSA_LIKE_TEST_SHUFFLE=<seed> shuffles the files and the tests in each instead, to catch
+# state one test leaves to another
+
+LONGEST_FILES = ("test_compiled.py", "test_packaging.py", "test_training.py", "test_sampling.py", "test_generate.py")
+
+
+def pytest_collection_modifyitems(config, items):
+    seed = os.environ.get("MEDUSA_LIKE_TEST_SHUFFLE")
+    if seed is not None:
+        import random
+
+        rng = random.Random(int(seed))
+        files = sorted({item.path for item in items})
+        rng.shuffle(files)
+        rank = {path: i for i, path in enumerate(files)}
+        keys = {id(item): (rank[item.path], rng.random()) for item in items}
+        items.sort(key=lambda item: keys[id(item)])
+        return
+    first = {name: i for i, name in enumerate(LONGEST_FILES)}
+    items.sort(key=lambda item: first.get(item.path.name, len(first)))  # stable: the rest keep their order

@@ -75,7 +75,12 @@ def greedy_runner(c: "MethodContext") -> Runner:
     loop cannot call a compiled step, and compiled code rounds otherwise than eager code)."""
     if c.model.forward.step is c.model.forward.eager:
         return hf_runner(c.model.target, c.eos, c.pad)
-    return loop_runner(c.model, c.model.resolve_tree("none"), c.eos)
+    loop = loop_runner(c.model, c.model.resolve_tree("none"), c.eos)
+
+    def run(ids: torch.Tensor, max_new_tokens: int):
+        return loop(ids, max_new_tokens)[0], None  # a reference, reported as the baselines are: no decoding stats
+
+    return run
 
 
 def hf_compiled_runner(target, eos: list[int], pad: int | None, max_cache_len: int = 4096) -> Runner:
