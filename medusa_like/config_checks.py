@@ -32,7 +32,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from medusa_like.data.generation import check_engine
 from medusa_like.data.naming import source_name
-from medusa_like.forward.cpu.few_row_linear import check_read_kernel
+from medusa_like.forward import check_read_kernel
 from medusa_like.training.ttt import loss_function
 
 log = logging.getLogger(__name__)

@@ -21,7 +21,7 @@ from medusa_like.apps import CONFIG_DIR
 from medusa_like.config_checks import TRAIN_CHECKS, check_config, one_line_errors
 from medusa_like.data.prepare import ensure_dataset, load_model
 from medusa_like.formats import save_drafter
-from medusa_like.forward.cpu.few_row_linear import use_read_kernel
+from medusa_like.forward import use_read_kernel
 from medusa_like.io import write_json
 from medusa_like.runs import resolved, save_config
 from medusa_like.training.build import build_module
@@ -68,7 +68,7 @@ def train(cfg: DictConfig) -> dict[str, float]:
     trainer: L.Trainer = instantiate(cfg.trainer, callbacks=callbacks, logger=loggers or False)
     # the decoder's products (the head keeps F.linear), on the device the trainer moves the target to
     if use_read_kernel(target.base_model, cfg.target_read_kernel, device=trainer.strategy.root_device):
-        log.info("the frozen target's layers read the training rows on oneDNN's packed weights (target_read_kernel)")
+        log.info("the frozen target's layers read the training rows on this CPU's packed weights (target_read_kernel)")
     for logger in trainer.loggers:
         logger.log_hyperparams(run_config)
     if applied and trainer.is_global_zero:  # settings changed on resuming: when, and from what

@@ -11,7 +11,9 @@ the evaluation ask this room's interface (`prepared.py`) and never name a kernel
 model as plain data (`decoding/cost_model.py`) and never imports this package.
 """
 
+from .cpu.few_row_linear import check_read_kernel, use_read_kernel
 from .platform import CompileUnsupported
 from .prepared import PreparedTarget, prepare_target
 
-__all__ = ["PreparedTarget", "prepare_target", "CompileUnsupported"]
+# use_read_kernel / check_read_kernel: how training's frozen target reads many rows at once (and its config check)
+__all__ = ["PreparedTarget", "prepare_target", "CompileUnsupported", "use_read_kernel", "check_read_kernel"]
