@@ -21,6 +21,7 @@ from medusa_like.forward import platform as forward_platform
 from medusa_like.forward.compiled import CompiledStep
 from medusa_like.forward.platform import CompileUnsupported, compile_settings
 from medusa_like.model import MedusaLikeModel
+from medusa_like.targets import weights_fingerprint
 
 from .conftest import VOCAB, random_heads, random_prompts, tiny_target
 
@@ -135,13 +136,13 @@ def test_a_failing_compile_falls_back_to_eager_with_a_log_line_never_a_wrong_tok
     prompt = random_prompts(1, seed=4, min_len=9, max_len=9)[0]
     expected = greedy(prepare_target(tiny_target("qwen2"), tuned_layers=False), prompt)
 
-    def broken_compile(fn, **options):
-        def run(*args):
-            raise RuntimeError("the compiler broke")
+    def broken_compiler(*args, **kwargs):
+        raise RuntimeError("the compiler broke")
 
-        return run
-
-    monkeypatch.setattr(torch, "compile", broken_compile)
+    # the compiler (AOTInductor on CPUs, torch.compile on GPUs) and the loading of an earlier package both fail
+    for name in ("aoti_compile_and_package", "aoti_load_package"):
+        monkeypatch.setattr(torch._inductor, name, broken_compiler)
+    monkeypatch.setattr(torch, "compile", broken_compiler)
     prepared = prepare_target(target, tuned_layers=False, compile=True)
     with caplog.at_level(logging.WARNING):
         assert greedy(prepared, prompt) == expected  # the failing generation finishes eagerly
@@ -168,16 +169,42 @@ def test_compile_must_be_a_known_choice():
 
 
 @needs_compile
+def test_a_later_process_loads_the_compiled_step_and_a_corrupt_package_is_compiled_again(compiled_targets, caplog):
+    """A step whose compiled graph is gone (a new process) loads the package the first one saved, with the same
+    tokens; a package cut short is refused with a log line and compiled again, never run."""
+    prepared, _ = compiled(compiled_targets, "llama")
+    prompt = random_prompts(1, seed=6, min_len=7, max_len=7)[0]
+    prepared.step.compiled = None  # loaded again, or compiled again where another test emptied its directory
+    expected = greedy(prepared, prompt)
+    path = compile_cache.package_path(prepared.step)
+    assert path.is_file() and not list(path.parent.glob("*.partial-*"))
+    prepared.step.compiled = None
+    with caplog.at_level(logging.INFO):
+        assert greedy(prepared, prompt) == expected
+    assert f"loaded the target's compiled step from {path}" in caplog.text and "compiling" not in caplog.text
+    path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])  # a copy cut halfway
+    prepared.step.compiled = None
+    caplog.clear()
+    with caplog.at_level(logging.INFO):
+        assert greedy(prepared, prompt) == expected
+    assert "is unreadable" in caplog.text and "saved to" in caplog.text and prepared.step.failed is None
+
+
+@needs_compile
 def test_the_compile_cache_is_keyed_by_weights_and_versions_and_a_foreign_one_is_rebuilt(
     compiled_targets, monkeypatch, caplog
 ):
     prepared, _ = compiled(compiled_targets, "llama")
+    greedy(prepared, random_prompts(1, seed=5, min_len=6, max_len=6)[0])  # compiled (or loaded) by now
     step = prepared.step
     key = compile_cache.cache_key(step)
     assert key["target_fingerprint"] == prepared.identity()["target_fingerprint"] and key["torch"] == torch.__version__
     directory = compile_cache.cache_directory(step)
     assert json.loads((directory / "key.json").read_text()) == key and compile_cache.is_cached(step)
     other = CompiledStep(tiny_target("llama", seed=1), step.options, step.label)  # other weights, same config
+    assert compile_cache.cache_directory(other) != directory
+    other = CompiledStep(tiny_target("mistral"), step.options, step.label)  # the same weights, another forward
+    assert weights_fingerprint(other.target) == key["target_fingerprint"]
     assert compile_cache.cache_directory(other) != directory
     monkeypatch.setattr(torch, "__version__", "0.0.0")  # another torch: another directory
     assert compile_cache.cache_directory(step) != directory

@@ -2,20 +2,21 @@
 library versions and machine, so that a later process reuses what an earlier one built and nothing built for another
 setup is ever read.
 
-    with compile_cache(step):      # Inductor's caches (generated kernels, autotuning results) point here while compiling
-        compiled(*inputs)
+    path = package_path(step)          # on CPUs: the AOTInductor package of the step's graph (`compiled.py`)
+    with compile_cache(step):          # Inductor's own caches (generated kernels, autotuning results) here while building
 
 The directory is `compiled/<key digest>/` under `io.user_cache_dir()`, with `key.json` naming what it was built for.
-Inductor keys its own entries by their source too; the key here keeps another target's or another version's artifacts
-out of the directory altogether, and a directory whose `key.json` is missing, unreadable or names another key (a
-digest collision, a copy from elsewhere, a half-written directory) is emptied and rebuilt, with a log line.
+A directory whose `key.json` is missing, unreadable or names another key (a digest collision, a copy from elsewhere, a
+half-written directory) is emptied and rebuilt, with a log line. The package is written under a temporary name and
+renamed into place when complete: a killed build leaves no package that a later process would load.
 
-What a later process skips: compiling the generated C++ kernels and benchmarking the GEMM choices. What it still does:
-tracing the target's forward and generating the code, which takes most of a compile on a CPU (the FX graph cache
-cannot hold a graph whose frozen weights are MKL-packed).
+On CPUs the package holds the whole compiled step (the generated code, compiled, and the frozen, packed weights): a
+later process loads it in seconds instead of compiling for minutes. On GPUs the step is compiled in-process with CUDA
+graphs, and the directory holds Inductor's caches only (generated kernels and autotuning results).
 """
 
 import hashlib
+import inspect
 import json
 import logging
 import platform
@@ -34,7 +35,8 @@ from .cpu.machine import machine_identity
 log = logging.getLogger(__name__)
 
 KEY_FILE = "key.json"
-CACHE_VERSION = 1  # part of the key: raised when what is cached here changes meaning
+PACKAGE_FILE = "step.pt2"
+CACHE_VERSION = 2  # part of the key: raised when what is cached here changes meaning
 
 
 def cache_key(step) -> dict:
@@ -42,6 +44,11 @@ def cache_key(step) -> dict:
     target = step.target
     return {
         "version": CACHE_VERSION,
+        # the graph: the target's class and config (two families can share weights' shapes and values, not their
+        # forward) and the code that builds the graph around it
+        "target_class": type(target).__name__,
+        "target_config": _digest(target.config.to_json_string(use_diff=False)),
+        "step_code": _digest(Path(inspect.getfile(type(step))).read_text(encoding="utf-8")),
         "target_fingerprint": weights_fingerprint(target),
         "dtype": str(target.dtype),
         "device": target.device.type,
@@ -54,10 +61,12 @@ def cache_key(step) -> dict:
     }
 
 
+def _digest(text: str) -> str:
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
 def cache_directory(step) -> Path:
-    key = cache_key(step)
-    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
-    return user_cache_dir() / "compiled" / digest
+    return user_cache_dir() / "compiled" / _digest(json.dumps(cache_key(step), sort_keys=True))
 
 
 def checked_directory(step) -> Path:
@@ -88,7 +97,13 @@ def compile_cache(step):
         yield directory
 
 
+def package_path(step) -> Path:
+    """The step's AOTInductor package in its checked directory (`checked_directory`); it may not exist yet."""
+    return checked_directory(step) / PACKAGE_FILE
+
+
 def is_cached(step) -> bool:
-    """Whether this step's directory holds artifacts of an earlier compile (a later process compiles faster)."""
+    """Whether this step's directory holds an earlier process's package (`package_path`), or artifacts of an
+    earlier compile."""
     directory = cache_directory(step)
     return (directory / KEY_FILE).is_file() and any(p.name != KEY_FILE for p in directory.iterdir())

@@ -6,12 +6,16 @@ bandwidth at a few rows. Compiled, the whole forward is one graph: Inductor fuse
 generated loops, freezes the weights as constants, and (on CPUs, with `max_autotune`) computes the products by its
 C++ GEMM template over weights it packs once, which streams them near the memory's speed at one to a few rows.
 
-    step = CompiledStep(target)                   # compiles on first use (logged, once per process and target)
+How it is compiled: on CPUs ahead of time (`torch.export`, then AOTInductor), into a package on disk
+(`compile_cache.py`) that any later process of the same target, settings and machine loads in seconds; on GPUs by
+`torch.compile` with CUDA graphs, in the process (AOTInductor has no CUDA graphs).
+
+    step = CompiledStep(target, options, label)   # compiles on first use (logged), or loads an earlier package
     cache = step.new_cache(capacity)              # one buffer [layers, 2, 1, heads_kv, capacity, head_dim]
     logits, features = step.forward(input_ids, position_ids, tree_mask, cache, feature_layers)
 
 What stays static and what does not: the weights are constants; the node count T and the live cache length are
-dynamic dimensions of one graph (`torch._dynamo.mark_dynamic`), so every tree size and every position runs the same
+dynamic dimensions of one graph, so every tree size and every position runs the same
 compiled code, with no padding beyond one row (a single node is computed with a masked dummy row: a dimension of 1
 would be specialised). A prompt's prefill runs the target's forward eagerly over the same cache (a prompt's products
 over hundreds of rows are compute-bound: compiling them buys little and would double the compile). The attention
@@ -23,6 +27,7 @@ same step is the reference every method is compared with (`tree="none"`), as it 
 """
 
 import logging
+import os
 import time
 from contextlib import contextmanager
 
@@ -37,7 +42,7 @@ from medusa_like.decoding.kv_cache import CacheOverflowError
 from medusa_like.decoding.step import TargetStep
 from medusa_like.targets import cache_keyword, output_logits
 
-from .compile_cache import compile_cache, is_cached
+from . import compile_cache
 
 log = logging.getLogger(__name__)
 
@@ -212,14 +217,10 @@ class CompiledStep(TargetStep):
         rows = max(real, MIN_ROWS)
         ids = torch.cat([input_ids, input_ids.new_zeros(1, rows - real)], dim=1)  # [1, T]: a dummy row after one node
         mask, slots, positions = self._inputs(cache, position_ids, tree_mask, rows)
-        # the whole buffer goes in, sliced to the live length inside: any capacity and length, one graph (a view's
-        # strides would name its buffer's capacity, and another capacity would compile again)
-        longest = MAX_CONTEXT
-        for tensor, dim, top in ((ids, 1, self.max_rows), (positions, 1, self.max_rows), (slots, 0, self.max_rows),
-                                 (mask, 2, self.max_rows), (mask, 3, longest), (cache.buffer, 4, longest)):  # fmt: skip
-            torch._dynamo.mark_dynamic(tensor, dim, min=MIN_ROWS, max=top)
         try:
-            with self._attention(), torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT):
+            with self._attention():
+                # the whole buffer goes in, sliced to the live length inside: any capacity and length, one graph (a
+                # view's strides would name its buffer's capacity, and another capacity would compile again)
                 logits, hidden, states, new = self._compiled()(ids, positions, slots, mask, cache.buffer)
         except Exception as err:  # the compiler's errors have many types; the eager run below is always correct
             self.failed = f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
@@ -254,13 +255,33 @@ class CompiledStep(TargetStep):
 
     def _compiled(self):
         if self.compiled is None:
-            log.info("compiling the target's step (%s) on its first use: once per process", self.label)
             # transformers installs its hidden-state hooks on the first forward that asks for them, under a lock
             # the compiler cannot trace: installed here, before tracing
             maybe_install_capturing_hooks(self.target.base_model)
             graph = _Graph(self.target, self.cache_keyword, every_state=True)
-            self.compiled = _Timed(torch.compile(graph, fullgraph=True, options=self.options), self)
+            self.compiled = _Package(graph, self) if self.target.device.type == "cpu" else _InProcess(graph, self)
         return self.compiled
+
+    def dynamic_sizes(self) -> dict:
+        """The graph's dynamic dimensions, by input: the node count T, the live cache length S, the buffer's
+        capacity (each a `torch.export.Dim`, with its bounds)."""
+        Dim = torch.export.Dim
+        rows = Dim("rows", min=MIN_ROWS, max=self.max_rows)
+        live, capacity = Dim("live", min=MIN_ROWS, max=MAX_CONTEXT), Dim("capacity", min=MIN_ROWS, max=MAX_CONTEXT)
+        return {"input_ids": {1: rows}, "position_ids": {1: rows}, "slots": {0: rows}, "mask": {2: rows, 3: live},
+                "buffer": {4: capacity}}  # fmt: skip
+
+    def example_inputs(self) -> tuple:
+        """Inputs of the graph's shapes for tracing it: 3 nodes after 5 committed entries in a buffer of 11 slots
+        (three different sizes, so that the tracer takes none for another)."""
+        length, rows, capacity = 5, 3, 11
+        cache = StaticTreeCache(self.num_layers, self.heads, self.head_dim, capacity - MIN_ROWS + 1,
+                                self.target.get_input_embeddings().weight.dtype, self.target.device)  # fmt: skip
+        cache.length = length
+        device = self.target.device
+        positions = torch.arange(length, length + rows, device=device)[None]
+        mask, slots, positions = self._inputs(cache, positions, None, rows)
+        return torch.zeros(1, rows, dtype=torch.long, device=device), positions, slots, mask, cache.buffer
 
 
 class _Graph(torch.nn.Module):
@@ -309,33 +330,74 @@ def _slides(text) -> bool:
     return getattr(text, "use_sliding_window", True)
 
 
-class _Timed:
-    """A compiled function whose first call (the compile) runs with Inductor's caches in the step's directory
-    (`compile_cache.py`), timed and logged."""
+class _Package:
+    """The step's graph compiled ahead of time into an AOTInductor package (`compile_cache.package_path`), loaded
+    from there when an earlier process built it: traced once by `torch.export` over the step's dynamic sizes, and
+    compiled with the step's Inductor options."""
 
-    def __init__(self, fn, step: CompiledStep):
-        self.fn, self.step, self.first = fn, step, True
+    def __init__(self, graph: _Graph, step: CompiledStep):
+        path = compile_cache.package_path(step)
+        start = time.perf_counter()
+        if path.is_file():
+            try:
+                self.run = torch._inductor.aoti_load_package(str(path))
+                log.info("loaded the target's compiled step from %s in %.1f s", path, time.perf_counter() - start)
+                return
+            except Exception as err:  # a package this key's build did not finish or another version wrote
+                log.warning("the compiled step at %s is unreadable (%s): compiling it again", path, err)
+                path.unlink(missing_ok=True)
+        self.run = torch._inductor.aoti_load_package(str(self._build(graph, step, path)))
+        step.compile_seconds = time.perf_counter() - start
+        log.info("compiled the target's step in %.1f s; saved to %s for later processes", step.compile_seconds, path)
+
+    @staticmethod
+    def _build(graph: _Graph, step: CompiledStep, path):
+        log.info(
+            "compiling the target's step (%s) on its first use: once for this target, settings and machine "
+            "(minutes for a 100M-parameter target on 2 cores; progress below)",
+            step.label,
+        )
+        start = time.perf_counter()
+        with step._attention(), torch.no_grad():
+            program = torch.export.export(
+                graph, step.example_inputs(), dynamic_shapes=step.dynamic_sizes(), strict=False
+            )
+        log.info(
+            "  traced the step's graph in %.1f s; generating and compiling its kernels", time.perf_counter() - start
+        )
+        partial = path.with_name(f"{path.stem}.partial-{os.getpid()}{path.suffix}")  # AOTInductor wants .pt2
+        with compile_cache.compile_cache(step), inductor_config.patch(step.options):
+            torch._inductor.aoti_compile_and_package(
+                program, package_path=str(partial), inductor_configs=dict(step.options)
+            )
+        os.replace(partial, path)  # complete, or absent: a killed build leaves only its partial file
+        return path
 
     def __call__(self, *args):
+        return self.run(*args)
+
+
+class _InProcess:
+    """The step's graph compiled in this process by `torch.compile` (on GPUs: with CUDA graphs), its first call (the
+    compile) timed and logged, with Inductor's caches in the step's directory (`compile_cache.py`)."""
+
+    def __init__(self, graph: _Graph, step: CompiledStep):
+        log.info("compiling the target's step (%s) on its first use: once per process", step.label)
+        self.fn, self.step, self.first = torch.compile(graph, fullgraph=True, options=step.options), step, True
+
+    def __call__(self, *args):
+        for tensor, sizes in zip(args, self.step.dynamic_sizes().values(), strict=True):
+            for dim, size in sizes.items():
+                torch._dynamo.mark_dynamic(tensor, dim, min=size.min, max=size.max)
         # Inductor's options in its global config while the graph is traced (the first call, and any recompile):
         # Dynamo reads `freezing` there (not in torch.compile's options) to make the weights graph constants
-        with inductor_config.patch(self.step.options):
+        with inductor_config.patch(self.step.options), torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT):
             if not self.first:
                 return self.fn(*args)
-            return self._first(*args)
-
-    def _first(self, *args):
-        start = time.perf_counter()
-        reused = is_cached(self.step)
-        with compile_cache(self.step) as directory:
-            out = self.fn(*args)
-        seconds = time.perf_counter() - start
-        self.step.compile_seconds += seconds
-        self.first = False
-        log.info(
-            "compiled the target's step in %.1f s (%s; artifacts in %s)",
-            seconds,
-            "kernels and autotuning reused from an earlier process" if reused else "first compile here",
-            directory,
-        )
-        return out
+            start = time.perf_counter()
+            with compile_cache.compile_cache(self.step) as directory:
+                out = self.fn(*args)
+            self.first = False
+            self.step.compile_seconds = time.perf_counter() - start
+            log.info("compiled the target's step in %.1f s (caches in %s)", self.step.compile_seconds, directory)
+            return out
