@@ -1,7 +1,7 @@
 # Two commands do all set-up on a fresh machine:
 #   make run    create .venv, install, then build data + train + export + evaluate a drafter for the embedded default
-#   make test   create .venv, install, then run the test suite
-# and `make test-fast`: the suite without the tests marked slow, for the loop while editing
+#   make test   create .venv, install, then run the test suite (all but the tests marked heavy)
+# and `make test-all`: every test, heavy ones included; `make test-fast`: without the slow ones, while editing
 VENV ?= .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
@@ -11,7 +11,7 @@ RUN_DIR ?= runs/make_run
 # On a machine shared with other busy processes, `OMP_WAIT_POLICY=PASSIVE make run` keeps idle OpenMP workers from
 # spinning against them; on an idle machine the default (spinning) is faster for small tree steps (docs/results.md).
 
-.PHONY: install run test test-fast bench llamacpp vllm-install test-vllm vllm vllm-profile lint clean
+.PHONY: install run test test-all test-fast bench llamacpp vllm-install test-vllm vllm vllm-profile lint clean
 
 install: $(STAMP)
 
@@ -54,12 +54,18 @@ run: $(STAMP)
 # two files at once keep both cores busy where one would leave one idle
 PYTEST_WORKERS ?= 2
 test: $(STAMP)
+	$(PY) -m pytest -q -n $(PYTEST_WORKERS) --dist loadfile -m "not heavy" tests
+
+# every test: also those marked `heavy` (a minute or more of a core each: the compiled step on two more families and
+# through the evaluation's entry point as shipped, the wheel installed into a new environment, the sampling
+# statistic's power against a biased rule)
+test-all: $(STAMP)
 	$(PY) -m pytest -q -n $(PYTEST_WORKERS) --dist loadfile tests
 
 # the suite without the tests marked `slow` (about half a second or more each: entry points run as processes,
 # training, evaluation and tree-search runs, wheels, the decoding matrices over every family, backend and tree)
 test-fast: $(STAMP)
-	$(PY) -m pytest -q -n $(PYTEST_WORKERS) --dist loadfile -m "not slow" tests
+	$(PY) -m pytest -q -n $(PYTEST_WORKERS) --dist loadfile -m "not slow and not heavy" tests
 
 # all 80 MT-Bench questions, both turns, with `make run`'s drafter and tree: transformers greedy and prompt lookup (the
 # same layers), transformers greedy as it ships, lookup alone and combined, interleaved; resumable (run it again after

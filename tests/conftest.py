@@ -242,7 +242,7 @@ class OracleProposer:
 # workers finish together; MEDUSA_LIKE_TEST_SHUFFLE=<seed> shuffles the files and the tests in each instead, to catch
 # state one test leaves to another
 
-LONGEST_FILES = ("test_compiled.py", "test_packaging.py", "test_training.py", "test_sampling.py", "test_generate.py")
+LONGEST_FILES = ("test_training.py", "test_generate.py", "test_compiled.py", "test_sampling.py", "test_eval.py")
 
 
 def pytest_collection_modifyitems(config, items):

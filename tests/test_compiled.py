@@ -3,7 +3,8 @@ path, greedy decoding gives the eager step's tokens, every drafter and tree is l
 node counts from 1 to many), seeded sampling follows plain sampling, a failure falls back to eager with a log line,
 an unsupported platform runs eager and says why, and the compile cache is keyed and rebuilt when foreign.
 
-Compiling takes seconds per tiny target: every test here is slow, and one compiled target per family is shared."""
+Compiling takes half a minute per tiny target: every test here is slow, one compiled target per family is shared, and
+two families are left to make test-all (`family`)."""
 
 import json
 import logging
@@ -35,6 +36,20 @@ except CompileUnsupported as why:
 needs_compile = pytest.mark.skipif(UNSUPPORTED is not None, reason=f"no compiled step here: {UNSUPPORTED}")
 
 NEW_TOKENS = 20
+
+
+@pytest.fixture(
+    params=[
+        "llama",
+        "gemma3",
+        pytest.param("qwen2", marks=pytest.mark.heavy),
+        pytest.param("mistral", marks=pytest.mark.heavy),
+    ]
+)
+def family(request) -> str:
+    """Full attention (llama) and mixed sliding and full layers (gemma3) in make test; the other families, whose
+    attention is one of those kinds, compile in make test-all (a compile is half a minute of a core)."""
+    return request.param
 
 
 @pytest.fixture(scope="module")

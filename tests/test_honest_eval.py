@@ -94,7 +94,7 @@ def kernels(target) -> list[tuple]:
 # A lossy method of this project fails the entry point
 
 
-def run_entry_point(tmp_path: Path, broken: str) -> tuple[subprocess.CompletedProcess, Path]:
+def run_entry_point(tmp_path: Path, broken: str, compiled: bool = False) -> tuple[subprocess.CompletedProcess, Path]:
     wrapper = tmp_path / "wrapper.py"
     wrapper.write_text(WRAPPER)
     run_dir = tmp_path / "run"
@@ -106,9 +106,9 @@ def run_entry_point(tmp_path: Path, broken: str) -> tuple[subprocess.CompletedPr
         "eval.threads=1",
         *SHORT,
         f"hydra.run.dir={run_dir}",
-        # the run where nothing is broken evaluates as shipped (the compiled step where this machine compiles: (a) is
-        # then this project's loop on it, and (g) stock transformers); the others test the exit status alone
-        *([] if broken == "none" else ["target.compile=false"]),
+        # `compiled`: as shipped (the compiled step where this machine compiles: (a) is then this project's loop on
+        # it, and (g) stock transformers); else the eager step, for the exit status alone
+        *([] if compiled else ["target.compile=false"]),
     ]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
     done = subprocess.run(
@@ -125,12 +125,17 @@ def failure_lines(stderr: str) -> list[str]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("broken", ["none", "lookup", "stock"])
-def test_a_method_of_this_project_that_differs_from_a_reference_makes_evaluate_exit_1(tmp_path, broken):
-    """Every output equal to (a) and (g): status 0, nothing on stderr. Lookup alone changed: status 1. (g) changed:
+@pytest.mark.parametrize(
+    ("broken", "compiled"),
+    [("none", False), pytest.param("none", True, marks=pytest.mark.heavy), ("lookup", False), ("stock", False)],
+    ids=["none", "none-compiled", "lookup", "stock"],
+)
+def test_a_method_of_this_project_that_differs_from_a_reference_makes_evaluate_exit_1(tmp_path, broken, compiled):
+    """Every output equal to (a) and (g): status 0, nothing on stderr, on the eager step and as shipped (compiled,
+    with the shipped compiler options, where this machine compiles). Lookup alone changed: status 1. (g) changed:
     every method of this project still equals (a), yet the run fails on (g) alone, with (g)'s margins in the report
     and one stderr line naming the methods, (g) and the prompts."""
-    done, run_dir = run_entry_point(tmp_path, broken)
+    done, run_dir = run_entry_point(tmp_path, broken, compiled)
     assert done.returncode == (0 if broken == "none" else 1), done.stderr[-3000:]
     assert "Traceback" not in done.stderr
     report = json.loads((run_dir / "report.json").read_text())

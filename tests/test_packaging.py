@@ -134,7 +134,7 @@ def write_inputs(tmp: Path) -> dict[str, Path]:
     return {"chats": chats, "questions": questions, "tokenizer": tokenizer}
 
 
-@pytest.mark.slow
+@pytest.mark.heavy  # three minutes of a core: a new environment, torch installed into it; in make test-all
 def test_installed_wheel_names_its_extra_then_trains_exports_and_evaluates_outside_the_checkout(
     wheel, wheelhouse, tmp_path
 ):

@@ -291,7 +291,7 @@ class CarelessAcceptance:
         return accept_greedy(tokens, predictions, tree)
 
 
-@pytest.mark.slow
+@pytest.mark.heavy  # the power of the statistic above, not of the code: 80 s of a core, in make test-all
 def test_the_joint_distribution_statistic_catches_a_slightly_biased_acceptance_rule(combined_sampling, monkeypatch):
     """The power of the statistic above: the same sampling, sample size and threshold, with the acceptance rule
     replaced by one whose output is off by at least TV_BIAS, fail it."""
