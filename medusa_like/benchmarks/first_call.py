@@ -2,6 +2,7 @@
 
     python -m eval.bench first_call                                   # the default target and a Gemma3-270M shape
     python -m eval.bench first_call --targets default --max-new-tokens 16 --threads 1 --out bench_first_call.json
+    python -m eval.bench first_call --targets default --compile --threads 2   # compiled: a first and a later process
 
 Each target runs in a fresh process with an empty cache directory (`$MEDUSA_LIKE_CACHE_DIR`: no row plans, no cost
 model), as on a new machine: transformers' greedy `generate` twice (the model as it was loaded), then
@@ -10,6 +11,10 @@ first and second `generate` on the same prompt (the first not remembered, so tha
 the first did). Every call makes exactly `--max-new-tokens` tokens (no EOS). The targets: "default" (the embedded
 SmolLM2-135M-Instruct, `targets.load_target`, on a chat prompt) and "gemma3-270m" (random weights in Gemma3-270M's
 shape, 262k-token vocabulary, built from a config: nothing downloaded; a prompt of random token ids).
+
+`--compile` asks for the compiled step (`compile=True`) and runs each target in two fresh processes that share one
+empty cache directory: the first compiles the step on its first call, the second (a later process) loads what the
+first saved; each row's first call is from `from_pretrained` to its tokens.
 
 The fresh process runs this module (`python -m medusa_like.benchmarks.first_call <target> <default dir> <new tokens>
 <threads>`), which prints one target's figures as JSON.
@@ -69,13 +74,13 @@ def seconds(fn) -> tuple[float, object]:
     return ms / 1000, result
 
 
-def one_target(name: str, default_dir: str | None, max_new_tokens: int) -> dict:
+def one_target(name: str, default_dir: str | None, max_new_tokens: int, compile: bool = False) -> dict:
     """The timings of one target, in this process (run by `run` in a fresh one)."""
     model, tokenizer, ids = load(name, default_dir)
     greedy = dict(max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens, do_sample=False)
     mask = torch.ones_like(ids)
     greedy_s = [seconds(lambda: model.generate(ids, attention_mask=mask, **greedy))[0] for _ in range(2)]
-    construct_s, ours = seconds(lambda: MedusaLikeModel.from_pretrained(model, tokenizer=tokenizer))
+    construct_s, ours = seconds(lambda: MedusaLikeModel.from_pretrained(model, tokenizer=tokenizer, compile=compile))
     calls = [
         seconds(lambda r=remember: ours.generate(ids, max_new_tokens=max_new_tokens, eos_token_id=[], remember=r))
         for remember in (False, True)
@@ -91,24 +96,28 @@ def one_target(name: str, default_dir: str | None, max_new_tokens: int) -> dict:
         "tau": [out.stats.tau for _, out in calls],
         "first_over_greedy": calls[0][0] / greedy_s[0],
         "cost_model": None if cost is None else {"description": cost.describe(), "note": cost.note},
+        "step": ours.forward.step.describe(),
     }
 
 
-def in_fresh_process(name: str, default_dir, max_new_tokens: int, threads: int | None) -> dict:
-    """`one_target` in a new Python process with an empty cache directory."""
-    with tempfile.TemporaryDirectory(prefix="bench_first_call_") as cache:
-        command = [
-            sys.executable,
-            "-m",
-            __name__,
-            name,
-            str(default_dir or ""),
-            str(max_new_tokens),
-            str(threads or ""),
-        ]
-        env = {**os.environ, "MEDUSA_LIKE_CACHE_DIR": cache}
-        done = subprocess.run(command, env=env, stdout=subprocess.PIPE, text=True, check=True)
+def in_fresh_process(name: str, default_dir, max_new_tokens: int, threads: int | None, cache: str, compile: bool):
+    """`one_target` in a new Python process with the cache directory `cache`."""
+    command = [sys.executable, "-m", __name__, name, str(default_dir or ""), str(max_new_tokens), str(threads or "")]
+    env = {**os.environ, "MEDUSA_LIKE_CACHE_DIR": cache}
+    done = subprocess.run([*command, str(int(compile))], env=env, stdout=subprocess.PIPE, text=True, check=True)
     return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def one_target_afresh(name: str, default_dir, max_new_tokens: int, threads: int | None, compile: bool) -> list[dict]:
+    """`one_target` in a fresh process with an empty cache directory; compiled, then again in a later process with
+    the cache the first left."""
+    with tempfile.TemporaryDirectory(prefix="bench_first_call_") as cache:
+        rows = [in_fresh_process(name, default_dir, max_new_tokens, threads, cache, compile)]
+        if compile:
+            rows.append(in_fresh_process(name, default_dir, max_new_tokens, threads, cache, compile))
+    for row, label in zip(rows, ("first process", "later process")[: len(rows)] if compile else ("",), strict=True):
+        row["label"] = f"{name} compiled ({label})" if compile else name
+    return rows
 
 
 def run(
@@ -116,32 +125,37 @@ def run(
     targets: Annotated[tuple[str, ...], f"of {TARGETS}"] = TARGETS,
     max_new_tokens: int = 32,
     threads: Annotated[int | None, "torch threads (default: torch's)"] = None,
+    compile: Annotated[bool, "the compiled step: a first process, then a later one"] = False,
     out: str = "bench_first_call.json",
 ) -> Report:
-    """A new user's first calls against transformers' greedy generate, each target in a fresh process."""
+    """A new user's first calls against transformers' greedy generate, each target in a fresh process (compiled:
+    two, the second reusing what the first compiled)."""
     unknown = sorted(set(targets) - set(TARGETS))
     if unknown:
         raise ValueError(f"targets: unknown {unknown}; known: {list(TARGETS)}")
     use_threads(threads)
     default_dir = resolve_target(DEFAULT_TARGET) if "default" in targets else None  # converted once, in the user cache
-    rows = [in_fresh_process(name, default_dir, max_new_tokens, threads) for name in targets]
+    rows = [row for name in targets for row in one_target_afresh(name, default_dir, max_new_tokens, threads, compile)]
     columns = ["target", "greedy 1st", "greedy 2nd", "from_pretrained", "ours 1st", "ours 2nd", "1st / greedy"]
     cells = [
         [
-            r["target"],
+            r["label"],
             *(f"{s:.2f}" for s in (*r["greedy_s"], r["construct_s"], *r["generate_s"])),
             f"{r['first_over_greedy']:.2f}",
         ]
         for r in rows
     ]
     title = f"first calls, {max_new_tokens} new tokens, s ({torch.get_num_threads()} threads)"
-    notes = [f"{r['target']}: {r['cost_model']['description'] if r['cost_model'] else 'no cost model'}" for r in rows]
-    result = {"max_new_tokens": max_new_tokens, "threads": torch.get_num_threads(), "targets": rows}
+    notes = [
+        f"{r['label']}: {r['step']}; {r['cost_model']['description'] if r['cost_model'] else 'no cost model'}"
+        for r in rows
+    ]
+    result = {"max_new_tokens": max_new_tokens, "threads": torch.get_num_threads(), "compile": compile, "targets": rows}
     return Report(result, [table(title, columns, cells)], notes, out=out)
 
 
 if __name__ == "__main__":  # the fresh process of `in_fresh_process`
-    name, default_dir, max_new_tokens, threads = sys.argv[1:]
+    name, default_dir, max_new_tokens, threads, compile = sys.argv[1:]
     use_threads(int(threads) if threads else None)
     logging.basicConfig(level=logging.INFO, format="%(message)s")  # what the first call measures, and why
-    print(json.dumps(one_target(name, default_dir or None, int(max_new_tokens))))
+    print(json.dumps(one_target(name, default_dir or None, int(max_new_tokens), bool(int(compile)))))

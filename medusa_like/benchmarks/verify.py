@@ -14,14 +14,15 @@ streams every weight once and is bound by memory; what more nodes add on top of 
 single token's forward.
 
 With `--compile` the step is the compiled one: the products, norms, rotary and activations run inside one generated
-graph whose time the profiler reports as one block ("compiled"), so only attention (SDPA, called out of the graph)
-is told apart from it. `--dtype bfloat16` runs the target in bf16 (fast only where the CPU computes bf16 natively).
+graph whose time the profiler reports as one block ("compiled": the package's call on CPUs, Inductor's graph on GPUs),
+so only the operators called out of it are told apart. `--dtype bfloat16` runs the target in bf16 (fast only where the CPU computes bf16 natively).
 """
 
 from typing import Annotated
 
 import torch
 
+from medusa_like.forward.compiled import PROFILER_NAME
 from medusa_like.forward.cost_measure import PREFIX, Forwards
 from medusa_like.model import MedusaLikeModel
 from medusa_like.targets import DEFAULT_TARGET
@@ -31,7 +32,7 @@ from .harness import Report, median_ms, table, use_threads
 # the operators the few-row layers' kernels run (cpu/few_row_linear.py), and SDPA's
 PRODUCTS = ("aten::mm", "aten::addmm", "mkldnn::_linear_pointwise", "mkl::_mkl_linear")
 ATTENTION = "scaled_dot_product"
-COMPILED = "CompiledFxGraph"  # the profiler's name for a call of Inductor's generated code
+COMPILED = ("CompiledFxGraph", PROFILER_NAME)  # the profiler's names for a call of compiled code (in-process, package)
 MAX_NODES = 32  # the largest size a cost model measures
 
 
@@ -45,7 +46,7 @@ def split(events, forwards: int) -> dict[str, float]:
         elif ATTENTION in event.key:
             part = "attention"
         else:
-            part = "compiled" if COMPILED in event.key else "rest"
+            part = "compiled" if any(name in event.key for name in COMPILED) else "rest"
         parts[part] += event.self_cpu_time_total / 1000 / forwards
     return {**parts, "total": sum(parts.values())}
 

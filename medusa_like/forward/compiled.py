@@ -53,6 +53,7 @@ MAX_CONTEXT = 1 << 20  # the longest live cache the compiled graph is built for 
 # every compiled step compiles one function (`_Graph`) for its own target: the compiler's default of 8 per function
 # would send a process's ninth target (tests, several models) back to eager
 RECOMPILE_LIMIT = 64
+PROFILER_NAME = "medusa_like compiled step"  # how a profiler names a call of the compiled package (CPUs)
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -374,7 +375,8 @@ class _Package:
         return path
 
     def __call__(self, *args):
-        return self.run(*args)
+        with torch.profiler.record_function(PROFILER_NAME):
+            return self.run(*args)
 
 
 class _InProcess:
