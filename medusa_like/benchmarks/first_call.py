@@ -128,8 +128,9 @@ def run(
     compile: Annotated[bool, "the compiled step: a first process, then a later one"] = False,
     out: str = "bench_first_call.json",
 ) -> Report:
-    """A new user's first calls against transformers' greedy generate, each target in a fresh process (compiled:
-    two, the second reusing what the first compiled)."""
+    """A new user's first calls against transformers' greedy generate, each target in fresh processes.
+
+    One process a target; compiled, two: the second reuses what the first compiled."""
     unknown = sorted(set(targets) - set(TARGETS))
     if unknown:
         raise ValueError(f"targets: unknown {unknown}; known: {list(TARGETS)}")

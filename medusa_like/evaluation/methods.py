@@ -83,9 +83,11 @@ def greedy_runner(c: "MethodContext") -> Runner:
     return run
 
 
-def hf_compiled_runner(target, eos: list[int], pad: int | None, max_cache_len: int = 4096) -> Runner:
+def hf_compiled_runner(target, eos: list[int], pad: int | None, bucket: int = 256) -> Runner:
     """transformers `generate`, greedy, over a static cache with its forward compiled by `torch.compile` (Inductor's
-    defaults): what a transformers user can do alone. One cache length for every prompt, so one graph serves them."""
+    defaults): what a transformers user can do alone. The cache holds the prompt and its new tokens rounded up to
+    `bucket` tokens: a few graphs serve every prompt (one per length met), and no step reads far more cache than it
+    uses (a static cache's attention reads its whole length at every step)."""
     from transformers import CompileConfig, StaticCache
 
     compile_config = CompileConfig(fullgraph=True, mode="default")
@@ -93,7 +95,8 @@ def hf_compiled_runner(target, eos: list[int], pad: int | None, max_cache_len: i
     kwargs = dict(do_sample=False, num_beams=1, eos_token_id=eos or None, pad_token_id=pad)
 
     def run(ids: torch.Tensor, max_new_tokens: int):
-        cache = StaticCache(config=target.config, max_cache_len=max_cache_len)
+        length = -(-(ids.shape[1] + max_new_tokens) // bucket) * bucket
+        cache = StaticCache(config=target.config, max_cache_len=length)
         out = target.generate(
             ids,
             attention_mask=torch.ones_like(ids),
