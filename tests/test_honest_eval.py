@@ -270,3 +270,19 @@ def test_every_method_runs_the_kernels_the_cost_model_chose(tmp_path, eval_cfg, 
     assert kernels(seen["model"].target) == seen["kernels"]
     if saved is not None:
         assert seen["cost"].verify_ms == pytest.approx(saved.verify_ms, abs=1e-3)
+
+
+@pytest.mark.slow  # torch.compile of a tiny target, twice (two cache lengths): 20 s of a core
+def test_transformers_compiled_greedy_gives_transformers_greedy_tokens_over_every_cache_length():
+    """(h), transformers' greedy over a static cache sized to the prompt and new tokens rounded up to a bucket, gives
+    the tokens of transformers' greedy `generate` on prompts whose caches round to different lengths."""
+    from medusa_like.evaluation.methods import hf_compiled_runner
+
+    from .conftest import random_prompts, tiny_target
+
+    target = tiny_target("llama").eval()
+    run = hf_compiled_runner(target, eos=[], pad=None, bucket=16)
+    for prompt in random_prompts(3, seed=3, min_len=3, max_len=14):  # 3..14 + 8 new tokens: caches of 16 and 32
+        tokens, stats = run(prompt, 8)
+        expected = target.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=8, do_sample=False)
+        assert tokens == expected[0, prompt.shape[1] :].tolist() and stats is None
