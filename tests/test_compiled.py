@@ -8,6 +8,7 @@ two families are left to make test-all (`family`)."""
 
 import json
 import logging
+from pathlib import Path
 
 import pytest
 import torch
@@ -151,7 +152,9 @@ def test_a_failing_compile_falls_back_to_eager_with_a_log_line_never_a_wrong_tok
     prompt = random_prompts(1, seed=4, min_len=9, max_len=9)[0]
     expected = greedy(prepare_target(tiny_target("qwen2"), tuned_layers=False), prompt)
 
-    def broken_compiler(*args, **kwargs):
+    def broken_compiler(*args, package_path=None, **kwargs):
+        if package_path is not None:  # AOTInductor's build, cut halfway through writing its package
+            Path(package_path).write_bytes(b"half a package")
         raise RuntimeError("the compiler broke")
 
     # the compiler (AOTInductor on CPUs, torch.compile on GPUs) and the loading of an earlier package both fail
@@ -163,6 +166,8 @@ def test_a_failing_compile_falls_back_to_eager_with_a_log_line_never_a_wrong_tok
         assert greedy(prepared, prompt) == expected  # the failing generation finishes eagerly
     assert "the compiled step failed (RuntimeError: the compiler broke)" in caplog.text
     assert prepared.step is prepared.eager and greedy(prepared, prompt) == expected
+    directory = compile_cache.cache_directory(prepared.compiled)
+    assert not list(directory.glob("step*.pt2"))  # nothing half-written left to load, or to fill the disk
 
 
 def test_an_unsupported_platform_runs_eager_and_says_why(monkeypatch, caplog):

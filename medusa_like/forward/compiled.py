@@ -367,11 +367,14 @@ class _Package:
             "  traced the step's graph in %.1f s; generating and compiling its kernels", time.perf_counter() - start
         )
         partial = path.with_name(f"{path.stem}.partial-{os.getpid()}{path.suffix}")  # AOTInductor wants .pt2
-        with compile_cache.compile_cache(step), inductor_config.patch(step.options):
-            torch._inductor.aoti_compile_and_package(
-                program, package_path=str(partial), inductor_configs=dict(step.options)
-            )
-        os.replace(partial, path)  # complete, or absent: a killed build leaves only its partial file
+        try:
+            with compile_cache.compile_cache(step), inductor_config.patch(step.options):
+                torch._inductor.aoti_compile_and_package(
+                    program, package_path=str(partial), inductor_configs=dict(step.options)
+                )
+            os.replace(partial, path)  # complete, or absent: a killed build leaves only its partial file, never read
+        finally:
+            partial.unlink(missing_ok=True)  # a failed build's (a package is a gigabyte for a 100M target)
         return path
 
     def __call__(self, *args):
