@@ -273,7 +273,7 @@ def test_every_method_runs_the_kernels_the_cost_model_chose(tmp_path, eval_cfg, 
 
 
 @pytest.mark.slow  # torch.compile of a tiny target, twice (two cache lengths): 20 s of a core
-def test_transformers_compiled_greedy_gives_transformers_greedy_tokens_over_every_cache_length():
+def test_transformers_compiled_greedy_gives_transformers_greedy_tokens_over_two_cache_lengths():
     """(h), transformers' greedy over a static cache sized to the prompt and new tokens rounded up to a bucket, gives
     the tokens of transformers' greedy `generate` on prompts whose caches round to different lengths."""
     from medusa_like.evaluation.methods import hf_compiled_runner

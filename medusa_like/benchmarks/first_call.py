@@ -111,12 +111,11 @@ def in_fresh_process(name: str, default_dir, max_new_tokens: int, threads: int |
 def one_target_afresh(name: str, default_dir, max_new_tokens: int, threads: int | None, compile: bool) -> list[dict]:
     """`one_target` in a fresh process with an empty cache directory; compiled, then again in a later process with
     the cache the first left."""
+    labels = [f"{name} compiled (first process)", f"{name} compiled (later process)"] if compile else [name]
     with tempfile.TemporaryDirectory(prefix="bench_first_call_") as cache:
-        rows = [in_fresh_process(name, default_dir, max_new_tokens, threads, cache, compile)]
-        if compile:
-            rows.append(in_fresh_process(name, default_dir, max_new_tokens, threads, cache, compile))
-    for row, label in zip(rows, ("first process", "later process")[: len(rows)] if compile else ("",), strict=True):
-        row["label"] = f"{name} compiled ({label})" if compile else name
+        rows = [in_fresh_process(name, default_dir, max_new_tokens, threads, cache, compile) for _ in labels]
+    for row, label in zip(rows, labels, strict=True):
+        row["label"] = label
     return rows
 
 

@@ -15,22 +15,22 @@ single token's forward.
 
 With `--compile` the step is the compiled one: the products, norms, rotary and activations run inside one generated
 graph whose time the profiler reports as one block ("compiled": the package's call on CPUs, Inductor's graph on GPUs),
-so only the operators called out of it are told apart. `--dtype bfloat16` runs the target in bf16 (fast only where the CPU computes bf16 natively).
+so only the operators called out of it are told apart. `--dtype bfloat16` runs the target in bf16 (fast only where
+the CPU computes bf16 natively).
 """
 
 from typing import Annotated
 
 import torch
 
-from medusa_like.forward.compiled import PROFILER_NAME
+from medusa_like.forward import PROFILED_PRODUCTS, PROFILER_NAME
 from medusa_like.forward.cost_measure import PREFIX, Forwards
 from medusa_like.model import MedusaLikeModel
 from medusa_like.targets import DEFAULT_TARGET
 
 from .harness import Report, median_ms, table, use_threads
 
-# the operators the few-row layers' kernels run (cpu/few_row_linear.py), and SDPA's
-PRODUCTS = ("aten::mm", "aten::addmm", "mkldnn::_linear_pointwise", "mkl::_mkl_linear")
+PRODUCTS = PROFILED_PRODUCTS  # the operators the eager step's products run, as the profiler names them
 ATTENTION = "scaled_dot_product"
 COMPILED = ("CompiledFxGraph", PROFILER_NAME)  # the profiler's names for a call of compiled code (in-process, package)
 MAX_NODES = 32  # the largest size a cost model measures

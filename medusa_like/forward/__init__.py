@@ -11,9 +11,19 @@ the evaluation ask this room's interface (`prepared.py`) and never name a kernel
 model as plain data (`decoding/cost_model.py`) and never imports this package.
 """
 
-from .cpu.few_row_linear import check_read_kernel, use_read_kernel
+from .compile_cache import PROFILER_NAME
+from .cpu.few_row_linear import PROFILED_PRODUCTS, check_read_kernel, use_read_kernel
 from .platform import CompileUnsupported
 from .prepared import PreparedTarget, prepare_target
 
-# use_read_kernel / check_read_kernel: how training's frozen target reads many rows at once (and its config check)
-__all__ = ["PreparedTarget", "prepare_target", "CompileUnsupported", "use_read_kernel", "check_read_kernel"]
+# use_read_kernel / check_read_kernel: how training's frozen target reads many rows at once (and its config check);
+# PROFILED_PRODUCTS / PROFILER_NAME: how a profile names the products and the compiled step (benchmarks/verify.py)
+__all__ = [
+    "PreparedTarget",
+    "prepare_target",
+    "CompileUnsupported",
+    "use_read_kernel",
+    "check_read_kernel",
+    "PROFILED_PRODUCTS",
+    "PROFILER_NAME",
+]

@@ -1,9 +1,10 @@
-"""Where a compiled step's artifacts live on disk: one directory per target weights, dtype, device, compiler settings,
-library versions and machine, so that a later process reuses what an earlier one built and nothing built for another
-setup is ever read.
+"""How a compiled step's graph (`compiled.py`) is compiled, and where its artifacts live on disk: one directory per
+target weights, dtype, device, compiler settings, library versions and machine, so that a later process reuses what an
+earlier one built and nothing built for another setup is ever read.
 
-    path = package_path(step)          # on CPUs: the AOTInductor package of the step's graph (`compiled.py`)
-    with compile_cache(step):          # Inductor's own caches (generated kernels, autotuning results) here while building
+    run = Package(graph, step)         # CPUs: the AOTInductor package at `package_path(step)`, built or loaded
+    run = InProcess(graph, step)       # GPUs: torch.compile with CUDA graphs, Inductor's caches in the directory
+    logits, hidden, states, new = run(input_ids, position_ids, slots, mask, buffer)
 
 The directory is `compiled/<key digest>/` under `io.user_cache_dir()`, with `key.json` naming what it was built for.
 A directory whose `key.json` is missing, unreadable or names another key (a digest collision, a copy from elsewhere, a
@@ -19,13 +20,16 @@ import hashlib
 import inspect
 import json
 import logging
+import os
 import platform
 import shutil
+import time
 from contextlib import contextmanager
 from pathlib import Path
 
 import torch
 import transformers
+from torch._inductor import config as inductor_config
 
 from medusa_like.io import user_cache_dir, write_json
 from medusa_like.targets import weights_fingerprint
@@ -37,6 +41,10 @@ log = logging.getLogger(__name__)
 KEY_FILE = "key.json"
 PACKAGE_FILE = "step.pt2"
 CACHE_VERSION = 2  # part of the key: raised when what is cached here changes meaning
+# in-process, every compiled step compiles one function (`compiled._Graph`) for its own target: the compiler's
+# default of 8 per function would send a process's ninth target (tests, several models) back to eager
+RECOMPILE_LIMIT = 64
+PROFILER_NAME = "medusa_like compiled step"  # how a profiler names a call of the compiled package (CPUs)
 
 
 def cache_key(step) -> dict:
@@ -102,8 +110,78 @@ def package_path(step) -> Path:
     return checked_directory(step) / PACKAGE_FILE
 
 
-def is_cached(step) -> bool:
-    """Whether this step's directory holds an earlier process's package (`package_path`), or artifacts of an
-    earlier compile."""
-    directory = cache_directory(step)
-    return (directory / KEY_FILE).is_file() and any(p.name != KEY_FILE for p in directory.iterdir())
+class Package:
+    """The step's graph compiled ahead of time into an AOTInductor package (`package_path`), loaded
+    from there when an earlier process built it: traced once by `torch.export` over the step's dynamic sizes, and
+    compiled with the step's Inductor options."""
+
+    def __init__(self, graph, step):
+        path = package_path(step)
+        start = time.perf_counter()
+        if path.is_file():
+            try:
+                self.run = torch._inductor.aoti_load_package(str(path))
+                log.info("loaded the target's compiled step from %s in %.1f s", path, time.perf_counter() - start)
+                return
+            except Exception as err:  # a package this key's build did not finish or another version wrote
+                log.warning("the compiled step at %s is unreadable (%s): compiling it again", path, err)
+                path.unlink(missing_ok=True)
+        self.run = torch._inductor.aoti_load_package(str(self._build(graph, step, path)))
+        step.compile_seconds = time.perf_counter() - start
+        log.info("compiled the target's step in %.1f s; saved to %s for later processes", step.compile_seconds, path)
+
+    @staticmethod
+    def _build(graph, step, path):
+        log.info(
+            "compiling the target's step (%s) on its first use: once for this target, settings and machine "
+            "(minutes for a 100M-parameter target on 2 cores; progress below)",
+            step.label,
+        )
+        start = time.perf_counter()
+        with step.traced_attention(), torch.no_grad():
+            program = torch.export.export(
+                graph, step.example_inputs(), dynamic_shapes=step.dynamic_sizes(), strict=False
+            )
+        log.info(
+            "  traced the step's graph in %.1f s; generating and compiling its kernels", time.perf_counter() - start
+        )
+        partial = path.with_name(f"{path.stem}.partial-{os.getpid()}{path.suffix}")  # AOTInductor wants .pt2
+        try:
+            with compile_cache(step), inductor_config.patch(step.options):
+                torch._inductor.aoti_compile_and_package(
+                    program, package_path=str(partial), inductor_configs=dict(step.options)
+                )
+            os.replace(partial, path)  # complete, or absent: a killed build leaves only its partial file, never read
+        finally:
+            partial.unlink(missing_ok=True)  # a failed build's (a package is a gigabyte for a 100M target)
+        return path
+
+    def __call__(self, *args):
+        with torch.profiler.record_function(PROFILER_NAME):
+            return self.run(*args)
+
+
+class InProcess:
+    """The step's graph compiled in this process by `torch.compile` (on GPUs: with CUDA graphs), its first call (the
+    compile) timed and logged, with Inductor's caches in the step's directory (`compile_cache`)."""
+
+    def __init__(self, graph, step):
+        log.info("compiling the target's step (%s) on its first use: once per process", step.label)
+        self.fn, self.step, self.first = torch.compile(graph, fullgraph=True, options=step.options), step, True
+
+    def __call__(self, *args):
+        for tensor, sizes in zip(args, self.step.dynamic_sizes().values(), strict=True):
+            for dim, size in sizes.items():
+                torch._dynamo.mark_dynamic(tensor, dim, min=size.min, max=size.max)
+        # Inductor's options in its global config while the graph is traced (the first call, and any recompile):
+        # Dynamo reads `freezing` there (not in torch.compile's options) to make the weights graph constants
+        with inductor_config.patch(self.step.options), torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT):
+            if not self.first:
+                return self.fn(*args)
+            start = time.perf_counter()
+            with compile_cache(self.step) as directory:
+                out = self.fn(*args)
+            self.first = False
+            self.step.compile_seconds = time.perf_counter() - start
+            log.info("compiled the target's step in %.1f s (caches in %s)", self.step.compile_seconds, directory)
+            return out

@@ -27,13 +27,10 @@ same step is the reference every method is compared with (`tree="none"`), as it 
 """
 
 import logging
-import os
-import time
 from contextlib import contextmanager
 
 import torch
 import torch.nn.functional as F
-from torch._inductor import config as inductor_config
 from transformers import AttentionInterface
 from transformers.cache_utils import Cache, CacheLayerMixin
 from transformers.utils.output_capturing import maybe_install_capturing_hooks
@@ -50,10 +47,6 @@ ATTENTION = "medusa_like_static"  # the attention function the compiled step's t
 MIN_ROWS = 2  # a dimension of 1 is specialised by the compiler: single nodes are padded to two rows
 MAX_ROWS = 64  # steps of up to this many nodes run compiled; larger forwards (prefills) run the same code eagerly
 MAX_CONTEXT = 1 << 20  # the longest live cache the compiled graph is built for (a bound the compiler needs)
-# every compiled step compiles one function (`_Graph`) for its own target: the compiler's default of 8 per function
-# would send a process's ninth target (tests, several models) back to eager
-RECOMPILE_LIMIT = 64
-PROFILER_NAME = "medusa_like compiled step"  # how a profiler names a call of the compiled package (CPUs)
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -210,7 +203,7 @@ class CompiledStep(TargetStep):
         layers = None if feature_layers is None else tuple(feature_layers)
         if last or real > self.max_rows or self.failed:  # a prefill, a large forward, or after a failure: eagerly
             mask, slots, positions = self._inputs(cache, position_ids, tree_mask, real)
-            with torch.inference_mode(), self._attention():
+            with torch.inference_mode(), self.traced_attention():
                 graph = _Graph(self.target, self.cache_keyword, every_state=layers is not None)
                 logits, hidden, states, new = graph(input_ids, positions, slots, mask, cache.buffer, last)
             cache.write(new)
@@ -219,7 +212,7 @@ class CompiledStep(TargetStep):
         ids = torch.cat([input_ids, input_ids.new_zeros(1, rows - real)], dim=1)  # [1, T]: a dummy row after one node
         mask, slots, positions = self._inputs(cache, position_ids, tree_mask, rows)
         try:
-            with self._attention():
+            with self.traced_attention():
                 # the whole buffer goes in, sliced to the live length inside: any capacity and length, one graph (a
                 # view's strides would name its buffer's capacity, and another capacity would compile again)
                 logits, hidden, states, new = self._compiled()(ids, positions, slots, mask, cache.buffer)
@@ -231,7 +224,7 @@ class CompiledStep(TargetStep):
         return logits[:real], _features(hidden[:real], states[:, :real], layers)
 
     @contextmanager
-    def _attention(self):
+    def traced_attention(self):
         """The target's attention through `static_attention` for the block (as the compiled graph was traced)."""
         config = self.target.config
         previous, config._attn_implementation = config._attn_implementation, ATTENTION
@@ -260,7 +253,9 @@ class CompiledStep(TargetStep):
             # the compiler cannot trace: installed here, before tracing
             maybe_install_capturing_hooks(self.target.base_model)
             graph = _Graph(self.target, self.cache_keyword, every_state=True)
-            self.compiled = _Package(graph, self) if self.target.device.type == "cpu" else _InProcess(graph, self)
+            self.compiled = (compile_cache.Package if self.target.device.type == "cpu" else compile_cache.InProcess)(
+                graph, self
+            )
         return self.compiled
 
     def dynamic_sizes(self) -> dict:
@@ -329,80 +324,3 @@ def _slides(text) -> bool:
     if getattr(text, "layer_types", None) is not None:
         return "sliding_attention" in text.layer_types
     return getattr(text, "use_sliding_window", True)
-
-
-class _Package:
-    """The step's graph compiled ahead of time into an AOTInductor package (`compile_cache.package_path`), loaded
-    from there when an earlier process built it: traced once by `torch.export` over the step's dynamic sizes, and
-    compiled with the step's Inductor options."""
-
-    def __init__(self, graph: _Graph, step: CompiledStep):
-        path = compile_cache.package_path(step)
-        start = time.perf_counter()
-        if path.is_file():
-            try:
-                self.run = torch._inductor.aoti_load_package(str(path))
-                log.info("loaded the target's compiled step from %s in %.1f s", path, time.perf_counter() - start)
-                return
-            except Exception as err:  # a package this key's build did not finish or another version wrote
-                log.warning("the compiled step at %s is unreadable (%s): compiling it again", path, err)
-                path.unlink(missing_ok=True)
-        self.run = torch._inductor.aoti_load_package(str(self._build(graph, step, path)))
-        step.compile_seconds = time.perf_counter() - start
-        log.info("compiled the target's step in %.1f s; saved to %s for later processes", step.compile_seconds, path)
-
-    @staticmethod
-    def _build(graph: _Graph, step: CompiledStep, path):
-        log.info(
-            "compiling the target's step (%s) on its first use: once for this target, settings and machine "
-            "(minutes for a 100M-parameter target on 2 cores; progress below)",
-            step.label,
-        )
-        start = time.perf_counter()
-        with step._attention(), torch.no_grad():
-            program = torch.export.export(
-                graph, step.example_inputs(), dynamic_shapes=step.dynamic_sizes(), strict=False
-            )
-        log.info(
-            "  traced the step's graph in %.1f s; generating and compiling its kernels", time.perf_counter() - start
-        )
-        partial = path.with_name(f"{path.stem}.partial-{os.getpid()}{path.suffix}")  # AOTInductor wants .pt2
-        try:
-            with compile_cache.compile_cache(step), inductor_config.patch(step.options):
-                torch._inductor.aoti_compile_and_package(
-                    program, package_path=str(partial), inductor_configs=dict(step.options)
-                )
-            os.replace(partial, path)  # complete, or absent: a killed build leaves only its partial file, never read
-        finally:
-            partial.unlink(missing_ok=True)  # a failed build's (a package is a gigabyte for a 100M target)
-        return path
-
-    def __call__(self, *args):
-        with torch.profiler.record_function(PROFILER_NAME):
-            return self.run(*args)
-
-
-class _InProcess:
-    """The step's graph compiled in this process by `torch.compile` (on GPUs: with CUDA graphs), its first call (the
-    compile) timed and logged, with Inductor's caches in the step's directory (`compile_cache.py`)."""
-
-    def __init__(self, graph: _Graph, step: CompiledStep):
-        log.info("compiling the target's step (%s) on its first use: once per process", step.label)
-        self.fn, self.step, self.first = torch.compile(graph, fullgraph=True, options=step.options), step, True
-
-    def __call__(self, *args):
-        for tensor, sizes in zip(args, self.step.dynamic_sizes().values(), strict=True):
-            for dim, size in sizes.items():
-                torch._dynamo.mark_dynamic(tensor, dim, min=size.min, max=size.max)
-        # Inductor's options in its global config while the graph is traced (the first call, and any recompile):
-        # Dynamo reads `freezing` there (not in torch.compile's options) to make the weights graph constants
-        with inductor_config.patch(self.step.options), torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT):
-            if not self.first:
-                return self.fn(*args)
-            start = time.perf_counter()
-            with compile_cache.compile_cache(self.step) as directory:
-                out = self.fn(*args)
-            self.first = False
-            self.step.compile_seconds = time.perf_counter() - start
-            log.info("compiled the target's step in %.1f s (caches in %s)", self.step.compile_seconds, directory)
-            return out

@@ -78,6 +78,8 @@ def onednn_bf16_packs_available() -> bool:
     return onednn_packs_available() and any(native)
 
 
+# the operators `few_row_product`'s kernels run, as torch's profiler names them (what a benchmark counts as products)
+PROFILED_PRODUCTS = ("aten::mm", "aten::addmm", "mkldnn::_linear_pointwise", "mkl::_mkl_linear")
 ANY_ROWS = 0  # the key of a oneDNN pack: one layout serves every row count
 # what a layer runs until its weight's plan is measured: F.linear for one row, weight-first over 2..MAX_ROWS rows
 UNMEASURED_PLAN = (0, *range(2, PLANNED_ROWS + 1))
