@@ -18,7 +18,8 @@ from medusa_like.decoding.tree_files import load_tree, save_tree
 from medusa_like.drafters.base import DrafterMismatchError
 from medusa_like.drafters.combined import CombinedDrafter
 from medusa_like.drafters.eagle3 import Eagle3Config, Eagle3Drafter
-from medusa_like.drafters.lookup import LookupDrafter, OutputStore
+from medusa_like.drafters.lookup import LookupDrafter
+from medusa_like.drafters.lookup_sources import OutputStore
 from medusa_like.drafters.medusa import HeadsConfig, MedusaHeads
 from medusa_like.drafters.vocab import DraftVocab
 from medusa_like.formats import export_drafter, load_drafter, read_drafter, save_drafter

@@ -11,7 +11,7 @@ from medusa_like.benchmarks import core, draft, first_call, linear, lookup, plot
 from medusa_like.benchmarks.command_line import ENTRIES, call, main, parser_for
 from medusa_like.benchmarks.harness import Report, median_ms, show, table
 from medusa_like.decoding.tree import DynamicTreeSpec
-from medusa_like.drafters.lookup import OutputStore
+from medusa_like.drafters.lookup_sources import OutputStore
 from medusa_like.forward import PROFILER_NAME
 from medusa_like.model import MedusaLikeModel
 from medusa_like.tiny import tiny_chat_target

@@ -11,13 +11,14 @@ from eval.evaluate import evaluate, exit_code
 from medusa_like.data.split import is_validation
 from medusa_like.drafters.base import DrafterMismatchError
 from medusa_like.drafters.medusa import HeadsConfig, MedusaHeads
+from medusa_like.evaluation.plots import PLOTS
 from medusa_like.evaluation.questions import (
     QuestionSetError,
     load_humaneval_questions,
     load_jsonl_questions,
     load_validation_questions,
 )
-from medusa_like.evaluation.report import PLOTS, failure_line, markdown
+from medusa_like.evaluation.report import failure_line, markdown
 from medusa_like.evaluation.setup import load_eval_model as load_model
 from medusa_like.evaluation.setup import question_set
 from medusa_like.formats import save_drafter

@@ -12,7 +12,8 @@ from medusa_like.decoding.checks import check_context
 from medusa_like.decoding.tree import MAX_DRAFTED_NODES, MAX_TREE_NODES, BudgetedTreeSpec, DynamicTreeSpec, TokenTree
 from medusa_like.decoding.tree_files import resolve_tree
 from medusa_like.drafters.base import DrafterMismatchError
-from medusa_like.drafters.lookup import DEFAULT_STORE_TOKENS, LookupDrafter
+from medusa_like.drafters.lookup import LookupDrafter
+from medusa_like.drafters.lookup_sources import DEFAULT_STORE_TOKENS
 from medusa_like.evaluation.benchmark import context_overflow
 from medusa_like.targets import weights_fingerprint
 

@@ -15,15 +15,10 @@ from medusa_like.decoding.tree_files import load_tree, save_tree, spec_from_json
 from medusa_like.drafters.base import DrafterMismatchError
 from medusa_like.drafters.budget import best_rate, lookup_certainty
 from medusa_like.drafters.combined import CombinedDrafter
-from medusa_like.drafters.lookup import (
-    SEPARATOR,
-    ContextLookup,
-    Continuation,
-    LookupDrafter,
-    NgramIndex,
-    OutputStore,
-)
+from medusa_like.drafters.lookup import LookupDrafter
+from medusa_like.drafters.lookup_sources import ContextLookup, OutputStore
 from medusa_like.drafters.merged_tree import PROBE_EVERY, MergedTreeProposer, SessionState
+from medusa_like.drafters.ngram_index import SEPARATOR, Continuation, NgramIndex
 from medusa_like.formats.registry import EAGLE3
 from medusa_like.forward import prepare_target
 from medusa_like.forward.cost_measure import measure_cost_model

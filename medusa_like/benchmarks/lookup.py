@@ -18,7 +18,8 @@ import torch
 from medusa_like.data.sources import load_conversations
 from medusa_like.decoding.cost_model import CostModel
 from medusa_like.decoding.tree import BudgetedTreeSpec
-from medusa_like.drafters.lookup import LookupDrafter, OutputStore
+from medusa_like.drafters.lookup import LookupDrafter
+from medusa_like.drafters.lookup_sources import OutputStore
 from medusa_like.forward.cpu.machine import machine_identity
 from medusa_like.targets import DEFAULT_TARGET, weights_fingerprint
 

@@ -11,7 +11,8 @@ from medusa_like.data.prepare import load_model as load_target_model
 from medusa_like.data.split import draft_vocab_from_training_split, training_answers
 from medusa_like.decoding.tree_files import save_tree
 from medusa_like.drafters.combined import COMBINED
-from medusa_like.drafters.lookup import LOOKUP, OutputStore
+from medusa_like.drafters.lookup import LOOKUP
+from medusa_like.drafters.lookup_sources import OutputStore
 from medusa_like.evaluation.methods import alone
 from medusa_like.evaluation.questions import Question, load_questions, select
 from medusa_like.evaluation.tree_search import fastest_prompt_lookup, search

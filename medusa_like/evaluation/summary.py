@@ -12,8 +12,10 @@ import transformers
 
 from medusa_like.decoding.tree_files import spec_from_json
 from medusa_like.evaluation import metrics
+from medusa_like.evaluation.losslessness import LOSSLESSNESS, losslessness_section
 from medusa_like.evaluation.methods import BASELINES, METHODS, REFERENCE, SPECULATIVE, STOCK
-from medusa_like.evaluation.report import print_report, write_plots, write_report
+from medusa_like.evaluation.plots import write_plots
+from medusa_like.evaluation.report import print_report, write_report
 from medusa_like.evaluation.tree_search import (
     budgeted_candidates,
     dynamic_candidates,
@@ -33,9 +35,7 @@ DEFINITIONS = {
     "tokens_per_second": "new tokens / wall seconds of the whole call (prefill included); median over prompts (a tree "
     "sweep's rows: the geometric mean over the sweep's prompts, as the tree search ranks trees)",
     "speedup": "median tokens/s of the method / median tokens/s of the baseline (paired: median of per-prompt ratios)",
-    "losslessness": "share of prompts whose speculative tokens equal (a)'s, greedy on the same forward: "
-    "same length, equal token for token; lossless: every method of this project equals (a), and (g) wherever (g) ran, "
-    "on every prompt (what the exit status follows)",
+    "losslessness": LOSSLESSNESS,
     "stock_equality": "share of prompts whose tokens equal (g)'s, transformers' greedy with its own nn.Linear layers; "
     "a difference fails the run as one from (a) does, and its margin (the reference's token's logit minus the method's "
     "at the first differing token, under the reference's layers) tells a near-tie that other kernels' rounding flipped "
@@ -57,134 +57,6 @@ def acceptance_section(records: list[dict]) -> dict:
         for cat, group in metrics.group_by(records, "category").items()
     }
     return section
-
-
-def our_methods(records: list[dict], methods: list[str]) -> list[str]:
-    """This project's decoding methods among `methods` (those with decoding stats); the baselines report none."""
-    return [m for m in methods if records[0][m]["stats"] is not None]
-
-
-def losslessness_section(model, records: list[dict], methods: list[str]) -> dict:
-    """Every method's outputs against greedy on the same forward, (a), and against transformers'
-    greedy as it ships, (g): equality shares and, for each difference, the logit margin at the first differing token.
-
-    The headline fields (`fraction`, `mismatches`, `mismatched`) are the speculative method's against (a). `failures`
-    lists each method of this project that differs from (a), or from (g) where (g) ran, with its margins; `lossless`
-    (no failure) is what the exit status follows: the claim is equality with both."""
-    section = metrics.losslessness([(r[SPECULATIVE]["tokens"], r[REFERENCE]["tokens"]) for r in records])
-    del section["mismatch_index"], section["first_divergence"]
-    against = {REFERENCE: compare(model.target, records, methods, REFERENCE)}
-    stock = stock_note(model, methods)
-    if stock["compared"]:
-        against[STOCK] = compare(model.forward.stock(), records, methods, STOCK)
-    differences = {ref: result["differences"] for ref, result in against.items()}
-    section["mismatched"] = [d for d in differences[REFERENCE] if d["method"] == SPECULATIVE]
-    ours = our_methods(records, methods)
-    section["per_method"] = {m: against[REFERENCE]["shares"][m] for m in ours}  # equality with (a)
-    section["failures"] = failures(ours, against, len(records))
-    section["not_lossless"] = [m for m in ours if any(f["method"] == m for f in section["failures"])]
-    section["lossless"] = not section["failures"]
-    section["equality"] = {
-        m: {ref: result["shares"].get(m) for ref, result in against.items() if ref != m} for m in methods
-    }
-    section["differences"] = differences
-    section["stock"] = stock
-    section["definition"] = DEFINITIONS["losslessness"]
-    return section
-
-
-def failures(ours: list[str], against: dict[str, dict], prompts: int) -> list[dict]:
-    """One entry per method of this project (`ours`) and reference of `against` ({reference: `compare`'s result})
-    whose outputs differ on some prompt: how many of the `prompts` differ, and the reference's logit margin at each
-    first difference (None where one output ends where the other goes on)."""
-    found = []
-    for reference, result in against.items():
-        for method in ours:
-            differences = [d for d in result["differences"] if d["method"] == method]
-            if differences:
-                found.append(
-                    {
-                        "method": method,
-                        "reference": reference,
-                        "differing_prompts": len(differences),
-                        "prompts": prompts,
-                        "margins": [d.get("margin") for d in differences],
-                    }
-                )
-    return found
-
-
-def stock_note(model, methods: list[str]) -> dict:
-    """Whether (g), transformers' greedy with its own nn.Linear layers, was run and compared, and why not."""
-    if STOCK in methods:
-        return {"compared": True, "note": "every method compared with (g) as well as with (a)"}
-    if not model.forward.differs_from_stock:
-        note = (
-            "(g) not run: the target runs eagerly on its own nn.Linear layers (no tuned layers on this device and "
-            "dtype, nothing compiled), so (a) is transformers' greedy as it ships"
-        )
-    else:
-        note = "(g) not run in this run's records: outputs are compared with (a), greedy on the same forward, alone"
-    return {"compared": False, "note": note}
-
-
-def compare(target, records: list[dict], methods: list[str], reference: str) -> dict:
-    """Every method but `reference` against `reference`'s tokens: {"shares": {method: share of equal outputs},
-    "differences": one entry per differing output, with `target`'s logit margin at its first differing token}.
-    The margins are computed after the timed runs, with one forward of `target` per prompt that has a difference."""
-    others = [m for m in methods if m != reference]
-    shares = {
-        m: metrics.losslessness([(r[m]["tokens"], r[reference]["tokens"]) for r in records])["fraction"] for m in others
-    }
-    differences = []
-    for record in records:
-        diverging = {m: metrics.first_divergence(record[m]["tokens"], record[reference]["tokens"]) for m in others}
-        diverging = {m: d for m, d in diverging.items() if d is not None}
-        if not diverging:
-            continue
-        margins = divergence_margins(target, record, reference, diverging)
-        for m, index in diverging.items():
-            differences.append(
-                {
-                    "method": m,
-                    "question_id": record["question_id"],
-                    "turn": record["turn"],
-                    "first_divergence": index,
-                    **margins[m],
-                }
-            )
-    return {"shares": shares, "differences": differences}
-
-
-@torch.inference_mode()
-def divergence_margins(target, record: dict, reference: str, diverging: dict[str, int]) -> dict[str, dict]:
-    """Per method of `diverging` ({method: first differing index}): `target`'s logits after the prompt and the
-    reference's tokens up to that index, the two tokens there, and the margin: the reference's token's logit minus
-    the method's (near zero: a near-tie that rounding can flip; large: a bug). One forward over the prompt and the
-    reference's answer, keeping the logits of the positions asked for."""
-    ref_tokens = record[reference]["tokens"]
-    out: dict[str, dict] = {}
-    scored = {}
-    for m, index in diverging.items():
-        if index >= len(ref_tokens) or index >= len(record[m]["tokens"]):
-            out[m] = {"margin": None, "note": "one output ends where the other goes on (an EOS decided differently)"}
-        else:
-            scored[m] = index
-    if scored:
-        prompt = record["prompt_ids"]
-        ids = torch.tensor([prompt + ref_tokens[: max(scored.values())]], device=target.device)
-        positions = sorted(set(scored.values()))
-        keep = torch.tensor([len(prompt) + i - 1 for i in positions], device=target.device)
-        logits = target(ids, logits_to_keep=keep).logits[0].float()  # [len(positions), V]
-        for m, index in scored.items():
-            row = logits[positions.index(index)]
-            ours = record[m]["tokens"][index]
-            out[m] = {
-                "reference_token": ref_tokens[index],
-                "method_token": ours,
-                "margin": float(row[ref_tokens[index]] - row[ours]),
-            }
-    return out
 
 
 def methods_section(records: list[dict], methods: list[str], speed: dict) -> dict:
