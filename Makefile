@@ -52,20 +52,21 @@ run: $(STAMP)
 
 # two workers (pytest-xdist), a test file each at a time: the tiny models use one thread each (tests/conftest.py), so
 # two files at once keep both cores busy where one would leave one idle
+# (the header names the machine, whether it computes bf16 natively, and the test order: tests/conftest.py)
 PYTEST_WORKERS ?= 2
 test: $(STAMP)
-	$(PY) -m pytest -q -n $(PYTEST_WORKERS) --dist loadfile -m "not heavy" tests
+	$(PY) -m pytest -n $(PYTEST_WORKERS) --dist loadfile -m "not heavy" tests
 
 # every test: also those marked `heavy` (a minute or more of a core each: the compiled step on two more families and
 # through the evaluation's entry point as shipped, the wheel installed into a new environment, the sampling
 # statistic's power against a biased rule)
 test-all: $(STAMP)
-	$(PY) -m pytest -q -n $(PYTEST_WORKERS) --dist loadfile tests
+	$(PY) -m pytest -n $(PYTEST_WORKERS) --dist loadfile tests
 
 # the suite without the tests marked `slow` (about half a second or more each: entry points run as processes,
 # training, evaluation and tree-search runs, wheels, the decoding matrices over every family, backend and tree)
 test-fast: $(STAMP)
-	$(PY) -m pytest -q -n $(PYTEST_WORKERS) --dist loadfile -m "not slow and not heavy" tests
+	$(PY) -m pytest -n $(PYTEST_WORKERS) --dist loadfile -m "not slow and not heavy" tests
 
 # all 80 MT-Bench questions, both turns, with `make run`'s drafter and tree: transformers greedy and prompt lookup (the
 # same layers), transformers greedy as it ships, lookup alone and combined, interleaved; resumable (run it again after

@@ -245,6 +245,19 @@ class OracleProposer:
 LONGEST_FILES = ("test_training.py", "test_generate.py", "test_compiled.py", "test_sampling.py", "test_eval.py")
 
 
+def pytest_report_header(config):
+    """Which kind of machine ran the suite (a run's log then says which kind it passed on), and its order."""
+    from medusa_like.forward.platform import native_bf16
+
+    bf16 = "native bf16 (AMX or AVX512-BF16)" if native_bf16(torch.device("cpu")) else "no native bf16"
+    shuffle = os.environ.get("MEDUSA_LIKE_TEST_SHUFFLE")
+    order = f"shuffled, seed {shuffle}" if shuffle is not None else "longest files first"
+    return [
+        f"machine: {machine_identity()}, {os.cpu_count()} CPUs, {bf16}; CUDA: {torch.cuda.is_available()}; "
+        f"test order: {order}"
+    ]
+
+
 def pytest_collection_modifyitems(config, items):
     seed = os.environ.get("MEDUSA_LIKE_TEST_SHUFFLE")
     if seed is not None:

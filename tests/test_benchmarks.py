@@ -7,7 +7,18 @@ import json
 import pytest
 import torch
 
-from medusa_like.benchmarks import core, draft, first_call, linear, lookup, plot_results, prefill, verify, vocab
+from medusa_like.benchmarks import (
+    core,
+    draft,
+    first_call,
+    linear,
+    lookup,
+    plot_results,
+    prefill,
+    products,
+    verify,
+    vocab,
+)
 from medusa_like.benchmarks.command_line import ENTRIES, call, main, parser_for
 from medusa_like.benchmarks.harness import Report, median_ms, show, table
 from medusa_like.decoding.tree import DynamicTreeSpec
@@ -149,6 +160,27 @@ def test_prefill_and_training_read_and_linear_verify_on_a_tiny_target():
     assert prefill.prefill_ms(target, ids[:1]) > 0 and prefill.read_ms(target, ids) > 0
     assert "nn.Linear" in prefill.prefill_targets(target)
     assert len(linear.verify_ms(target, [1, 2, 3])) == 3
+
+
+@pytest.mark.slow
+def test_every_way_of_the_products_benchmark_computes_every_product_of_the_eager_chain():
+    target = tiny_target("llama")
+    module = products.products_of(target, layers=2)
+    assert len(module.linears) == 14  # q, k, v, o, gate, up, down per layer
+    ms, eager = products.way_ms(module, "eager", [2, 5], repeats=2)
+    assert len(ms) == 2
+    for way in ("aten", "template"):
+        ms, out = products.way_ms(module, way, [2, 5], repeats=2)
+        assert len(ms) == 2
+        torch.testing.assert_close(out, eager, rtol=1e-4, atol=1e-5)
+    x = torch.randn(2, module.hidden, generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        whole = module(x)
+        for linear in module.linears:  # each product reaches the output: none is dead code a compiler may drop
+            kept = linear.weight.clone()
+            linear.weight.zero_()
+            assert not torch.allclose(module(x), whole), linear
+            linear.weight.copy_(kept)
 
 
 def test_a_vocabulary_projection_is_timed():

@@ -24,6 +24,13 @@ class CompileUnsupported(RuntimeError):
     """This platform cannot run the compiled step; the message says why (the eager step runs instead)."""
 
 
+CPU_OPTIONS = {  # Inductor's options of the compiled step on CPUs
+    "freezing": True,  # weights become constants: packed once for the GEMM template
+    "max_autotune": True,
+    "max_autotune_gemm_backends": "CPP",
+}
+
+
 def native_bf16(device: torch.device) -> bool:
     """Whether bf16 products are computed natively here (CUDA, or a CPU with AMX or AVX512-BF16)."""
     return device.type == "cuda" or (device.type == "cpu" and onednn_bf16_packs_available())
@@ -64,12 +71,7 @@ def compile_settings(target) -> tuple[dict, str]:
         problem = _cpp_compiler()
         if problem:
             raise CompileUnsupported(problem)
-        options = {
-            "freezing": True,  # weights become constants: packed once for the GEMM template
-            "max_autotune": True,
-            "max_autotune_gemm_backends": "CPP",
-        }
-        return options, "inductor, C++ GEMM template"
+        return dict(CPU_OPTIONS), "inductor, C++ GEMM template"
     if device.type == "cuda":
         if importlib.util.find_spec("triton") is None:
             raise CompileUnsupported("Inductor needs triton on CUDA, which is not installed")
