@@ -8,6 +8,7 @@ two families are left to make test-all (`family`)."""
 
 import json
 import logging
+import time
 from pathlib import Path
 
 import pytest
@@ -20,6 +21,7 @@ from medusa_like.drafters.lookup import LookupDrafter
 from medusa_like.formats.registry import EAGLE3
 from medusa_like.forward import compile_cache, prepare_target
 from medusa_like.forward import platform as forward_platform
+from medusa_like.forward.compile_cache import progress
 from medusa_like.forward.compiled import CompiledStep
 from medusa_like.forward.platform import CompileUnsupported, compile_settings
 from medusa_like.model import MedusaLikeModel
@@ -181,6 +183,22 @@ def test_an_unsupported_platform_runs_eager_and_says_why(monkeypatch, caplog):
     with caplog.at_level(logging.WARNING):
         prepare_target(tiny_target("llama"), tuned_layers=False, compile=True)
     assert any(r.levelno == logging.WARNING and "riscv64" in r.message for r in caplog.records)
+
+
+def test_a_long_compile_logs_its_progress_until_it_ends(caplog):
+    def still() -> int:
+        return sum("still building" in r.message for r in caplog.records)
+
+    with caplog.at_level(logging.INFO, logger="medusa_like.forward.compile_cache"):
+        with progress("building", every=0.05):
+            time.sleep(0.4)
+        during = still()
+        with pytest.raises(RuntimeError, match="broke"), progress("building", every=0.05):
+            raise RuntimeError("broke")
+        time.sleep(0.3)
+    assert during >= 3  # about 8 lines in 0.4 s
+    assert still() == during  # each reporter stopped with its block, the failed one too
+    assert "s so far" in caplog.text
 
 
 def test_compile_must_be_a_known_choice():

@@ -23,6 +23,7 @@ import logging
 import os
 import platform
 import shutil
+import threading
 import time
 from contextlib import contextmanager
 from pathlib import Path
@@ -45,6 +46,7 @@ CACHE_VERSION = 2  # part of the key: raised when what is cached here changes me
 # default of 8 per function would send a process's ninth target (tests, several models) back to eager
 RECOMPILE_LIMIT = 64
 PROFILER_NAME = "medusa_like compiled step"  # how a profiler names a call of the compiled package (CPUs)
+PROGRESS_SECONDS = 30.0  # how often a long compile logs that it is still at work
 
 
 def cache_key(step) -> dict:
@@ -110,6 +112,26 @@ def package_path(step) -> Path:
     return checked_directory(step) / PACKAGE_FILE
 
 
+@contextmanager
+def progress(doing: str, every: float | None = None):
+    """Log "still <doing>: N s so far" every `every` seconds (`PROGRESS_SECONDS`) while the block runs: Inductor's
+    code generation and C++ build say nothing for minutes."""
+    every = PROGRESS_SECONDS if every is None else every
+    done, start = threading.Event(), time.perf_counter()
+
+    def report():
+        while not done.wait(every):
+            log.info("  still %s: %.0f s so far", doing, time.perf_counter() - start)
+
+    reporter = threading.Thread(target=report, name="compile progress", daemon=True)
+    reporter.start()
+    try:
+        yield
+    finally:
+        done.set()
+        reporter.join()
+
+
 class Package:
     """The step's graph compiled ahead of time into an AOTInductor package (`package_path`), loaded
     from there when an earlier process built it: traced once by `torch.export` over the step's dynamic sizes, and
@@ -147,7 +169,7 @@ class Package:
         )
         partial = path.with_name(f"{path.stem}.partial-{os.getpid()}{path.suffix}")  # AOTInductor wants .pt2
         try:
-            with compile_cache(step), inductor_config.patch(step.options):
+            with compile_cache(step), inductor_config.patch(step.options), progress("generating and compiling"):
                 torch._inductor.aoti_compile_and_package(
                     program, package_path=str(partial), inductor_configs=dict(step.options)
                 )
@@ -179,7 +201,7 @@ class InProcess:
             if not self.first:
                 return self.fn(*args)
             start = time.perf_counter()
-            with compile_cache(self.step) as directory:
+            with compile_cache(self.step) as directory, progress("compiling"):
                 out = self.fn(*args)
             self.first = False
             self.step.compile_seconds = time.perf_counter() - start
