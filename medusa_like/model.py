@@ -188,7 +188,7 @@ class MedusaLikeModel:
 
     def measure_cost_model(self, **options) -> CostModel:
         """Measure this machine's full cost model of the target's step (every tree size, the fastest kernels chosen
-        and set, the row plans measured where missing) and use it from now on: it replaces the quick first estimate
+        and set, the layers tuned where missing) and use it from now on: it replaces the quick first estimate
         measured on first use, on disk too, for every later process. Takes a while: it times many forwards.
         `options`: `forward.cost_measure.measure_cost_model`'s."""
         with self._one_generation():
@@ -196,12 +196,12 @@ class MedusaLikeModel:
             self.drafter.use_cost_model(cost)
             return cost
 
-    def measure_row_plans(self) -> None:
+    def tune_layers(self) -> None:
         """Measure what this machine's tuned layers of the target and the drafter run fastest by, where its cache
         lacks it (once per weight shape, then cached). Construction only reads the cache, so that a first call never
         waits for it; `measure_cost_model` measures them too."""
         with self._one_generation():
-            self.forward.measure_row_plans(self.drafter)
+            self.forward.tune_layers(self.drafter)
 
     def settle_cost_model(self) -> None:
         """Before a generation: a drafter that sizes its trees by a cost model gets this machine's (unless it holds

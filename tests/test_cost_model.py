@@ -306,12 +306,12 @@ def test_a_learned_drafter_alone_verifies_with_the_kernels_of_this_machines_cach
 
 
 @pytest.mark.slow
-def test_construction_measures_no_row_plan_and_measure_row_plans_measures_the_target_and_drafter_ones(cache_dir):
+def test_construction_measures_no_row_plan_and_tune_layers_measures_the_target_and_drafter_ones(cache_dir):
     target = tiny_target("llama")
     model = MedusaLikeModel(target, None, EAGLE3.fresh(target), backend="sdpa")
     layers = [m for m in (*model.target.modules(), *model.drafter.modules()) if isinstance(m, FewRowLinear) and m.plan]
     assert layers and not any(m.plan_measured for m in layers) and not (cache_dir / "row_plans.json").exists()
-    model.measure_row_plans()
+    model.tune_layers()
     assert all(m.plan_measured for m in layers) and (cache_dir / "row_plans.json").exists()
     assert_lossless(model)
 

@@ -71,7 +71,7 @@ def load_eval_setup(cfg: DictConfig) -> tuple[MedusaLikeModel, dict | None]:
         drafter_dtype=cfg.drafter.get("dtype", "auto"),
         compile=cfg.target.get("compile", False),
     )
-    model.measure_row_plans()  # every method runs measured row plans (once per machine: then cached)
+    model.tune_layers()  # every method runs layers measured on this machine (once per machine: then cached)
     return model, store_filling
 
 

@@ -175,7 +175,7 @@ class Package:
                 )
             os.replace(partial, path)  # complete, or absent: a killed build leaves only its partial file, never read
         finally:
-            partial.unlink(missing_ok=True)  # a failed build's (a package is a gigabyte for a 100M target)
+            partial.unlink(missing_ok=True)  # a failed build's (a package is hundreds of MB for a 100M target)
         return path
 
     def __call__(self, *args):

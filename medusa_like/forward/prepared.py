@@ -134,7 +134,7 @@ class PreparedTarget:
             _announce(use_few_row_linears(drafter, plans="cached"), "drafter")
         return drafter
 
-    def measure_row_plans(self, *modules) -> None:
+    def tune_layers(self, *modules) -> None:
         """Measure the row plans of the target's and `modules`' few-row layers this machine's cache lacks (once per
         weight shape, then cached); construction only reads the cache, so that a first call never waits for them."""
         if self.tuned:
@@ -201,7 +201,7 @@ class PreparedTarget:
     def measure_cost_model(self, *drafters, **options) -> CostModel:
         """A full measurement (every tree size with each kernel this machine runs, the row plans of the target and
         `drafters` measured first where missing), cached in place of any earlier one and made active."""
-        self.measure_row_plans(*(d for d in drafters if d is not None))
+        self.tune_layers(*(d for d in drafters if d is not None))
         self.active = cost_cache.full(self, **options)  # the measurement set the kernels it chose
         return self.active
 
