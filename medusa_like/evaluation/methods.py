@@ -4,14 +4,19 @@ Each factory takes a `MethodContext` and returns a `timing.Runner`. Adding a met
 baseline) is one entry in `METHODS`; the report, its tables and the speed summary follow it.
 """
 
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
+from medusa_like.engines.llamacpp import plain as llamacpp_plain
 from medusa_like.evaluation.timing import Runner
 
+log = logging.getLogger(__name__)
+
 REFERENCE = "hf_greedy"  # the output every method must reproduce token for token: greedy on the same forward
+LLAMACPP_PLAIN = "llamacpp_plain"  # llama.cpp's plain decoding, where it is built
 STOCK = "hf_greedy_stock"  # transformers' greedy as it ships: every output is compared with it too
 BASELINES = ("hf_greedy", "hf_prompt_lookup")  # speedups are reported against each of these
 SPECULATIVE = "speculative"  # the method under evaluation: its acceptance and losslessness are reported
@@ -130,6 +135,15 @@ def learned_alone_runner(c: MethodContext) -> Runner:
     return loop_runner(model, tree, c.eos)
 
 
+def llamacpp_why_not(c: MethodContext) -> str | None:
+    return llamacpp_plain.why_not(c.model.forward.stock())
+
+
+def llamacpp_runner(c: MethodContext) -> Runner:
+    """Method (l): llama.cpp's plain decoding of the target's own weights (`engines/llamacpp/plain.py`)."""
+    return llamacpp_plain.plain_runner(c.model.forward.stock(), c.model.tokenizer, c.eos)
+
+
 @dataclass(frozen=True)
 class Method:
     label: str  # short, for tables
@@ -137,6 +151,7 @@ class Method:
     make: Callable[[MethodContext], Runner]
     applies: Callable[[MethodContext], bool] = lambda c: True
     by_default: bool = True  # run when eval.methods names none; else only when named
+    why_not: Callable[[MethodContext], str] = lambda c: "it does not apply to this drafter"  # logged when named
 
 
 METHODS: dict[str, Method] = {
@@ -166,6 +181,17 @@ METHODS: dict[str, Method] = {
         "baseline (its compiled code rounds otherwise than (a)'s, so its outputs are not compared)",
         lambda c: hf_compiled_runner(c.model.forward.stock(), c.eos, c.pad),
         by_default=False,  # minutes of compiling: make run and make bench name it
+    ),
+    LLAMACPP_PLAIN: Method(
+        "(l) llama.cpp plain, same precision",
+        "(l) llama.cpp's plain greedy decoding (llama-server, one slot) of the target converted by llama.cpp's own "
+        "converter in the target's precision, prompt processing included: the fastest plain decoding a CPU user can "
+        "pick; a speed baseline (its kernels round otherwise than (a)'s, so its outputs are reported, not asserted); "
+        "run where llama.cpp is built (`make llamacpp`)",
+        llamacpp_runner,
+        lambda c: llamacpp_why_not(c) is None,
+        by_default=False,
+        why_not=llamacpp_why_not,
     ),
     "plain_loop": Method(
         "(c) our loop, no drafter",
@@ -222,6 +248,8 @@ def make_runners(model, tree, prompt_lookup_num_tokens: int, names=None, learned
         raise ValueError(f"eval.methods: unknown methods {sorted(unknown)}; known: {list(METHODS)}")
     default = [name for name, method in METHODS.items() if method.by_default]
     wanted = set(names or default) | {REFERENCE, STOCK, SPECULATIVE, *BASELINES}
+    for name in sorted(set(names or ()) - {n for n, m in METHODS.items() if m.applies(context)}):
+        log.warning("eval.methods names %s, not run: %s", name, METHODS[name].why_not(context))
     return {
         name: method.make(context) for name, method in METHODS.items() if name in wanted and method.applies(context)
     }

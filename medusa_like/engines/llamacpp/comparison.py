@@ -146,14 +146,17 @@ def write_report(report: dict, out_dir: Path) -> None:
 def measure(cfg) -> dict | None:
     """Build llama.cpp (or reuse the build), export the drafter in each precision, run every setting on the
     validation prompts, measure this framework's chains; write llamacpp.json / llamacpp.md. None when llama.cpp
-    cannot be built here (the reason is logged)."""
+    cannot be built here (the reason is logged), or when `build_only` asks for the build alone."""
     run = cfg.llamacpp
     try:
         binary = build(Path(run.cache), run.sdist)
-        if run.batch_sizes:
+        if run.batch_sizes or cfg.build_only:
             build(Path(run.cache), run.sdist, name=SERVER)
     except LlamaCppUnavailable as err:
         log.warning("llama.cpp run skipped: %s", err)
+        return None
+    if cfg.build_only:
+        log.info("llama.cpp is built in %s: evaluations now time its plain decoding too (method (l))", run.cache)
         return None
     out_dir = run_dir(cfg)
     target, tokenizer = load_target(cfg.model.name_or_path, dtype="float32", device="cpu")
