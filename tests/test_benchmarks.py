@@ -183,6 +183,23 @@ def test_every_way_of_the_products_benchmark_computes_every_product_of_the_eager
             linear.weight.copy_(kept)
 
 
+@pytest.mark.slow
+def test_the_int8_way_streams_a_quarter_of_the_bytes_and_computes_the_int8_products():
+    """template+int8 runs the weight-only int8 copies: a quarter of the fp32 bytes (plus a scale per output channel),
+    the compiled output equal to the int8 copy's eager output, and the copy near the fp32 chain (int8 rounding)."""
+    target = tiny_target("llama")
+    module = products.products_of(target, layers=2)
+    int8 = products.int8_copy(module)
+    scales = sum(linear.out_features for linear in module.linears) * 4
+    assert products.weight_bytes(int8) == products.weight_bytes(module) // 4 + scales
+    assert all(linear.weight.dtype == torch.int8 for linear in int8.linears)
+    _, eager = products.way_ms(int8, "eager", [3], repeats=1)
+    _, compiled = products.way_ms(int8, "template+int8", [3], repeats=1)
+    torch.testing.assert_close(compiled, eager, rtol=1e-4, atol=1e-5)
+    _, full = products.way_ms(module, "eager", [3], repeats=1)
+    assert 0 < (eager - full).abs().max() < 0.05 * full.abs().max()
+
+
 def test_a_vocabulary_projection_is_timed():
     assert vocab.projection_ms(torch.randn(64, 16), nodes=2, repeats=3) > 0
 

@@ -13,6 +13,8 @@ way:
     aten              compiled with the weights frozen: ATen's packed linear (oneDNN)
     template          compiled with the weights frozen, by Inductor's C++ GEMM template: what the compiled step runs
     template+concat   the same, products of one input concatenated into one (Inductor's `cpp.enable_concat_linear`)
+    template+int8     the template over weight-only int8 copies (one scale per output channel, a quarter of the
+                      bytes; Inductor's weight-only int8 pattern): what an int8 target precision would stream
 
 Each way's median ms at each row count, the rate its weights stream at (GB/s) and its arithmetic (GFLOP/s), beside
 the machine's own: one read of a tensor the size of the target's weights, and a large square fp32 product. A single
@@ -35,7 +37,27 @@ WAYS = {  # Inductor's options per compiled way (None: eager)
     "aten": {"freezing": True},
     "template": CPU_OPTIONS,
     "template+concat": {**CPU_OPTIONS, "cpp.enable_concat_linear": True},
+    "template+int8": CPU_OPTIONS,
 }
+INT8_WAYS = {"template+int8"}  # computed over `Int8Linear` copies of the products
+
+
+class Int8Linear(nn.Module):
+    """A weight-only int8 copy of a bias-free nn.Linear: symmetric, one scale per output channel, computed in the
+    input's dtype (the form Inductor's weight-only int8 pattern matches)."""
+
+    def __init__(self, linear: nn.Linear):
+        super().__init__()
+        if linear.bias is not None:
+            raise ValueError("Int8Linear copies bias-free products only")
+        weight = linear.weight.detach()  # [O, I]
+        scale = weight.abs().amax(dim=1).clamp(min=1e-12) / 127  # [O]
+        self.register_buffer("weight", torch.round(weight / scale[:, None]).to(torch.int8))  # [O, I]
+        self.register_buffer("scale", scale)
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+
+    def forward(self, x):  # [M, I] -> [M, O]
+        return torch.mm(x, self.weight.to(x.dtype).t()) * self.scale
 
 
 class Products(nn.Module):
@@ -71,7 +93,14 @@ def products_of(target, layers: int) -> Products:
 
 
 def weight_bytes(module: nn.Module) -> int:
-    return sum(p.numel() * p.element_size() for p in module.parameters())
+    return sum(t.numel() * t.element_size() for t in (*module.parameters(), *module.buffers()))
+
+
+def int8_copy(module: Products) -> Products:
+    """`module` with every product replaced by its `Int8Linear` copy."""
+    quantized = Products([], module.hidden)
+    quantized.linears = nn.ModuleList(Int8Linear(linear) for linear in module.linears)
+    return quantized.eval()
 
 
 @torch.no_grad()
@@ -124,12 +153,14 @@ def run(
     threads = use_threads(threads)
     model, _, _ = load(target)
     module = products_of(model, layers)
+    int8 = int8_copy(module) if INT8_WAYS & set(ways) else None
     nbytes, sizes = weight_bytes(module), sorted(set(rows))
+    streamed = {way: weight_bytes(int8) if way in INT8_WAYS else nbytes for way in ways}
     flops = 2 * sum(p.numel() for p in module.parameters())  # a row's multiply-adds
     memory, peak = memory_gbs(weight_bytes(model), repeats), peak_gflops()
     measured, outputs = {}, {}
     for way in ways:
-        measured[way], outputs[way] = way_ms(module, way, sizes, repeats)
+        measured[way], outputs[way] = way_ms(int8 if way in INT8_WAYS else module, way, sizes, repeats)
     reference = outputs[ways[0]]
     differences = {w: float((outputs[w] - reference).abs().max()) for w in ways}
     header = ["way", *(f"{n} rows: ms · GB/s · GFLOP/s" for n in sizes)]
@@ -137,7 +168,7 @@ def run(
         [
             way,
             *(
-                f"{ms:.2f} · {nbytes / ms / 1e6:.1f} · {n * flops / ms / 1e6:.1f}"
+                f"{ms:.2f} · {streamed[way] / ms / 1e6:.1f} · {n * flops / ms / 1e6:.1f}"
                 for n, ms in zip(sizes, times, strict=True)
             ),
         ]
@@ -149,13 +180,15 @@ def run(
         f"on a 1024x1024 fp32 product; at N rows a way can take no less than max({nbytes / 1e6:.0f} MB / memory "
         f"speed, N x {flops / 1e9:.2f} GFLOP / peak)",
         f"largest difference from {ways[0]}'s output: "
-        + ", ".join(f"{w} {d:.1e}" for w, d in differences.items() if w != ways[0]),
+        + ", ".join(f"{w} {d:.1e}" for w, d in differences.items() if w != ways[0])
+        + (" (int8 weights round the products: another precision)" if INT8_WAYS & set(ways) else ""),
     ]
     result = {
         "target": target,
         "layers": layers,
         "threads": threads,
         "weight_bytes": nbytes,
+        "streamed_bytes": streamed,
         "rows": sizes,
         "ms": measured,
         "memory_gb_per_s": memory,
