@@ -71,6 +71,14 @@ def test_server_has_a_slot_per_request_and_no_busy_waiting(setting):
     assert given.get("--spec-type") == (None if setting is None else setting.spec_type)
 
 
+def test_plain_decoding_alone_keeps_ggmls_spinning_thread_pools():
+    """The evaluation's method (l) runs llama.cpp as it ships: no polling flag, the same threads."""
+    command = server_command(Path("bin"), Path("target.gguf"), None, 1, 1024, 2, port=8123, busy_wait=True)
+    given = options(command)
+    assert not any(arg.startswith("--poll") for arg in command)
+    assert {flag: given.get(flag) for flag in THREAD_FLAGS} == dict.fromkeys(THREAD_FLAGS, "2")
+
+
 def test_the_built_server_accepts_every_flag_passed():
     binary = executable(ROOT / ".llamacpp", SERVER)
     if not binary.is_file():

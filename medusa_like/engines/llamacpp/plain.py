@@ -5,8 +5,9 @@ prompt. Where llama.cpp is built (`make llamacpp`), the target is converted by l
 (`convert_hf_to_gguf.py` of the vendored source) in its own precision (f32, bf16 or f16), once per set of weights:
 the file is named by the weights' fingerprint (`targets.weights_fingerprint`), so a fine-tuned or replaced target
 gets a new file, never an old one. One `llama-server` with a single slot then decodes each prompt's token ids
-greedily (the same ids every method gets, no prompt cache), with as many threads as torch uses; its wall time per
-request counts prompt processing, as every method's does.
+greedily (the same ids every method gets, no prompt cache), with as many threads as torch uses and ggml's thread
+pools as they ship (spinning between graphs: no drafter shares the cores); its wall time per request counts prompt
+processing, as every method's does.
 
     runner = plain_runner(target, tokenizer, eos=[2], threads=2)   # None: not built here (`why_not` says why)
     tokens, _ = runner(ids, 96)                                     # [1, T] in; the new token ids out
@@ -100,7 +101,7 @@ def plain_runner(target, tokenizer, eos: list[int], threads: int | None = None, 
                              f"llama.cpp's slot of {CONTEXT}")  # fmt: skip
         if not server:
             port = free_port()
-            command = server_command(binary, gguf, None, 1, CONTEXT, threads, port)
+            command = server_command(binary, gguf, None, 1, CONTEXT, threads, port, busy_wait=True)
             server.append(LlamaServer(command, port, cache / "plain_server.log").__enter__())
             atexit.register(server[0].__exit__, None, None, None)
         tokens = server[0].complete(ids[0].tolist(), max_new_tokens)["tokens"]

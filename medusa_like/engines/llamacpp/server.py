@@ -36,13 +36,15 @@ def free_port() -> int:
 
 
 def server_command(binary: Path, target_gguf: Path, setting: Setting | None, slots: int, ctx_per_slot: int,
-                   threads: int, port: int) -> list[str]:  # fmt: skip
-    """`llama-server` with `slots` parallel slots of `ctx_per_slot` tokens each; `setting` None: plain decoding."""
+                   threads: int, port: int, busy_wait: bool = False) -> list[str]:  # fmt: skip
+    """`llama-server` with `slots` parallel slots of `ctx_per_slot` tokens each; `setting` None: plain decoding.
+    `busy_wait`: ggml's default thread pools, which spin between graphs (`NO_POLLING` says why a drafter's run must
+    not); for plain decoding alone they are llama.cpp as it ships, and a few percent faster."""
     command = [
         str(binary), "-m", str(target_gguf), "--host", "127.0.0.1", "--port", str(port),
         "-np", str(slots), "-c", str(slots * ctx_per_slot), "--kv-unified",
-        "-t", str(threads), "-tb", str(threads), "-td", str(threads), "-tbd", str(threads), *NO_POLLING,
-        "--no-warmup", "--seed", "0",
+        "-t", str(threads), "-tb", str(threads), "-td", str(threads), "-tbd", str(threads),
+        *(() if busy_wait else NO_POLLING), "--no-warmup", "--seed", "0",
     ]  # fmt: skip
     return command if setting is None else command + setting.arguments()
 
