@@ -87,7 +87,7 @@ bench: $(STAMP)
 llamacpp: llamacpp-build
 	$(PY) -m eval.llamacpp drafter.path=$(RUN_DIR)/train/drafter hydra.run.dir=$(RUN_DIR)/llamacpp
 
-# llama.cpp's build alone (about 50 minutes on 2 cores) and its converter's dependency; no drafter needed
+# llama.cpp's build alone (16-48 minutes on 2 cores) and its converter's dependency; no drafter needed
 llamacpp-build: $(STAMP)
 	$(PIP) install -q -e ".[train,dev,llamacpp]"
 	$(PY) -m eval.llamacpp build_only=true
