@@ -188,7 +188,7 @@ def test_the_int8_way_streams_a_quarter_of_the_bytes_and_computes_the_int8_produ
     """template+int8 runs the weight-only int8 copies: a quarter of the fp32 bytes (plus a scale per output channel),
     the compiled output equal to the int8 copy's eager output, and the copy near the fp32 chain (int8 rounding)."""
     target = tiny_target("llama")
-    module = products.products_of(target, layers=2)
+    module = products.products_of(target, layers=1)
     int8 = products.int8_copy(module)
     scales = sum(linear.out_features for linear in module.linears) * 4
     assert products.weight_bytes(int8) == products.weight_bytes(module) // 4 + scales

@@ -25,7 +25,7 @@ def needs(what: str):
 
 def test_named_but_not_built_it_is_left_out_with_the_reason(tmp_path, eval_cfg, monkeypatch, caplog):
     monkeypatch.setenv("MEDUSA_LIKE_ROOT", str(tmp_path))  # where `default_cache` looks: no build there
-    model = load_eval_model(eval_cfg())
+    model = load_eval_model(eval_cfg("drafter.seed_store=0", "target.tuned_layers=false", "target.compile=false"))
     with caplog.at_level(logging.WARNING):
         runners = make_runners(model, model.resolve_tree("none"), 3, [LLAMACPP_PLAIN])
     assert LLAMACPP_PLAIN not in runners and "hf_greedy" in runners
