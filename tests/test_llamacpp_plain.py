@@ -1,16 +1,17 @@
 """llama.cpp's plain decoding as the evaluation's method (l): left out with its reason where llama.cpp is not built,
 converted once per set of weights by llama.cpp's own converter, and decoding the target's greedy tokens where built."""
 
+import json
 import logging
 from pathlib import Path
 
 import pytest
 import torch
 
+from eval.evaluate import evaluate
 from medusa_like.engines.llamacpp import plain
 from medusa_like.engines.llamacpp.runner import SERVER, executable
-from medusa_like.evaluation.methods import LLAMACPP_PLAIN, make_runners
-from medusa_like.evaluation.setup import load_eval_model
+from medusa_like.evaluation.methods import LLAMACPP_PLAIN
 from medusa_like.tiny import tiny_chat_target
 
 BUILD = Path(__file__).resolve().parents[1] / ".llamacpp"
@@ -23,13 +24,20 @@ def needs(what: str):
     pytest.importorskip("sentencepiece", reason="llama.cpp's converter needs sentencepiece (`make llamacpp-build`)")
 
 
-def test_named_but_not_built_it_is_left_out_with_the_reason(tmp_path, eval_cfg, monkeypatch, caplog):
+@pytest.mark.slow
+def test_named_but_not_built_it_is_left_out_and_the_report_says_why(tmp_path, eval_cfg, monkeypatch, caplog):
     monkeypatch.setenv("MEDUSA_LIKE_ROOT", str(tmp_path))  # where `default_cache` looks: no build there
-    model = load_eval_model(eval_cfg("drafter.seed_store=0", "target.tuned_layers=false", "target.compile=false"))
+    questions = tmp_path / "q.jsonl"
+    questions.write_text(json.dumps({"question_id": 1, "category": "math", "turns": ["What is 12 times 7?"]}) + "\n")
+    cfg = eval_cfg(f"data.path={questions}", "eval.max_new_tokens=4", "eval.sweep.prompts=0", "drafter.seed_store=0",
+                   "tree=none", f"eval.methods=[hf_greedy,{LLAMACPP_PLAIN}]", f"out_dir={tmp_path / 'run'}",
+                   "target.tuned_layers=false", "target.compile=false")  # fmt: skip
     with caplog.at_level(logging.WARNING):
-        runners = make_runners(model, model.resolve_tree("none"), 3, [LLAMACPP_PLAIN])
-    assert LLAMACPP_PLAIN not in runners and "hf_greedy" in runners
+        report = evaluate(cfg)
     assert f"names {LLAMACPP_PLAIN}, not run: llama.cpp is not built in {tmp_path / '.llamacpp'}" in caplog.text
+    reason = report["setup"]["not_run"][LLAMACPP_PLAIN]
+    assert reason.startswith("llama.cpp is not built") and LLAMACPP_PLAIN not in report["speed"]["median_tokens_per_second"]
+    assert f"Named but not run: (l) llama.cpp plain, same precision: {reason}" in (tmp_path / "run" / "report.md").read_text()
 
 
 def test_targets_llamacpp_cannot_run_get_a_reason_before_anything_is_built(tmp_path):

@@ -232,6 +232,16 @@ def settle_cost_model(model) -> None:
     model.settle_cost_model()
 
 
+def not_run(context: MethodContext, names) -> dict[str, str]:
+    """The methods `names` asks for that do not apply here, each with why (`Method.why_not`)."""
+    return {name: METHODS[name].why_not(context) for name in sorted(names or ()) if not METHODS[name].applies(context)}
+
+
+def not_run_for(model, tree, names) -> dict[str, str]:
+    """`not_run` for `model` and `tree`, where no runner is made (the report's setup)."""
+    return not_run(MethodContext(model, tree, [], None, 0), names)
+
+
 def make_runners(model, tree, prompt_lookup_num_tokens: int, names=None, learned_tree=None) -> dict[str, Runner]:
     """One runner per registered method that applies to `model`'s drafter (or per method of `names`), with the
     evaluated `tree` (and `learned_tree`, any tree the learned drafter alone decodes with; None: `tree`'s learned
@@ -248,8 +258,8 @@ def make_runners(model, tree, prompt_lookup_num_tokens: int, names=None, learned
         raise ValueError(f"eval.methods: unknown methods {sorted(unknown)}; known: {list(METHODS)}")
     default = [name for name, method in METHODS.items() if method.by_default]
     wanted = set(names or default) | {REFERENCE, STOCK, SPECULATIVE, *BASELINES}
-    for name in sorted(set(names or ()) - {n for n, m in METHODS.items() if m.applies(context)}):
-        log.warning("eval.methods names %s, not run: %s", name, METHODS[name].why_not(context))
+    for name, reason in not_run(context, names).items():
+        log.warning("eval.methods names %s, not run: %s", name, reason)
     return {
         name: method.make(context) for name, method in METHODS.items() if name in wanted and method.applies(context)
     }

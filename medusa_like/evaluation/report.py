@@ -223,6 +223,8 @@ def markdown(report: dict) -> str:
         f"({setup['threads']} threads), "
         f"backend {setup['backend']}, torch {setup['torch']}, transformers {setup['transformers']}."
     )
+    if setup.get("not_run"):
+        parts.append("Named but not run: " + "; ".join(f"{label(m)}: {why}" for m, why in setup["not_run"].items()))
     if setup.get("lookup_store"):
         parts.append(store_sentence(setup["lookup_store"]))
     if setup.get("cost_models"):

@@ -13,7 +13,7 @@ import transformers
 from medusa_like.decoding.tree_files import spec_from_json
 from medusa_like.evaluation import metrics
 from medusa_like.evaluation.losslessness import LOSSLESSNESS, losslessness_section
-from medusa_like.evaluation.methods import BASELINES, METHODS, REFERENCE, SPECULATIVE, STOCK
+from medusa_like.evaluation.methods import BASELINES, METHODS, REFERENCE, SPECULATIVE, STOCK, not_run_for
 from medusa_like.evaluation.plots import write_plots
 from medusa_like.evaluation.report import print_report, write_report
 from medusa_like.evaluation.tree_search import (
@@ -200,6 +200,7 @@ def setup_section(
         "transformers": transformers.__version__,
         "machine": platform.machine(),
         "methods": {name: METHODS[name].description for name in methods},
+        "not_run": not_run_for(model, tree, cfg.eval.methods),  # named in eval.methods but not applying here: why
         "cost_models": cost_models_section(model, methods),
     }
 
