@@ -53,7 +53,7 @@ def why_not(target, cache: Path | None = None) -> str | None:
     if not executable(cache, SERVER).is_file() or converter(cache) is None:
         return f"llama.cpp is not built in {cache} (`make llamacpp` builds it)"
     if importlib.util.find_spec("sentencepiece") is None:
-        return "llama.cpp's converter needs sentencepiece (`make llamacpp` installs it)"
+        return "llama.cpp's converter needs sentencepiece (`make llamacpp-build` installs it)"
     return None
 
 
