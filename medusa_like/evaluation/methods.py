@@ -187,7 +187,7 @@ METHODS: dict[str, Method] = {
         "(l) llama.cpp's plain greedy decoding (llama-server, one slot) of the target converted by llama.cpp's own "
         "converter in the target's precision, prompt processing included: the fastest plain decoding a CPU user can "
         "pick; a speed baseline (its kernels round otherwise than (a)'s, so its outputs are reported, not asserted); "
-        "run where llama.cpp is built (`make llamacpp`)",
+        "run where llama.cpp is built (`make llamacpp-build`)",
         llamacpp_runner,
         lambda c: llamacpp_why_not(c) is None,
         by_default=False,
