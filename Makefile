@@ -71,8 +71,7 @@ test-fast: $(STAMP)
 
 # all 80 MT-Bench questions, both turns, with `make run`'s drafter and tree: transformers greedy and prompt lookup (the
 # same layers), transformers greedy as it ships, llama.cpp's plain decoding where built, lookup alone and combined,
-# interleaved; resumable (run it again after
-# a kill); its duration on the machines measured is in docs/benchmarks.md
+# interleaved; resumable (run it again after a kill); its duration on the machines measured is in docs/benchmarks.md
 MT_BENCH ?= ../shared/data/mt_bench_question.jsonl
 bench: $(STAMP)
 	$(PY) -m eval.evaluate data.source=jsonl data.path=$(MT_BENCH) drafter.path=$(RUN_DIR)/train/drafter \

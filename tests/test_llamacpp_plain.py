@@ -65,10 +65,18 @@ def test_each_set_of_weights_is_converted_once_into_a_file_named_by_them(tmp_pat
 
 
 @pytest.mark.slow
-def test_it_decodes_the_targets_own_greedy_tokens():
+def test_it_decodes_the_targets_own_greedy_tokens(monkeypatch):
     """A tiny fp32 target in llama.cpp gives transformers' greedy tokens on every prompt, cut at the same EOS; the
     server is started once for every prompt."""
     needs("server")
+    started = []
+
+    class Counted(plain.LlamaServer):  # the real server, its starts counted
+        def __enter__(self):
+            started.append(self.port)
+            return super().__enter__()
+
+    monkeypatch.setattr(plain, "LlamaServer", Counted)
     target, tokenizer = tiny_chat_target(num_layers=2, seed=3)
     eos = [tokenizer.eos_token_id]
     run = plain.plain_runner(target, tokenizer, eos, threads=1, cache=BUILD)
@@ -81,3 +89,4 @@ def test_it_decodes_the_targets_own_greedy_tokens():
         greedy = target.generate(ids, attention_mask=mask, max_new_tokens=24, do_sample=False, eos_token_id=eos)
         tokens, stats = run(ids, 24)
         assert tokens == greedy[0, ids.shape[1] :].tolist() and stats is None
+    assert len(started) == 1

@@ -1,7 +1,7 @@
 """llama.cpp's plain decoding as one method of the evaluation table, on the target's own weights and precision.
 
 The evaluation's method (l) (`evaluation/methods.py`) times it beside this framework's methods, interleaved prompt by
-prompt. Where llama.cpp is built (`make llamacpp`), the target is converted by llama.cpp's own converter
+prompt. Where llama.cpp is built (`make llamacpp-build`), the target is converted by llama.cpp's own converter
 (`convert_hf_to_gguf.py` of the vendored source) in its own precision (f32, bf16 or f16), once per set of weights:
 the file is named by the weights' fingerprint (`targets.weights_fingerprint`), so a fine-tuned or replaced target
 gets a new file, never an old one. One `llama-server` with a single slot then decodes each prompt's token ids
@@ -51,7 +51,7 @@ def why_not(target, cache: Path | None = None) -> str | None:
     if target.dtype not in OUTTYPES:
         return f"llama.cpp has no precision for a {target.dtype} target (it converts {list(OUTTYPES)})"
     if not executable(cache, SERVER).is_file() or converter(cache) is None:
-        return f"llama.cpp is not built in {cache} (`make llamacpp` builds it)"
+        return f"llama.cpp is not built in {cache} (`make llamacpp-build` builds it)"
     if importlib.util.find_spec("sentencepiece") is None:
         return "llama.cpp's converter needs sentencepiece (`make llamacpp-build` installs it)"
     return None
