@@ -176,7 +176,10 @@ class MedusaLikeModel:
         if settings.get("cost_model") is not None:
             cost = self.forward.active
             if cost is None or cost.source != f"file:{path}":
+                compiled = self.forward.compiled
                 cost = self.forward.load_cost_model(settings["cost_model"], f"file:{path}")
+                if self.forward.compiled is not compiled:  # the file's cost model compiled the step: drafting too
+                    self.forward.compile_drafting(self.drafter)
             self.drafter.use_cost_model(cost)
         return settings
 

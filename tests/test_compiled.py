@@ -1,7 +1,9 @@
 """The compiled step (forward/compiled.py) against the eager one, on every tiny family: each tree node sees exactly its
 path, greedy decoding gives the eager step's tokens, every drafter and tree is lossless on it (single nodes padded,
 node counts from 1 to many), seeded sampling follows plain sampling, a failure falls back to eager with a log line,
-an unsupported platform runs eager and says why, and the compile cache is keyed and rebuilt when foreign.
+an unsupported platform runs eager and says why, and the compile cache is keyed and rebuilt when foreign. The EAGLE-3
+drafter's compiled level (forward/compiled_draft.py) drafts the eager level's trees, falls back alike and is keyed by
+the drafter's weights.
 
 Compiling takes half a minute per tiny target: every test here is slow, one compiled target per family is shared, and
 two families are left to make test-all (`family`)."""
@@ -17,12 +19,14 @@ import torch
 from medusa_like.decoding.tree import DynamicTreeSpec
 from medusa_like.decoding.tree_files import resolve_tree
 from medusa_like.drafters.combined import CombinedDrafter
+from medusa_like.drafters.eagle3 import EagerLevel, Eagle3Proposer
 from medusa_like.drafters.lookup import LookupDrafter
 from medusa_like.formats.registry import EAGLE3
 from medusa_like.forward import compile_cache, prepare_target
 from medusa_like.forward import platform as forward_platform
 from medusa_like.forward.compile_cache import progress
 from medusa_like.forward.compiled import CompiledStep
+from medusa_like.forward.compiled_draft import CompiledLevel
 from medusa_like.forward.platform import CompileUnsupported, compile_settings
 from medusa_like.model import MedusaLikeModel
 from medusa_like.targets import weights_fingerprint
@@ -75,6 +79,20 @@ def compiled(compiled_targets, family):
     return compiled_targets[family]
 
 
+def eagle3_on(compiled_targets, family):
+    """An EAGLE-3 drafter started from the compiled target's last layer and head (drafts that are often right:
+    accepted paths of several nodes), adopted by it: its level compiled on first use, once per family."""
+    key = f"{family} eagle3"
+    if key not in compiled_targets:
+        prepared, _ = compiled(compiled_targets, family)
+        target = prepared.target
+        eagle3 = EAGLE3.fresh(target)
+        eagle3.init_layer_from_target(target, target.config.num_hidden_layers - 1)
+        eagle3.init_from_target(target)
+        compiled_targets[key] = prepared.adopt(eagle3)
+    return compiled_targets[key]
+
+
 def greedy(prepared, prompt, max_new_tokens=NEW_TOKENS) -> list[int]:
     model = MedusaLikeModel(prepared, None, random_heads())
     return model.generate(prompt, max_new_tokens=max_new_tokens, tree="none", eos_token_id=[]).new_tokens.tolist()
@@ -111,10 +129,7 @@ def test_compiled_greedy_equals_eager_greedy_and_every_drafter_is_lossless_on_it
     prompts = random_prompts(3, seed=11, min_len=1, max_len=30)
     references = [greedy(prepared, p) for p in prompts]
     assert references == [greedy(eager, p) for p in prompts]
-    target = prepared.target
-    eagle3 = EAGLE3.fresh(target)
-    eagle3.init_layer_from_target(target, target.config.num_hidden_layers - 1)
-    eagle3.init_from_target(target)  # drafts that are often right: accepted paths of several nodes
+    eagle3 = eagle3_on(compiled_targets, family)
     runs = [
         (random_heads(), "medusa"),
         (random_heads(), "chain"),
@@ -130,8 +145,92 @@ def test_compiled_greedy_equals_eager_greedy_and_every_drafter_is_lossless_on_it
             assert out.new_tokens.tolist() == reference, (drafter.kind, tree)
             accepted += sum(out.stats.accepted_draft)
     assert accepted > 0
-    # every run above ran compiled (a failed compile falls back to eager for good: equal tokens, nothing tested)
+    # every run above ran compiled (a failed compile falls back to eager for good: equal tokens, nothing tested),
+    # the EAGLE-3 drafter's levels too
     assert prepared.compiled.failed is None and prepared.step is prepared.compiled
+    assert isinstance(eagle3.level(), CompiledLevel) and eagle3.level().failed is None
+
+
+def draft_twice(proposer, prompt, features, spec) -> list:
+    """The trees `proposer` drafts after `prompt` (with `features` [P, F]): a first one (the prompt's rows committed
+    at once), then a second after accepting the root and its first child (two rows committed); and the second's
+    states of the nodes it expanded."""
+    proposer.begin(prompt, features, prompt[-1], 64)
+    with torch.inference_mode():
+        first = proposer.propose(spec)
+        proposer.accept(first.tokens[:2], features[:2] + 1, first.tokens[1])
+        second = proposer.propose(spec)
+    expanded = sorted(set(second.parents.tolist()) - {-1})  # the nodes whose states were computed (leaves' are not)
+    return [(tree.tokens.tolist(), tree.parents.tolist()) for tree in (first, second)] + [proposer.states[expanded]]
+
+
+@needs_compile
+def test_the_drafters_compiled_level_drafts_the_eager_levels_trees(compiled_targets, family, caplog):
+    """Where the target's step is compiled, the EAGLE-3 drafter drafts through its compiled level, which drafts the
+    trees its eager level drafts (chains of one row a level, padded; wider levels; many prompt rows at once), with
+    the same states up to rounding; a later process loads the level's package instead of compiling it."""
+    prepared, _ = compiled(compiled_targets, family)
+    eagle3 = eagle3_on(compiled_targets, family)
+    level = eagle3.level()
+    assert isinstance(level, CompiledLevel)
+    width = len(eagle3.config.aux_layer_ids) * eagle3.config.target_hidden_size
+    g = torch.Generator().manual_seed(7)
+    for spec in (DynamicTreeSpec(depth=3, top_k=1, num_nodes=3), DynamicTreeSpec(depth=3, top_k=3, num_nodes=8)):
+        prompt = torch.randint(0, VOCAB, (9,), generator=g)
+        features = torch.randn(9, width, generator=g)
+        drafted = []
+        for own in (EagerLevel(eagle3), level):
+            proposer = Eagle3Proposer(eagle3, prepared.target)
+            proposer.level = own
+            drafted.append(draft_twice(proposer, prompt, features, spec))
+        (*eager_trees, eager_states), (*compiled_trees, compiled_states) = drafted
+        assert compiled_trees == eager_trees and len(eager_trees[1][0]) == spec.max_nodes
+        torch.testing.assert_close(compiled_states, eager_states, atol=1e-4, rtol=1e-4)
+    assert level.failed is None and level.compiled is not None
+    path = compile_cache.package_path(level)
+    level.compiled = None  # as in a new process
+    with caplog.at_level(logging.INFO):
+        proposer = Eagle3Proposer(eagle3, prepared.target)
+        assert draft_twice(proposer, prompt, features, spec)[:2] == compiled_trees
+    assert f"loaded the drafter's level compiled from {path}" in caplog.text and "compiling" not in caplog.text
+
+
+@needs_compile
+def test_a_failing_compiled_level_drafts_eagerly_with_a_log_line_never_a_wrong_token(compiled_targets, caplog):
+    prepared, _ = compiled(compiled_targets, "llama")
+    prompt = random_prompts(1, seed=8, min_len=9, max_len=9)[0]
+    expected = greedy(prepared, prompt)
+    eagle3 = EAGLE3.fresh(prepared.target)
+    model = MedusaLikeModel(prepared, None, eagle3)
+    level = eagle3.level()
+
+    def broken():
+        raise RuntimeError("the compiler broke")
+
+    level._compiled = broken
+    with caplog.at_level(logging.WARNING):
+        out = model.generate(prompt, max_new_tokens=NEW_TOKENS, tree="chain", eos_token_id=[])
+    assert out.new_tokens.tolist() == expected
+    assert "the drafter's compiled level failed (RuntimeError: the compiler broke)" in caplog.text
+    assert level.failed == "RuntimeError: the compiler broke"
+
+
+def test_the_compiled_levels_cache_is_keyed_by_the_drafters_weights():
+    """A drafter retrained at the same path (other weights, same config) gets another compiled level; the same
+    weights the same one; another dtype another."""
+    target = tiny_target("llama")
+    options, label = {"freezing": True}, "test"
+
+    def level(seed, dtype=torch.float32):
+        torch.manual_seed(seed)
+        return CompiledLevel(EAGLE3.fresh(target).to(dtype=dtype), options, label)
+
+    first = compile_cache.cache_key(level(0))
+    assert first["drafter_fingerprint"] and first["drafter_class"] == "Eagle3Drafter" and "drafter_code" in first
+    assert compile_cache.cache_key(level(0)) == first
+    assert compile_cache.cache_key(level(1))["drafter_fingerprint"] != first["drafter_fingerprint"]
+    assert compile_cache.cache_directory(level(1)) != compile_cache.cache_directory(level(0))
+    assert compile_cache.cache_key(level(0, torch.bfloat16))["dtype"] == "torch.bfloat16"
 
 
 @needs_compile
@@ -219,7 +318,7 @@ def test_a_later_process_loads_the_compiled_step_and_a_corrupt_package_is_compil
     prepared.step.compiled = None
     with caplog.at_level(logging.INFO):
         assert greedy(prepared, prompt) == expected
-    assert f"loaded the target's compiled step from {path}" in caplog.text and "compiling" not in caplog.text
+    assert f"loaded the target's step compiled from {path}" in caplog.text and "compiling" not in caplog.text
     path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])  # a copy cut halfway
     prepared.step.compiled = None
     caplog.clear()

@@ -4,6 +4,7 @@
     python -m eval.bench draft --drafter runs/make_run/train/drafter
     python -m eval.bench draft --steps 80 --threads 2 --out bench_draft.json
     python -m eval.bench draft --linears nn.Linear              # without the few-row layers decoding gives it
+    python -m eval.bench draft --linears compiled               # its level compiled, as on the compiled step
     python -m eval.bench draft --drafter-dtype float32          # the drafter in the target's fp32 (default: auto)
 
 Each tree (dynamic d2k4n4, d4k4n8, d5k6n16 and a chain of 4) is drafted for `--steps` steps after a real prompt: the
@@ -106,8 +107,9 @@ def run(
     seed: int = 0,
     trees: Annotated[tuple[str, ...], f"of {list(TREES)}"] = tuple(TREES),
     linears: Annotated[
-        Literal["few_row", "nn.Linear"],
-        "few_row: the row-planned layers the decoding loop gives target and drafter on fp32 CPUs",
+        Literal["few_row", "nn.Linear", "compiled"],
+        "few_row: the row-planned layers the decoding loop gives target and drafter on fp32 CPUs; compiled: the "
+        "drafter's level compiled as decoding on the compiled step runs it (forward/compiled_draft.py)",
     ] = "few_row",
     drafter_dtype: Annotated[
         str, "what the drafter computes in, as decoding casts it (PreparedTarget.drafting_dtype): auto, or a dtype name"
@@ -129,6 +131,9 @@ def run(
     if linears == "few_row":
         use_few_row_linears(target_model)
         use_few_row_linears(eagle3)
+    if linears == "compiled":  # compiled (or loaded) on the first step, which the warm-up steps leave untimed
+        prepared.use_compiled(True)
+        prepared.compile_drafting(eagle3)
     prompt_ids = tokenizer(PROMPT, return_tensors="pt").input_ids[0]
     with torch.inference_mode():
         results = {name: bench_tree(target_model, eagle3, prompt_ids, TREES[name], steps, warmup) for name in trees}

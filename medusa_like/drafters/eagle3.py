@@ -136,6 +136,15 @@ class Eagle3Drafter(LearnedDrafter, nn.Module):
     def proposer(self, target) -> "Eagle3Proposer":
         return Eagle3Proposer(self, target)
 
+    def compile_drafting(self, compile_level) -> None:
+        """Draft through `compile_level(self)` from now on: the forward room's compiled level of these weights
+        (`forward/compiled_draft.py`), with the `EagerLevel` interface."""
+        self._compiled_level = compile_level(self)
+
+    def level(self):
+        """What computes a drafting level: the compiled one where `compile_drafting` set one, else `EagerLevel`."""
+        return getattr(self, "_compiled_level", None) or EagerLevel(self)
+
     @property
     def target_sizes(self) -> tuple[int, int]:
         return self.config.target_hidden_size, self.config.vocab_size
@@ -233,6 +242,25 @@ class Eagle3Drafter(LearnedDrafter, nn.Module):
 # Inference: the drafter's side of the decoding protocol
 
 
+class EagerLevel:
+    """One drafting level as the drafter's own modules compute it, over its own `TreeKVCache`: rows of (feature, token
+    embedding) at their positions -> their output states and draft-vocabulary logits. The T new entries are written
+    after the cache's committed ones; the caller commits them. `forward/compiled_draft.py` computes the same, compiled.
+    """
+
+    def __init__(self, drafter: Eagle3Drafter):
+        self.drafter = drafter
+
+    def new_cache(self, capacity: int) -> TreeKVCache:
+        return TreeKVCache(1, capacity)
+
+    def __call__(self, feature, embeds, positions, visible, cache, last: bool = False):
+        """feature, embeds [T, h], positions [T], visible [T, S] bool -> (states [T, h], logits [T, N] or, with
+        `last`, the last row's [1, N])."""
+        state = self.drafter(feature[None], embeds[None], positions[None], visible[None, None], cache)[0]
+        return state, self.drafter.logits(state[-1:] if last else state)
+
+
 class Eagle3Proposer:
     """Drafts trees with an `Eagle3Drafter` over its own KV cache (see `drafters/protocol.py`).
 
@@ -245,7 +273,7 @@ class Eagle3Proposer:
     max_depth = None  # drafts autoregressively: any depth
 
     def __init__(self, drafter: Eagle3Drafter, target):
-        self.drafter = drafter
+        self.drafter, self.level = drafter, drafter.level()
         self.embed = target.get_input_embeddings()
         self.feature_layers = drafter.config.aux_layer_ids
         self.max_rank = drafter.config.draft_vocab_size
@@ -264,8 +292,8 @@ class Eagle3Proposer:
 
     def propose(self, spec: TreeSpec) -> DraftTree:
         if self.cache is None:  # sized for the first spec; a later, larger one is refused by check_room
-            self.cache = TreeKVCache(1, self.capacity + spec.cache_entries)
-        root_state = self._commit_pending()  # [1, h]
+            self.cache = self.level.new_cache(self.capacity + spec.cache_entries)
+        root_state, self.root_logits = self._commit_pending()  # [1, h], [1, N_draft]
         self.committed = committed = self.cache.length
         self.states = root_state.new_empty(spec.drafted_nodes, root_state.shape[-1])  # [nodes, h]: state per node
         self.states[0] = root_state[0]
@@ -282,30 +310,31 @@ class Eagle3Proposer:
 
     def _expand(self, frontier, tokens, parents, depth):
         if depth == 1:
-            state = self.states[:1]  # [1, h]: the root's
+            logits = self.root_logits  # [1, N_draft]: the root's
         else:
-            state = self._tree_entries(frontier, tokens, parents, depth - 1)  # [F, h]
-        logp = self.drafter.logits(state).float().log_softmax(-1)  # [F, N_draft]
+            logits = self._tree_entries(frontier, tokens, parents, depth - 1)  # [F, N_draft]
+        logp = logits.float().log_softmax(-1)  # [F, N_draft]
         top = logp.topk(min(self._top_k, logp.shape[-1]), dim=-1)
         return self.drafter.token_ids[top.indices], top.values
 
-    def _commit_pending(self) -> torch.Tensor:
+    def _commit_pending(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Run the real entries not yet in the cache (causal among themselves) and commit them; the last one's
-        output state [1, h] is the root's."""
+        output state [1, h] and logits [1, N_draft] are the root's."""
         past, new = self.cache.length, self.pending_tokens.numel()
         self.cache.check_room(new)
         device = self.pending_tokens.device
         mask = torch.ones(new, past + new, dtype=torch.bool, device=device).tril(past)  # [a, past + a]: causal
-        feature = self.drafter.fuse(self.pending_features)[None]  # [1, a, h]
-        embeds = self.embed(self.pending_tokens)[None]
-        positions = torch.arange(past, past + new, device=device)[None]
-        out = self.drafter(feature, embeds, positions, mask[None, None], self.cache)  # [1, a, h]
+        feature = self.drafter.fuse(self.pending_features)  # [a, h]
+        embeds = self.embed(self.pending_tokens)
+        positions = torch.arange(past, past + new, device=device)
+        state, logits = self.level(feature, embeds, positions, mask, self.cache, last=True)  # [a, h], [1, N_draft]
         self.cache.commit_all(new)
         self.pending_features, self.pending_tokens = self.pending_features[:0], self.pending_tokens[:0]
-        return out[0, -1:]
+        return state[-1:], logits
 
     def _tree_entries(self, frontier, tokens, parents, node_depth: int) -> torch.Tensor:
-        """Entries for the frontier nodes (all at `node_depth`): parent's state, own token -> their states [F, h].
+        """Entries for the frontier nodes (all at `node_depth`): parent's state, own token -> their logits
+        [F, N_draft] (their states kept for their children).
 
         A frontier node sees what its parent sees (the parent was expanded one depth earlier, so its entry is
         written) and its own new entry.
@@ -319,13 +348,13 @@ class Eagle3Proposer:
         self.sees[frontier] = sees
         mask = self.mask[:count, : past + count]  # [F, committed + m + F]
         mask[:, self.committed :] = sees[:, : written + count]
-        feature = self.states[parent][None]  # [1, F, h]
-        embeds = self.embed(tokens[frontier])[None]
-        positions = torch.full((1, count), self.committed - 1 + node_depth, device=frontier.device)
-        out = self.drafter(feature, embeds, positions, mask[None, None], self.cache)[0]  # [F, h]
+        feature = self.states[parent]  # [F, h]
+        embeds = self.embed(tokens[frontier])
+        positions = torch.full((count,), self.committed - 1 + node_depth, device=frontier.device)
+        state, logits = self.level(feature, embeds, positions, mask, self.cache)  # [F, h], [F, N_draft]
         self.cache.commit_all(count)
-        self.states[frontier] = out
-        return out
+        self.states[frontier] = state
+        return logits
 
 
 # ---------------------------------------------------------------------------------------------------------------------

@@ -52,6 +52,9 @@ class LookupDrafter:
     def use_cost_model(self, cost) -> None:
         self.state.cost_model = cost
 
+    def compile_drafting(self, compile_level) -> None:
+        pass  # lookup computes nothing to compile: it stays in Python
+
     def proposer(self, target) -> MergedTreeProposer:
         return MergedTreeProposer(target, None, self.sources(), self.state)
 

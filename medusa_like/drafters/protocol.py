@@ -50,7 +50,8 @@ class Proposer(Protocol):
 
 class Drafter(Protocol):
     """A drafter object: trained weights (an `nn.Module`) or a training-free source. `DrafterBase` below answers
-    `wants_cost_model`, `cost_model`, `use_cost_model`, `parts` and `fork` for the drafters that need nothing else."""
+    `wants_cost_model`, `cost_model`, `use_cost_model`, `compile_drafting`, `parts` and `fork` for the drafters that
+    need nothing else."""
 
     kind: str  # its `DrafterKind`'s name in the registry
     max_depth: int | None  # the deepest static tree it can fill; None: any
@@ -80,6 +81,11 @@ class Drafter(Protocol):
         """Size trees by `cost` from the next generation on (drafters that consult none ignore it)."""
         ...
 
+    def compile_drafting(self, compile_level) -> None:
+        """Draft through `compile_level(module)` from now on, where the drafter has a drafting level to compile (an
+        EAGLE-3 layer and its projection: `forward/compiled_draft.py`); drafters with none ignore it."""
+        ...
+
     def parts(self) -> dict[str, "Drafter"]:
         """The drafters it merges, by role ("learned", "lookup"), each of which can decode alone; {} for one source."""
         ...
@@ -107,6 +113,9 @@ class DrafterBase:
 
     def use_cost_model(self, cost: CostModel) -> None:
         pass  # its trees are the spec's, whatever the machine
+
+    def compile_drafting(self, compile_level) -> None:
+        pass  # no drafting level of its own to compile (lookup; Medusa heads draft from the target's features)
 
     def parts(self) -> dict:
         return {}

@@ -1,5 +1,5 @@
-"""How a compiled step's graph (`compiled.py`) is compiled, and where its artifacts live on disk: one directory per
-target weights, dtype, device, compiler settings, library versions and machine, so that a later process reuses what an
+"""How a compiled step's graph (the target's, `compiled.py`; a drafter's level, `compiled_draft.py`) is compiled, and
+where its artifacts live on disk: one directory per model weights, dtype, device, compiler settings, library versions and machine, so that a later process reuses what an
 earlier one built and nothing built for another setup is ever read.
 
     run = Package(graph, step)         # CPUs: the AOTInductor package at `package_path(step)`, built or loaded
@@ -50,18 +50,14 @@ PROGRESS_SECONDS = 30.0  # how often a long compile logs that it is still at wor
 
 
 def cache_key(step) -> dict:
-    """What a compiled step's artifacts were built for (`step`: a `compiled.CompiledStep`)."""
-    target = step.target
+    """What a compiled step's artifacts were built for (`step`: a `compiled.CompiledStep` or a
+    `compiled_draft.CompiledLevel`): what it computes (`step.graph_key()`: the model's class, config, weights, dtype
+    and device), the code around it, the compiler's settings, the sizes it is compiled for, the libraries and the
+    machine."""
     return {
         "version": CACHE_VERSION,
-        # the graph: the target's class and config (two families can share weights' shapes and values, not their
-        # forward) and the code that builds the graph around it
-        "target_class": type(target).__name__,
-        "target_config": _digest(target.config.to_json_string(use_diff=False)),
+        **step.graph_key(),
         "step_code": _digest(Path(inspect.getfile(type(step))).read_text(encoding="utf-8")),
-        "target_fingerprint": weights_fingerprint(target),
-        "dtype": str(target.dtype),
-        "device": target.device.type,
         "options": {key: step.options[key] for key in sorted(step.options)},
         "rows": [step.min_rows, step.max_rows],  # the node counts the graph is compiled for
         "torch": torch.__version__,
@@ -69,6 +65,22 @@ def cache_key(step) -> dict:
         "python": platform.python_version(),
         "machine": machine_identity(),
     }
+
+
+def model_key(model, role: str, config_text: str, code_of: type | None = None) -> dict:
+    """`cache_key`'s part for one model (`role`: "target" or "drafter"): its class and config (two families can
+    share weights' shapes and values, not their forward), its weights' fingerprint, dtype and device, and where its
+    forward is this project's code (`code_of`), that code."""
+    key = {
+        f"{role}_class": type(model).__name__,
+        f"{role}_config": _digest(config_text),
+        f"{role}_fingerprint": weights_fingerprint(model),
+        "dtype": str(next(model.parameters()).dtype),
+        "device": next(model.parameters()).device.type,
+    }
+    if code_of is not None:
+        key[f"{role}_code"] = _digest(Path(inspect.getfile(code_of)).read_text(encoding="utf-8"))
+    return key
 
 
 def _digest(text: str) -> str:
@@ -143,20 +155,21 @@ class Package:
         if path.is_file():
             try:
                 self.run = torch._inductor.aoti_load_package(str(path))
-                log.info("loaded the target's compiled step from %s in %.1f s", path, time.perf_counter() - start)
+                log.info("loaded %s compiled from %s in %.1f s", step.what, path, time.perf_counter() - start)
                 return
             except Exception as err:  # a package this key's build did not finish or another version wrote
                 log.warning("the compiled step at %s is unreadable (%s): compiling it again", path, err)
                 path.unlink(missing_ok=True)
         self.run = torch._inductor.aoti_load_package(str(self._build(graph, step, path)))
         step.compile_seconds = time.perf_counter() - start
-        log.info("compiled the target's step in %.1f s; saved to %s for later processes", step.compile_seconds, path)
+        log.info("compiled %s in %.1f s; saved to %s for later processes", step.what, step.compile_seconds, path)
 
     @staticmethod
     def _build(graph, step, path):
         log.info(
-            "compiling the target's step (%s) on its first use: once for this target, settings and machine "
+            "compiling %s (%s) on its first use: once for these weights, settings and machine "
             "(minutes for a 100M-parameter target on 2 cores; progress below)",
+            step.what,
             step.label,
         )
         start = time.perf_counter()
@@ -164,9 +177,7 @@ class Package:
             program = torch.export.export(
                 graph, step.example_inputs(), dynamic_shapes=step.dynamic_sizes(), strict=False
             )
-        log.info(
-            "  traced the step's graph in %.1f s; generating and compiling its kernels", time.perf_counter() - start
-        )
+        log.info("  traced its graph in %.1f s; generating and compiling its kernels", time.perf_counter() - start)
         partial = path.with_name(f"{path.stem}.partial-{os.getpid()}{path.suffix}")  # AOTInductor wants .pt2
         try:
             with compile_cache(step), inductor_config.patch(step.options), progress("generating and compiling"):
@@ -188,7 +199,7 @@ class InProcess:
     compile) timed and logged, with Inductor's caches in the step's directory (`compile_cache`)."""
 
     def __init__(self, graph, step):
-        log.info("compiling the target's step (%s) on its first use: once per process", step.label)
+        log.info("compiling %s (%s) on its first use: once per process", step.what, step.label)
         self.fn, self.step, self.first = torch.compile(graph, fullgraph=True, options=step.options), step, True
 
     def __call__(self, *args):
@@ -205,5 +216,5 @@ class InProcess:
                 out = self.fn(*args)
             self.first = False
             self.step.compile_seconds = time.perf_counter() - start
-            log.info("compiled the target's step in %.1f s (caches in %s)", self.step.compile_seconds, directory)
+            log.info("compiled %s in %.1f s (caches in %s)", self.step.what, self.step.compile_seconds, directory)
             return out

@@ -56,13 +56,13 @@ MAX_CONTEXT = 1 << 20  # the longest live cache the compiled graph is built for 
 class _LiveLayer(CacheLayerMixin):
     """One decoder layer's live entries in transformers' cache-layer interface: `update` attends over them with the
     step's new entries in their slots, and keeps the new ones for the step to write after the graph
-    (`_LiveCache.new`). Nothing is written inside the graph: the compiler turns an in-place write into a view of the
+    (`LiveCache.new`). Nothing is written inside the graph: the compiler turns an in-place write into a view of the
     graph's input into a copy of the whole buffer, every layer."""
 
     is_sliding = False  # the window is applied by the mask (`window_mask`), not by dropping entries
     is_compileable = True
 
-    def __init__(self, keys: torch.Tensor, values: torch.Tensor, owner: "_LiveCache"):
+    def __init__(self, keys: torch.Tensor, values: torch.Tensor, owner: "LiveCache"):
         super().__init__()
         self.keys, self.values, self.owner = keys, values, owner  # [1, H_kv, S, D]
         self.is_initialized = True
@@ -87,7 +87,7 @@ class _LiveLayer(CacheLayerMixin):
         return self.keys.shape[2]
 
 
-class _LiveCache(Cache):
+class LiveCache(Cache):
     """transformers' view of `live` [L, 2, 1, H_kv, S, D] (the live part of the step's buffer), the step's entries
     at `slots` [T]; `new` collects each layer's new entries."""
 
@@ -177,6 +177,8 @@ class CompiledStep(TargetStep):
     forward, run the same function eagerly over the same cache. A compile or run that fails logs why and falls back
     to that eager run for good (`failed`): never a wrong token, only a slower one."""
 
+    what = "the target's step"  # what the log calls it
+
     def __init__(self, target, options: dict, label: str):
         self.target, self.options, self.label = target, dict(options), label
         text = target.config.get_text_config()
@@ -192,6 +194,10 @@ class CompiledStep(TargetStep):
 
     def describe(self) -> str:
         return f"compiled ({self.label})"
+
+    def graph_key(self) -> dict:
+        """What the compiled graph computes, for its cache's key (`compile_cache.cache_key`)."""
+        return compile_cache.model_key(self.target, "target", self.target.config.to_json_string(use_diff=False))
 
     def new_cache(self, capacity: int) -> StaticTreeCache:
         dtype = self.target.get_input_embeddings().weight.dtype
@@ -296,7 +302,7 @@ class _Graph(torch.nn.Module):
         [1, 2, T, S]; buffer [L, 2, 1, H_kv, capacity, D] -> (logits [T, V] (or [1, V] of the last row when `last`),
         the last hidden state [T, H], every layer's hidden states [L + 1, T, H] (with `every_state`; else [0]), the
         new entries [L, 2, 1, H_kv, T, D], which the step writes at `slots` after the graph)."""
-        cache = _LiveCache(buffer[:, :, :, :, : mask.shape[-1]], slots)
+        cache = LiveCache(buffer[:, :, :, :, : mask.shape[-1]], slots)
         out = self.target.base_model(
             input_ids=input_ids,
             position_ids=position_ids,

@@ -5,7 +5,7 @@ drafter computes with beside it.
     prepared.step                    # the `TargetStep` the decoding loop runs (eager, or compiled)
     prepared.cost_model()            # this machine's cost model of that step: active, cached, or a quick first estimate
     prepared.load_cost_model(data, source)   # a tree file's: refused for another setup, its kernels set
-    prepared.adopt(drafter, "auto")  # a drafter cast to its drafting dtype, its layers this machine's
+    prepared.adopt(drafter, "auto")  # a drafter cast to its drafting dtype, its layers this machine's (or compiled)
     prepared.stock()                 # the target as transformers ships it, sharing every weight (a baseline)
 
 Eager, on CPUs (fp32, and bf16 where oneDNN's bf16 packs run), the target's and the drafter's `nn.Linear` layers are
@@ -33,6 +33,7 @@ from medusa_like.targets import weights_fingerprint
 
 from . import cost_cache
 from .compiled import CompiledStep
+from .compiled_draft import CompiledLevel
 from .cpu.few_row_linear import (
     measure_row_plans,
     use_few_row_linears,
@@ -128,11 +129,25 @@ class PreparedTarget:
 
     def adopt(self, drafter, dtype: torch.dtype | str | None = "auto"):
         """`drafter` on this target's device in its drafting dtype (`drafting_dtype`), in eval mode, its layers this
-        machine's where the target's are (changed in place, as the target's)."""
+        machine's where the target's are (changed in place, as the target's); where the target's step is compiled,
+        its drafting level is compiled too (`compiled_draft.py`: compiled on its first draft, or loaded)."""
         drafter = drafter.to(device=self.target.device, dtype=self.drafting_dtype(drafter, dtype)).eval()
         if self.tuned and worth_swapping_drafter(drafter):
             _announce(use_few_row_linears(drafter, plans="cached"), "drafter")
+        self.compile_drafting(drafter)
         return drafter
+
+    def compile_drafting(self, drafter) -> None:
+        """Where the target's step is compiled, `drafter` drafts through a compiled level too (its kind decides
+        whether it has one: `Drafter.compile_drafting`)."""
+        if self.compiled is not None:
+            drafter.compile_drafting(self._compiled_level)
+
+    def _compiled_level(self, module) -> CompiledLevel:
+        """A drafter module's level compiled with the target step's settings, over transformers' own layers (a copy
+        of `module` sharing every weight, where its layers are few-row ones)."""
+        model = with_stock_linears(module) if self.tuned else module
+        return CompiledLevel(model, self.compiled.options, self.compiled.label)
 
     def tune_layers(self, *modules) -> None:
         """Measure the row plans of the target's and `modules`' few-row layers this machine's cache lacks (once per

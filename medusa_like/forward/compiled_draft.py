@@ -1,0 +1,146 @@
+"""A drafter's drafting level compiled for this machine: its one-level forward (an EAGLE-3 layer and the
+draft-vocabulary projection) over one static KV buffer, on the same footing as the target's compiled step.
+
+An eager level over a few rows costs two to three times the bytes of its weights at the memory's speed: the products
+at one to eight rows and the Python between a dozen small operators. Compiled like the target's step (`compiled.py`:
+frozen weights, Inductor's C++ GEMM template on CPUs, one graph whose row count and live cache length are dynamic),
+a level streams the weights near the memory's speed. The package is cached on disk by `compile_cache`, keyed by the
+drafter's weights, dtype, code and the machine, so a later process loads it in about a second.
+
+    level = CompiledLevel(drafter, options, label)    # compiles on first use (logged), or loads an earlier package
+    cache = level.new_cache(capacity)                 # [1, 2, 1, heads_kv, capacity, head_dim]
+    state, logits = level(feature, embeds, positions, visible, cache)   # the drafter's `level` interface
+
+The drafter's `level` interface (`drafters/eagle3.py`, `EagerLevel`): feature, embeds [T, h], positions [T],
+visible [T, S] (which of the cache's S - T entries and the T new ones each row sees) -> the rows' output states
+[T, h] and draft-vocabulary logits [T, N] ([1, N] of the last row with `last`); the T new entries are written after
+the cache's committed ones, which the caller commits. A single row runs as two (a dimension of 1 would be
+specialised), the dummy row seeing only itself. Where the compiled level cannot run, the same graph runs eagerly over
+the same buffer, with a log line: only a slower draft, and drafts never change what the target outputs.
+"""
+
+import json
+import logging
+from contextlib import contextmanager
+
+import torch
+
+from . import compile_cache
+from .compiled import ATTENTION, MAX_CONTEXT, MAX_ROWS, MIN_ROWS, LiveCache, StaticTreeCache
+
+log = logging.getLogger(__name__)
+
+
+class CompiledLevel:
+    """One drafting level of `drafter` (whose `forward(feature, embeds, position_ids, mask, cache)` and `logits(state)`
+    are the EAGLE-3 drafter's) compiled with Inductor `options` (`platform.compile_settings`)."""
+
+    what = "the drafter's level"  # what the log calls it
+
+    def __init__(self, drafter, options: dict, label: str):
+        self.drafter, self.options, self.label = drafter, dict(options), label
+        config = drafter.self_attn.config
+        self.attention_config = config
+        self.heads = config.num_key_value_heads
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        self.min_rows, self.max_rows = MIN_ROWS, MAX_ROWS
+        self.compiled = None
+        self.compile_seconds = 0.0
+        self.failed: str | None = None  # why the compiled level stopped being used, if it did
+
+    def graph_key(self) -> dict:
+        """What the compiled graph computes, for its cache's key (`compile_cache.cache_key`)."""
+        text = json.dumps(self.drafter.config.to_dict(), sort_keys=True, default=str)
+        return compile_cache.model_key(self.drafter, "drafter", text, code_of=type(self.drafter))
+
+    def new_cache(self, capacity: int) -> StaticTreeCache:
+        dtype, device = self.drafter.fc.weight.dtype, self.drafter.fc.weight.device
+        return StaticTreeCache(1, self.heads, self.head_dim, capacity, dtype, device)
+
+    def __call__(self, feature, embeds, positions, visible, cache: StaticTreeCache, last: bool = False):
+        """feature, embeds [T, h], positions [T], visible [T, S] -> (states [T, h], logits [T, N] or [1, N])."""
+        real = feature.shape[0]
+        cache.check_room(real)
+        eager = real > self.max_rows or self.failed is not None
+        rows = real if eager else max(real, MIN_ROWS)
+        inputs = self._inputs(feature, embeds, positions, visible, cache, rows)
+        if not eager:
+            try:
+                with self.traced_attention():
+                    state, logits, new = self._compiled()(*inputs)
+            except Exception as err:  # the compiler's errors have many types; the eager run is always correct
+                self.failed = f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
+                log.warning("the drafter's compiled level failed (%s): its eager level runs from now on", self.failed)
+                return self(feature, embeds, positions, visible, cache, last)
+        else:
+            with torch.inference_mode(), self.traced_attention():
+                state, logits, new = _LevelGraph(self.drafter)(*inputs)
+        cache.write(new)
+        return state[:real], logits[real - 1 : real] if last else logits[:real]
+
+    def _inputs(self, feature, embeds, positions, visible, cache: StaticTreeCache, rows: int) -> tuple:
+        """The graph's inputs for `rows` rows (the first T real, the others dummies seeing only themselves)."""
+        real, length, device = feature.shape[0], cache.length, feature.device
+        pad = rows - real
+        feature = torch.cat([feature, feature.new_zeros(pad, feature.shape[1])])[None]  # [1, rows, h]
+        embeds = torch.cat([embeds.to(feature.dtype), feature.new_zeros(pad, embeds.shape[1])])[None]
+        positions = torch.cat([positions, positions[-1:].expand(pad)])  # [rows]
+        seen = torch.zeros(rows, length + rows, dtype=torch.bool, device=device)  # [rows, S]
+        seen[:real, : length + real] = visible
+        seen[real:, length + real :] = torch.eye(pad, dtype=torch.bool, device=device)
+        slots = torch.arange(length, length + rows, device=device)  # [rows]
+        mask = torch.stack([seen, seen])[None]  # [1, 2, rows, S]: the drafter's layer attends in full, no window
+        return feature, embeds, positions[None], slots, mask, cache.buffer
+
+    @contextmanager
+    def traced_attention(self):
+        """The drafter's attention through the compiled step's attention function for the block."""
+        config = self.attention_config
+        previous, config._attn_implementation = config._attn_implementation, ATTENTION
+        try:
+            yield
+        finally:
+            config._attn_implementation = previous
+
+    def _compiled(self):
+        if self.compiled is None:
+            graph = _LevelGraph(self.drafter)
+            on_cpu = self.drafter.fc.weight.device.type == "cpu"
+            self.compiled = (compile_cache.Package if on_cpu else compile_cache.InProcess)(graph, self)
+        return self.compiled
+
+    def dynamic_sizes(self) -> dict:
+        """The graph's dynamic dimensions, by input: the row count, the live cache length, the buffer's capacity."""
+        Dim = torch.export.Dim
+        rows = Dim("rows", min=MIN_ROWS, max=self.max_rows)
+        live, capacity = Dim("live", min=MIN_ROWS, max=MAX_CONTEXT), Dim("capacity", min=MIN_ROWS, max=MAX_CONTEXT)
+        return {"feature": {1: rows}, "embeds": {1: rows}, "position_ids": {1: rows}, "slots": {0: rows},
+                "mask": {2: rows, 3: live}, "buffer": {4: capacity}}  # fmt: skip
+
+    def example_inputs(self) -> tuple:
+        """Inputs of the graph's shapes for tracing it: 3 rows after 5 committed entries in a buffer of 11 slots."""
+        length, rows, capacity = 5, 3, 11
+        cache = self.new_cache(capacity - MIN_ROWS + 1)
+        cache.length = length
+        hidden, device = self.drafter.config.hidden_size, self.drafter.fc.weight.device
+        feature = torch.zeros(rows, hidden, dtype=self.drafter.fc.weight.dtype, device=device)
+        positions = torch.arange(length, length + rows, device=device)
+        visible = torch.ones(rows, length + rows, dtype=torch.bool, device=device)
+        return self._inputs(feature, feature, positions, visible, cache, rows)
+
+
+class _LevelGraph(torch.nn.Module):
+    """What is compiled: the drafter's public forward over the live part of its KV buffer, then its projection. A
+    module holding the drafter, so that freezing makes its weights constants (as `compiled._Graph` does the
+    target's)."""
+
+    def __init__(self, drafter):
+        super().__init__()
+        self.drafter = drafter
+
+    def forward(self, feature, embeds, position_ids, slots, mask, buffer):
+        """feature, embeds [1, T, h]; position_ids [1, T]; slots [T]; mask [1, 2, T, S]; buffer
+        [1, 2, 1, H_kv, capacity, D] -> (states [T, h], logits [T, N], the new entries [1, 2, 1, H_kv, T, D])."""
+        cache = LiveCache(buffer[:, :, :, :, : mask.shape[-1]], slots)
+        state = self.drafter(feature, embeds, position_ids, mask, cache)[0]  # [T, h]
+        return state, self.drafter.logits(state), torch.stack(cache.new)
