@@ -2,6 +2,7 @@
 
     python -m eval.bench train_step                                   # the default experiment (make run's training)
     python -m eval.bench train_step --steps 8 --out bench_train_step.json data.name=sharegpt_text_800 ...
+    python -m eval.bench train_step --steps 12 --compile-drafter      # the drafter's part by torch.compile
 
 Composes the train config with the given Hydra overrides (the data must be built already: `make run` or
 `python -m train.train` builds it), then for each of `--steps` training batches (after one untimed) times, in the
@@ -9,6 +10,10 @@ run's precision: the frozen target's layers (`target_hidden`), its output projec
 vocabulary check (the whole vocabulary, EAGLE-3's rule) and without it (the draft vocabulary's rows alone), the
 drafter's unrolled forward, and its backward with the optimizer step. Reports the medians. A step with data echoing
 (`data.module.echo=E`) reads the target once every E steps, so its cost is (read) / E + (drafter).
+
+`--compile-drafter` runs the drafter's layer, its projection and the loss through `torch.compile` (Inductor's default
+settings: the batches' sizes vary, which a frozen, autotuned graph would recompile for), forward and backward, and
+reports how long its first step (the compile) took: what compiling the drafter's side of training would buy.
 """
 
 import statistics
@@ -44,6 +49,7 @@ def train_config(overrides: list[str]):
 def run(
     *overrides: Annotated[str, "Hydra overrides of the train config"],
     steps: Annotated[int, "timed batches (after one untimed)"] = 6,
+    compile_drafter: Annotated[bool, "the drafter's layer, projection and loss by torch.compile"] = False,
     out: str = "bench_train_step.json",
 ) -> Report:
     """Where an EAGLE-3 training step's time goes on the experiment's own batches."""
@@ -55,6 +61,11 @@ def run(
     if not isinstance(module, Eagle3Module):
         raise ValueError("the training step benchmark times an EAGLE-3 drafter (drafter=eagle3)")
     module.train()
+    if compile_drafter:
+        drafter = module.drafter
+        drafter.forward = torch.compile(drafter.forward, dynamic=False)  # [B, T] batches: one shape
+        drafter.logits = torch.compile(drafter.logits, dynamic=True)  # the labelled rows: a count a batch
+        module.loss_fn = torch.compile(module.loss_fn, dynamic=True)
     optimizer = torch.optim.AdamW(module.drafter.parameters(), lr=1e-4)  # the step's cost, not the run's schedule
     precision = str(cfg.trainer.precision)
     autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled="bf16" in precision)
@@ -79,14 +90,17 @@ def run(
         if step:  # the first batch warms up
             for phase, ms in zip(PHASES, (read, full, draft, forward, backward), strict=True):
                 times[phase].append(ms)
+        else:
+            first_ms = forward + backward  # the drafter's first step: its compile, with --compile-drafter
     medians = {phase: statistics.median(ms) for phase, ms in times.items()}
     shape = f"{datamodule.batch_size} x {datamodule.max_length}"
     shown = table(
         f"one training step, ms (median of {steps}; batches of {shape}, {precision})",
         ["phase", "ms"],
-        [[phase, f"{ms:.0f}"] for phase, ms in medians.items()],
+        [[phase, f"{ms:.0f}"] for phase, ms in medians.items()]
+        + [["drafter's first step (untimed above)", f"{first_ms:.0f}"]],
     )
     overrides = ["experiment=smollm2_eagle3", *overrides]
-    return Report(
-        {"overrides": overrides, "precision": precision, "batch": shape, "median_ms": medians}, [shown], out=out
-    )
+    result = {"overrides": overrides, "precision": precision, "batch": shape, "compile_drafter": compile_drafter,
+              "median_ms": medians, "first_drafter_step_ms": first_ms}  # fmt: skip
+    return Report(result, [shown], out=out)

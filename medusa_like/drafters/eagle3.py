@@ -15,7 +15,8 @@ token t + 2; the next draft step feeds that state back in place of the target's 
 The attention, MLP and norms are built by transformers from the target's config (a one-layer model of the same
 family, `AutoModel.from_config`), so every family the core supports gets a drafter without copied modeling code; only
 q/k/v are widened to 2h. Attention goes through transformers' SDPA with explicit boolean masks, over the drafter's
-own `TreeKVCache` at inference.
+own `TreeKVCache` at inference; the proposer drafts level by level through `EagerLevel`, or through the same level
+compiled where the target's step is (`forward/compiled_draft.py`, set by `compile_drafting`).
 """
 
 import copy
