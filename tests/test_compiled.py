@@ -3,7 +3,7 @@ path, greedy decoding gives the eager step's tokens, every drafter and tree is l
 node counts from 1 to many), seeded sampling follows plain sampling, a failure falls back to eager with a log line,
 an unsupported platform runs eager and says why, and the compile cache is keyed and rebuilt when foreign. The EAGLE-3
 drafter's compiled level (forward/compiled_draft.py) drafts the eager level's trees, falls back alike and is keyed by
-the drafter's weights.
+the drafter's weights; compiled Medusa heads give the eager heads' logits.
 
 Compiling takes half a minute per tiny target: every test here is slow, one compiled target per family is shared, and
 two families are left to make test-all (`family`)."""
@@ -16,17 +16,19 @@ from pathlib import Path
 import pytest
 import torch
 
+from medusa_like.decoding.projection import VocabProjection
 from medusa_like.decoding.tree import DynamicTreeSpec
 from medusa_like.decoding.tree_files import resolve_tree
 from medusa_like.drafters.combined import CombinedDrafter
 from medusa_like.drafters.eagle3 import EagerLevel, Eagle3Proposer
 from medusa_like.drafters.lookup import LookupDrafter
+from medusa_like.drafters.vocab import DraftVocab
 from medusa_like.formats.registry import EAGLE3
 from medusa_like.forward import compile_cache, prepare_target
 from medusa_like.forward import platform as forward_platform
 from medusa_like.forward.compile_cache import progress
 from medusa_like.forward.compiled import CompiledStep
-from medusa_like.forward.compiled_draft import CompiledLevel
+from medusa_like.forward.compiled_draft import CompiledLevel, DraftCompiler
 from medusa_like.forward.platform import CompileUnsupported, compile_settings
 from medusa_like.model import MedusaLikeModel
 from medusa_like.targets import weights_fingerprint
@@ -130,9 +132,10 @@ def test_compiled_greedy_equals_eager_greedy_and_every_drafter_is_lossless_on_it
     references = [greedy(prepared, p) for p in prompts]
     assert references == [greedy(eager, p) for p in prompts]
     eagle3 = eagle3_on(compiled_targets, family)
+    heads = random_heads()
     runs = [
-        (random_heads(), "medusa"),
-        (random_heads(), "chain"),
+        (heads, "medusa"),
+        (heads, "chain"),
         (eagle3, DynamicTreeSpec(depth=3, top_k=3, num_nodes=6)),
         (LookupDrafter(), "dynamic"),
         (CombinedDrafter(eagle3, LookupDrafter()), "dynamic"),
@@ -149,6 +152,7 @@ def test_compiled_greedy_equals_eager_greedy_and_every_drafter_is_lossless_on_it
     # the EAGLE-3 drafter's levels too
     assert prepared.compiled.failed is None and prepared.step is prepared.compiled
     assert isinstance(eagle3.level(), CompiledLevel) and eagle3.level().failed is None
+    assert heads.compiled_logits(None).compiled is not None and heads.compiled_logits(None).failed is None
 
 
 def draft_twice(proposer, prompt, features, spec) -> list:
@@ -215,6 +219,25 @@ def test_a_failing_compiled_level_drafts_eagerly_with_a_log_line_never_a_wrong_t
     assert level.failed == "RuntimeError: the compiler broke"
 
 
+@needs_compile
+def test_compiled_medusa_heads_give_the_eager_heads_logits_over_a_draft_vocabulary(compiled_targets):
+    """Medusa heads restricted to a draft vocabulary, compiled with the target's projection rows: every head's logits
+    as the eager heads compute them, the same drafts, and greedy's tokens; other rows than those compiled run eagerly."""
+    prepared, _ = compiled(compiled_targets, "llama")
+    heads = random_heads(seed=3)
+    heads.draft_vocab = DraftVocab(torch.arange(0, VOCAB, 2), VOCAB)  # every other token
+    model = MedusaLikeModel(prepared, None, heads)
+    compiled_heads = heads.compiled_logits(heads.draft_vocab.token_ids)
+    assert compiled_heads is not None and heads.compiled_logits(None) is None
+    hidden = torch.randn(heads.config.hidden_size, generator=torch.Generator().manual_seed(1))
+    projection = VocabProjection(prepared.target, heads.draft_vocab.token_ids)
+    with torch.inference_mode():
+        torch.testing.assert_close(compiled_heads(hidden), heads(hidden, projection), atol=1e-4, rtol=1e-4)
+    prompt = random_prompts(1, seed=9, min_len=8, max_len=8)[0]
+    out = model.generate(prompt, max_new_tokens=NEW_TOKENS, tree="medusa", eos_token_id=[])
+    assert out.new_tokens.tolist() == greedy(prepared, prompt) and compiled_heads.failed is None
+
+
 def test_the_compiled_levels_cache_is_keyed_by_the_drafters_weights():
     """A drafter retrained at the same path (other weights, same config) gets another compiled level; the same
     weights the same one; another dtype another."""
@@ -223,7 +246,7 @@ def test_the_compiled_levels_cache_is_keyed_by_the_drafters_weights():
 
     def level(seed, dtype=torch.float32):
         torch.manual_seed(seed)
-        return CompiledLevel(EAGLE3.fresh(target).to(dtype=dtype), options, label)
+        return DraftCompiler(target, options, label, lambda module: module).level(EAGLE3.fresh(target).to(dtype=dtype))
 
     first = compile_cache.cache_key(level(0))
     assert first["drafter_fingerprint"] and first["drafter_class"] == "Eagle3Drafter" and "drafter_code" in first

@@ -45,8 +45,8 @@ class CombinedDrafter:
     def use_cost_model(self, cost: CostModel) -> None:
         self.state.cost_model = cost
 
-    def compile_drafting(self, compile_level) -> None:
-        self.learned.compile_drafting(compile_level)
+    def compile_drafting(self, compiler) -> None:
+        self.learned.compile_drafting(compiler)
 
     def proposer(self, target) -> MergedTreeProposer:
         return MergedTreeProposer(target, self.learned, self.lookup.sources(), self.state)

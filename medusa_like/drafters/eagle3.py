@@ -137,10 +137,11 @@ class Eagle3Drafter(LearnedDrafter, nn.Module):
     def proposer(self, target) -> "Eagle3Proposer":
         return Eagle3Proposer(self, target)
 
-    def compile_drafting(self, compile_level) -> None:
-        """Draft through `compile_level(self)` from now on: the forward room's compiled level of these weights
+    def compile_drafting(self, compiler) -> None:
+        """Draft through `compiler.level(self)` from now on: the forward room's compiled level of these weights
         (`forward/compiled_draft.py`), with the `EagerLevel` interface."""
-        self._compiled_level = compile_level(self)
+        self._compiled_level = None  # cleared first: the compiler copies this module, and must not copy an earlier one
+        self._compiled_level = compiler.level(self)
 
     def level(self):
         """What computes a drafting level: the compiled one where `compile_drafting` set one, else `EagerLevel`."""

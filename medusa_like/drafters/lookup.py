@@ -52,7 +52,7 @@ class LookupDrafter:
     def use_cost_model(self, cost) -> None:
         self.state.cost_model = cost
 
-    def compile_drafting(self, compile_level) -> None:
+    def compile_drafting(self, compiler) -> None:
         pass  # lookup computes nothing to compile: it stays in Python
 
     def proposer(self, target) -> MergedTreeProposer:

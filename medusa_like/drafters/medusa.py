@@ -3,7 +3,8 @@
 Head k (1-based) predicts the token k positions after the target's own next token, i.e. from the hidden state at
 position t it guesses token t + 1 + k. Each head is N residual blocks `x + SiLU(Linear(x))`, zero-initialised so an
 untrained head reproduces the target's next-token distribution, followed by a vocabulary projection that is either
-the target's frozen `lm_head` (shared, the default) or the head's own copy of it.
+the target's frozen `lm_head` (shared, the default) or the head's own copy of it. Beside a compiled target the heads
+and the projection draft compiled (`compile_drafting`: `forward/compiled_draft.py`).
 """
 
 from dataclasses import asdict, dataclass
@@ -86,6 +87,23 @@ class MedusaHeads(LearnedDrafter, nn.Module):
     def proposer(self, target) -> "MedusaProposer":
         return MedusaProposer(self, target, self.draft_vocab)
 
+    def compile_drafting(self, compiler) -> None:
+        """Draft through the heads and the target's projection (over the draft vocabulary's rows, if set) compiled by
+        `compiler` (`forward/compiled_draft.py`) from now on: compiled on the first draft, or loaded."""
+        self._compiled = None  # cleared first: the compiler copies these modules, and must not copy an earlier one
+        rows = None if self.draft_vocab is None else self.draft_vocab.token_ids
+        self._compiled = compiler.heads(self, rows)
+
+    def compiled_logits(self, rows: torch.Tensor | None):
+        """hidden [H] -> every head's logits [K, N] over `rows` (token ids; None: the whole vocabulary), compiled,
+        where `compile_drafting` compiled them for these rows; else None."""
+        compiled = getattr(self, "_compiled", None)
+        if compiled is None or (compiled.rows is None) != (rows is None):
+            return None
+        if rows is not None and not torch.equal(compiled.rows.cpu(), rows.cpu()):
+            return None
+        return compiled
+
     @property
     def target_sizes(self) -> tuple[int, int]:
         return self.config.hidden_size, self.config.vocab_size
@@ -129,6 +147,7 @@ class MedusaProposer:
 
     def __init__(self, heads: MedusaHeads, target, vocab: DraftVocab | None = None):
         self.heads = heads
+        self.compiled = heads.compiled_logits(None if vocab is None else vocab.token_ids)  # None: eager
         self.max_depth = heads.num_heads
         self.projection = VocabProjection(target, None if vocab is None else vocab.token_ids)
         self.token_ids = None if vocab is None else vocab.token_ids.to(target.device)
@@ -144,7 +163,10 @@ class MedusaProposer:
         return spec.grow(self.root, self._expand_from(spec) if spec.max_depth else None)
 
     def _expand_from(self, spec: TreeSpec):
-        logits = self.heads(self.hidden, self.projection, num_heads=spec.max_depth)  # [D, V]
+        if self.compiled is not None:
+            logits = self.compiled(self.hidden)[: spec.max_depth]  # [D, V]: every head computed, the first D kept
+        else:
+            logits = self.heads(self.hidden, self.projection, num_heads=spec.max_depth)  # [D, V]
         top = logits.float().log_softmax(-1).topk(spec.top_k, dim=-1)  # [D, k]
         tokens = top.indices if self.token_ids is None else self.token_ids[top.indices]
 

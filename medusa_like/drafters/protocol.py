@@ -81,9 +81,10 @@ class Drafter(Protocol):
         """Size trees by `cost` from the next generation on (drafters that consult none ignore it)."""
         ...
 
-    def compile_drafting(self, compile_level) -> None:
-        """Draft through `compile_level(module)` from now on, where the drafter has a drafting level to compile (an
-        EAGLE-3 layer and its projection: `forward/compiled_draft.py`); drafters with none ignore it."""
+    def compile_drafting(self, compiler) -> None:
+        """Draft through what `compiler` compiles from now on (`forward/compiled_draft.DraftCompiler`:
+        `compiler.level(module)` for an EAGLE-3-style level, `compiler.heads(module, rows)` for Medusa-style heads),
+        where the drafter computes something to compile; drafters with nothing ignore it."""
         ...
 
     def parts(self) -> dict[str, "Drafter"]:
@@ -114,8 +115,8 @@ class DrafterBase:
     def use_cost_model(self, cost: CostModel) -> None:
         pass  # its trees are the spec's, whatever the machine
 
-    def compile_drafting(self, compile_level) -> None:
-        pass  # no drafting level of its own to compile (lookup; Medusa heads draft from the target's features)
+    def compile_drafting(self, compiler) -> None:
+        pass  # nothing of its own to compile
 
     def parts(self) -> dict:
         return {}

@@ -1,5 +1,6 @@
-"""A drafter's drafting level compiled for this machine: its one-level forward (an EAGLE-3 layer and the
-draft-vocabulary projection) over one static KV buffer, on the same footing as the target's compiled step.
+"""A drafter's drafting step compiled for this machine, on the same footing as the target's compiled step: an EAGLE-3
+level (its layer and draft-vocabulary projection over one static KV buffer), or Medusa heads over the target's own
+vocabulary projection.
 
 An eager level over a few rows costs two to three times the bytes of its weights at the memory's speed: the products
 at one to eight rows and the Python between a dozen small operators. Compiled like the target's step (`compiled.py`:
@@ -7,7 +8,8 @@ frozen weights, Inductor's C++ GEMM template on CPUs, one graph whose row count 
 a level streams the weights near the memory's speed. The package is cached on disk by `compile_cache`, keyed by the
 drafter's weights, dtype, code and the machine, so a later process loads it in about a second.
 
-    level = CompiledLevel(drafter, options, label)    # compiles on first use (logged), or loads an earlier package
+    compiler = DraftCompiler(target, options, label, stock)   # what `Drafter.compile_drafting` is handed
+    level = compiler.level(drafter)                   # compiles on first use (logged), or loads an earlier package
     cache = level.new_cache(capacity)                 # [1, 2, 1, heads_kv, capacity, head_dim]
     state, logits = level(feature, embeds, positions, visible, cache)   # the drafter's `level` interface
 
@@ -17,18 +19,47 @@ visible [T, S] (which of the cache's S - T entries and the T new ones each row s
 the cache's committed ones, which the caller commits. A single row runs as two (a dimension of 1 would be
 specialised), the dummy row seeing only itself. Where the compiled level cannot run, the same graph runs eagerly over
 the same buffer, with a log line: only a slower draft, and drafts never change what the target outputs.
+
+    heads = compiler.heads(medusa_heads, rows)        # rows: a draft vocabulary's token ids, or None
+    logits = heads(hidden)                            # the target's last hidden state [H] -> every head's [K, N]
+
+Medusa heads read one row, the target's last hidden state, so their graph has no dynamic dimension; it holds the
+target's projection (or its draft vocabulary's rows) as a constant of its own, and is keyed by the target's weights
+too. Every head is computed: a step that drafts fewer levels keeps the first ones (the projection's weights are read
+once whatever the row count).
 """
 
+import hashlib
 import json
 import logging
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 
 import torch
+import torch.nn.functional as F
+
+from medusa_like.targets import logit_softcap, softcap, weights_fingerprint
 
 from . import compile_cache
 from .compiled import ATTENTION, MAX_CONTEXT, MAX_ROWS, MIN_ROWS, LiveCache, StaticTreeCache
 
 log = logging.getLogger(__name__)
+
+
+class DraftCompiler:
+    """What the forward room compiles for a drafter, with the target's compiled step's settings: handed to
+    `Drafter.compile_drafting`, which asks for what its kind drafts with. `stock` gives a module with transformers'
+    own layers (a copy sharing every weight, where the layers are few-row ones): what the compiler traces."""
+
+    def __init__(self, target, options: dict, label: str, stock):
+        self.target, self.options, self.label, self.stock = target, dict(options), label, stock
+
+    def level(self, drafter) -> "CompiledLevel":
+        """An EAGLE-3-style drafter's level (`CompiledLevel`)."""
+        return CompiledLevel(self.stock(drafter), self.options, self.label)
+
+    def heads(self, heads, rows: torch.Tensor | None) -> "CompiledHeads":
+        """Medusa-style heads over the target's projection, restricted to `rows` (token ids) or not."""
+        return CompiledHeads(self.stock(heads), self.target, rows, self.options, self.label)
 
 
 class CompiledLevel:
@@ -144,3 +175,75 @@ class _LevelGraph(torch.nn.Module):
         cache = LiveCache(buffer[:, :, :, :, : mask.shape[-1]], slots)
         state = self.drafter(feature, embeds, position_ids, mask, cache)[0]  # [T, h]
         return state, self.drafter.logits(state), torch.stack(cache.new)
+
+
+class CompiledHeads:
+    """Medusa heads (`features(hidden) -> [K, ..., H]`) and the target's vocabulary projection compiled as one graph
+    with Inductor `options`: the target's last hidden state [H] -> every head's logits [K, N]."""
+
+    what = "the Medusa heads"  # what the log calls them
+
+    def __init__(self, heads, target, rows: torch.Tensor | None, options: dict, label: str):
+        self.heads, self.target, self.options, self.label = heads, target, dict(options), label
+        self.rows = None if rows is None else rows.to(target.device)
+        self.min_rows = self.max_rows = 1  # one row: the last hidden state
+        self.compiled = None
+        self.compile_seconds = 0.0
+        self.failed: str | None = None
+
+    def graph_key(self) -> dict:
+        """What the compiled graph computes: the heads, and the target's projection (its weights and the rows kept)."""
+        text = json.dumps(self.heads.config.to_dict(), sort_keys=True, default=str)
+        rows = "all" if self.rows is None else hashlib.sha256(self.rows.cpu().numpy().tobytes()).hexdigest()[:16]
+        key = compile_cache.model_key(self.heads, "drafter", text, code_of=type(self.heads))
+        return {**key, "target_fingerprint": weights_fingerprint(self.target), "projection_rows": rows}
+
+    def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [H] -> logits [K, N]."""
+        if self.failed is None:
+            try:
+                return self._compiled()(hidden[None])[:, 0]
+            except Exception as err:  # the compiler's errors have many types; the eager run is always correct
+                self.failed = f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
+                log.warning("the compiled Medusa heads failed (%s): they run eagerly from now on", self.failed)
+        with torch.inference_mode():
+            return self._graph()(hidden[None])[:, 0]
+
+    def traced_attention(self):
+        return nullcontext()  # no attention in the heads' graph
+
+    def _graph(self) -> "_HeadsGraph":
+        output = self.target.get_output_embeddings()
+        weight, bias = output.weight, getattr(output, "bias", None)
+        if self.rows is not None:
+            weight, bias = weight[self.rows], None if bias is None else bias[self.rows]
+        return _HeadsGraph(self.heads, weight, bias, logit_softcap(self.target.config))
+
+    def _compiled(self):
+        if self.compiled is None:
+            on_cpu = self.target.device.type == "cpu"
+            self.compiled = (compile_cache.Package if on_cpu else compile_cache.InProcess)(self._graph(), self)
+        return self.compiled
+
+    def dynamic_sizes(self) -> dict:
+        return {"hidden": {}}  # one row: nothing dynamic
+
+    def example_inputs(self) -> tuple:
+        weight = self.target.get_output_embeddings().weight
+        return (torch.zeros(1, weight.shape[1], dtype=weight.dtype, device=weight.device),)
+
+
+class _HeadsGraph(torch.nn.Module):
+    """What is compiled for Medusa heads: every head's features, then the projection (the target's weights, or its
+    draft vocabulary's rows, held here as parameters so that freezing packs them)."""
+
+    def __init__(self, heads, weight: torch.Tensor, bias: torch.Tensor | None, cap: float | None):
+        super().__init__()
+        self.heads, self.cap = heads, cap
+        self.weight = torch.nn.Parameter(weight.detach(), requires_grad=False)  # [N, H]
+        self.bias = None if bias is None else torch.nn.Parameter(bias.detach(), requires_grad=False)
+
+    def forward(self, hidden):
+        """hidden [1, H] -> logits [K, 1, N]."""
+        feats = self.heads.features(hidden.to(self.weight.dtype))  # [K, 1, H]
+        return softcap(F.linear(feats, self.weight, self.bias), self.cap)

@@ -33,7 +33,7 @@ from medusa_like.targets import weights_fingerprint
 
 from . import cost_cache
 from .compiled import CompiledStep
-from .compiled_draft import CompiledLevel
+from .compiled_draft import DraftCompiler
 from .cpu.few_row_linear import (
     measure_row_plans,
     use_few_row_linears,
@@ -141,13 +141,8 @@ class PreparedTarget:
         """Where the target's step is compiled, `drafter` drafts through a compiled level too (its kind decides
         whether it has one: `Drafter.compile_drafting`)."""
         if self.compiled is not None:
-            drafter.compile_drafting(self._compiled_level)
-
-    def _compiled_level(self, module) -> CompiledLevel:
-        """A drafter module's level compiled with the target step's settings, over transformers' own layers (a copy
-        of `module` sharing every weight, where its layers are few-row ones)."""
-        model = with_stock_linears(module) if self.tuned else module
-        return CompiledLevel(model, self.compiled.options, self.compiled.label)
+            stock = with_stock_linears if self.tuned else (lambda module: module)
+            drafter.compile_drafting(DraftCompiler(self.target, self.compiled.options, self.compiled.label, stock))
 
     def tune_layers(self, *modules) -> None:
         """Measure the row plans of the target's and `modules`' few-row layers this machine's cache lacks (once per
