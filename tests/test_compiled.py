@@ -200,23 +200,29 @@ def test_the_drafters_compiled_level_drafts_the_eager_levels_trees(compiled_targ
 
 
 @needs_compile
-def test_a_failing_compiled_level_drafts_eagerly_with_a_log_line_never_a_wrong_token(compiled_targets, caplog):
+def test_a_failing_compiled_draft_runs_eagerly_with_a_log_line_never_a_wrong_token(compiled_targets, caplog):
+    """The EAGLE-3 drafter's compiled level and compiled Medusa heads, their compile broken: each drafts eagerly from
+    then on, says why, and the output is greedy's."""
     prepared, _ = compiled(compiled_targets, "llama")
     prompt = random_prompts(1, seed=8, min_len=9, max_len=9)[0]
     expected = greedy(prepared, prompt)
-    eagle3 = EAGLE3.fresh(prepared.target)
-    model = MedusaLikeModel(prepared, None, eagle3)
-    level = eagle3.level()
 
     def broken():
         raise RuntimeError("the compiler broke")
 
-    level._compiled = broken
-    with caplog.at_level(logging.WARNING):
-        out = model.generate(prompt, max_new_tokens=NEW_TOKENS, tree="chain", eos_token_id=[])
-    assert out.new_tokens.tolist() == expected
-    assert "the drafter's compiled level failed (RuntimeError: the compiler broke)" in caplog.text
-    assert level.failed == "RuntimeError: the compiler broke"
+    eagle3, heads = EAGLE3.fresh(prepared.target), random_heads(seed=5)
+    for drafter, tree, said in (
+        (eagle3, "chain", "the drafter's compiled level"),
+        (heads, "medusa", "the compiled Medusa heads"),
+    ):
+        model = MedusaLikeModel(prepared, None, drafter)
+        compiled_draft = eagle3.level() if drafter is eagle3 else heads.compiled_logits(None)
+        compiled_draft._compiled = broken
+        with caplog.at_level(logging.WARNING):
+            out = model.generate(prompt, max_new_tokens=NEW_TOKENS, tree=tree, eos_token_id=[])
+        assert out.new_tokens.tolist() == expected
+        assert f"{said} failed (RuntimeError: the compiler broke)" in caplog.text
+        assert compiled_draft.failed == "RuntimeError: the compiler broke"
 
 
 @needs_compile

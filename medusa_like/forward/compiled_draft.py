@@ -187,7 +187,7 @@ class CompiledHeads:
         self.heads, self.target, self.options, self.label = heads, target, dict(options), label
         self.rows = None if rows is None else rows.to(target.device)
         self.min_rows = self.max_rows = 1  # one row: the last hidden state
-        self.compiled = None
+        self.compiled = self.eager = None  # the compiled graph; the same graph run eagerly, after a failure
         self.compile_seconds = 0.0
         self.failed: str | None = None
 
@@ -206,8 +206,10 @@ class CompiledHeads:
             except Exception as err:  # the compiler's errors have many types; the eager run is always correct
                 self.failed = f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
                 log.warning("the compiled Medusa heads failed (%s): they run eagerly from now on", self.failed)
+        if self.eager is None:
+            self.eager = self._graph()
         with torch.inference_mode():
-            return self._graph()(hidden[None])[:, 0]
+            return self.eager(hidden[None])[:, 0]
 
     def traced_attention(self):
         return nullcontext()  # no attention in the heads' graph
