@@ -130,7 +130,8 @@ class PreparedTarget:
     def adopt(self, drafter, dtype: torch.dtype | str | None = "auto"):
         """`drafter` on this target's device in its drafting dtype (`drafting_dtype`), in eval mode, its layers this
         machine's where the target's are (changed in place, as the target's); where the target's step is compiled,
-        its drafting level is compiled too (`compiled_draft.py`: compiled on its first draft, or loaded)."""
+        what it drafts with is compiled too (`compiled_draft.py`: an EAGLE-3 level, Medusa heads; compiled on its
+        first draft, or loaded)."""
         drafter = drafter.to(device=self.target.device, dtype=self.drafting_dtype(drafter, dtype)).eval()
         if self.tuned and worth_swapping_drafter(drafter):
             _announce(use_few_row_linears(drafter, plans="cached"), "drafter")
@@ -138,8 +139,8 @@ class PreparedTarget:
         return drafter
 
     def compile_drafting(self, drafter) -> None:
-        """Where the target's step is compiled, `drafter` drafts through a compiled level too (its kind decides
-        whether it has one: `Drafter.compile_drafting`)."""
+        """Where the target's step is compiled, `drafter` drafts compiled too (its kind decides what it asks the
+        `DraftCompiler` for, if anything: `Drafter.compile_drafting`)."""
         if self.compiled is not None:
             stock = with_stock_linears if self.tuned else (lambda module: module)
             drafter.compile_drafting(DraftCompiler(self.target, self.compiled.options, self.compiled.label, stock))
