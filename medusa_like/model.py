@@ -49,10 +49,10 @@ class MedusaLikeModel:
         compiled code, shared).
 
         How the target computes on this machine is `medusa_like.forward`'s (`prepare_target`): `compile` (False,
-        True or "auto") runs a compiled step where this platform supports one, and an EAGLE-3 drafter's levels
-        compiled beside it (minutes of compiling on first use, logged, then loaded from disk by later processes; eager
-        otherwise, with a log line saying why); `tuned_layers` (None: where measured faster) computes an
-        eager step's few rows by this CPU's fastest kernels. That changes the model you pass: its `nn.Linear` layers,
+        True or "auto") runs a compiled step where this platform supports one, and the drafter's own step (an
+        EAGLE-3 level, Medusa heads) compiled beside it (minutes of compiling on first use, logged, then loaded from
+        disk by later processes; eager otherwise, with a log line saying why); `tuned_layers` (None: where measured
+        faster) computes an eager step's few rows by this CPU's fastest kernels. That changes the model you pass: its `nn.Linear` layers,
         and the drafter's, are replaced in place by layers that share their parameters (same state dict, no copy) and
         differ from `nn.Linear` only in fp32 rounding; the log says so. Pass False to keep them.
 
@@ -87,7 +87,7 @@ class MedusaLikeModel:
         """`target`: a hub id, a local directory, the default's name, or a loaded model (then pass `tokenizer`). A
         model you pass is changed in place: its `nn.Linear` layers become this CPU's tuned layers sharing their
         parameters, unless `tuned_layers=False`, and a learned drafter is cast to `drafter_dtype`. `compile=True`
-        compiles the target's step (and an EAGLE-3 drafter's level) on first use (see `__init__`).
+        compiles the target's step (and the drafter's) on first use (see `__init__`).
 
         `drafter`: a drafter directory (native Medusa heads or EAGLE-3 drafter, the Medusa, vLLM, TGI or EAGLE-3
         serving layouts), a training checkpoint, a drafter object, or the name of a drafter kind for a fresh one built

@@ -149,7 +149,7 @@ def test_compiled_greedy_equals_eager_greedy_and_every_drafter_is_lossless_on_it
             accepted += sum(out.stats.accepted_draft)
     assert accepted > 0
     # every run above ran compiled (a failed compile falls back to eager for good: equal tokens, nothing tested),
-    # the EAGLE-3 drafter's levels too
+    # the EAGLE-3 drafter's levels and the Medusa heads too
     assert prepared.compiled.failed is None and prepared.step is prepared.compiled
     assert isinstance(eagle3.level(), CompiledLevel) and eagle3.level().failed is None
     assert heads.compiled_logits(None).compiled is not None and heads.compiled_logits(None).failed is None
@@ -238,7 +238,9 @@ def test_compiled_medusa_heads_give_the_eager_heads_logits_over_a_draft_vocabula
     hidden = torch.randn(heads.config.hidden_size, generator=torch.Generator().manual_seed(1))
     projection = VocabProjection(prepared.target, heads.draft_vocab.token_ids)
     with torch.inference_mode():
-        torch.testing.assert_close(compiled_heads(hidden), heads(hidden, projection), atol=1e-4, rtol=1e-4)
+        compiled_logits, eager_logits = compiled_heads(hidden), heads(hidden, projection)  # [K, N]
+    torch.testing.assert_close(compiled_logits, eager_logits, atol=1e-4, rtol=1e-4)
+    assert torch.equal(compiled_logits.topk(3).indices, eager_logits.topk(3).indices)  # the same drafts
     prompt = random_prompts(1, seed=9, min_len=8, max_len=8)[0]
     out = model.generate(prompt, max_new_tokens=NEW_TOKENS, tree="medusa", eos_token_id=[])
     assert out.new_tokens.tolist() == greedy(prepared, prompt) and compiled_heads.failed is None
@@ -260,6 +262,7 @@ def test_the_compiled_levels_cache_is_keyed_by_the_drafters_weights():
     assert compile_cache.cache_key(level(1))["drafter_fingerprint"] != first["drafter_fingerprint"]
     assert compile_cache.cache_directory(level(1)) != compile_cache.cache_directory(level(0))
     assert compile_cache.cache_key(level(0, torch.bfloat16))["dtype"] == "torch.bfloat16"
+    assert compile_cache.cache_directory(level(0, torch.bfloat16)) != compile_cache.cache_directory(level(0))
 
 
 @needs_compile

@@ -1,6 +1,7 @@
-"""How a compiled step's graph (the target's, `compiled.py`; a drafter's level, `compiled_draft.py`) is compiled, and
-where its artifacts live on disk: one directory per model weights, dtype, device, compiler settings, library versions and machine, so that a later process reuses what an
-earlier one built and nothing built for another setup is ever read.
+"""How a compiled graph (the target's step, `compiled.py`; a drafter's level or heads, `compiled_draft.py`) is compiled,
+and where its artifacts live on disk: one directory per model weights, dtype, device, compiler settings, library
+versions and machine, so that a later process reuses what an earlier one built and nothing built for another setup is
+ever read.
 
     run = Package(graph, step)         # CPUs: the AOTInductor package at `package_path(step)`, built or loaded
     run = InProcess(graph, step)       # GPUs: torch.compile with CUDA graphs, Inductor's caches in the directory
@@ -50,8 +51,8 @@ PROGRESS_SECONDS = 30.0  # how often a long compile logs that it is still at wor
 
 
 def cache_key(step) -> dict:
-    """What a compiled step's artifacts were built for (`step`: a `compiled.CompiledStep` or a
-    `compiled_draft.CompiledLevel`): what it computes (`step.graph_key()`: the model's class, config, weights, dtype
+    """What a compiled step's artifacts were built for (`step`: a `compiled.CompiledStep`, or a
+    `compiled_draft.CompiledLevel` or `CompiledHeads`): what it computes (`step.graph_key()`: the model's class, config, weights, dtype
     and device), the code around it, the compiler's settings, the sizes it is compiled for, the libraries and the
     machine."""
     return {
