@@ -19,8 +19,8 @@ import torch
 
 from medusa_like.decoding.checks import check_inputs, prompt_tensor, sampling_generator, token_ids
 from medusa_like.decoding.cost_model import CostModel
-from medusa_like.decoding.generate import GenerateOutput, StopChecker, decode
-from medusa_like.decoding.tree import TreeSpec
+from medusa_like.decoding.generate import GenerateOutput, PlainProposer, StopChecker, decode
+from medusa_like.decoding.tree import TreeSpec, is_plain
 from medusa_like.decoding.tree_files import resolve_tree
 from medusa_like.drafters.protocol import Drafter, Proposer
 from medusa_like.formats import resolve_drafter
@@ -150,11 +150,12 @@ class MedusaLikeModel:
 
     def resolve_tree(self, tree) -> TreeSpec:
         """The tree spec generation uses for `tree` (a preset name, a tree file, rank paths, a dict or a spec), as
-        this drafter decodes with it (a lookup or combined drafter merges its sources into a budgeted tree). A tree
-        file's other settings are put to use too (`use_tree_settings`)."""
+        this drafter decodes with it (a lookup or combined drafter merges its sources into a budgeted tree; plain
+        decoding, `"none"`, stays plain whatever the drafter). A tree file's other settings are put to use too
+        (`use_tree_settings`)."""
         spec = resolve_tree(tree, self.max_depth)
         self.use_tree_settings(tree)
-        return self.drafter.adapt_tree(spec)
+        return spec if is_plain(spec) else self.drafter.adapt_tree(spec)
 
     def use_tree_settings(self, tree) -> dict:
         """Put to use what a tree file from the tree search holds besides the tree (`tree`: its path; {} for any
@@ -265,12 +266,15 @@ class MedusaLikeModel:
         stop = StopChecker(eos, () if stop_strings is None else stop_strings, self.tokenizer)
         input_ids = prompt_tensor(input_ids)
         with self._one_generation():
-            spec = self.drafter.adapt_tree(resolve_tree(tree, self.max_depth))
-            proposer = self.proposer()
+            spec = resolve_tree(tree, self.max_depth)
+            plain = is_plain(spec)  # tree="none": the target alone, nothing drafted, whatever the drafter
+            spec = spec if plain else self.drafter.adapt_tree(spec)
+            proposer = PlainProposer() if plain else self.proposer()
             capacity = check_inputs(
                 self.target, proposer, input_ids, spec, max_new_tokens, max_cache_len, temperature, top_k, top_p
             )
-            self.use_tree_settings(tree)  # a tree file's cost model sets the kernels (or compiles) first
+            if self.use_tree_settings(tree) and not plain:  # a tree file's cost model sets the kernels (or compiles)
+                proposer = self.proposer()  # first: the drafter may now draft compiled
             self.settle_cost_model()
             out = decode(
                 self.forward.step,

@@ -17,8 +17,8 @@ import pytest
 import torch
 
 from medusa_like.decoding.projection import VocabProjection
-from medusa_like.decoding.tree import DynamicTreeSpec
-from medusa_like.decoding.tree_files import resolve_tree
+from medusa_like.decoding.tree import BudgetedTreeSpec, DynamicTreeSpec
+from medusa_like.decoding.tree_files import resolve_tree, save_tree
 from medusa_like.drafters.combined import CombinedDrafter
 from medusa_like.drafters.eagle3 import EagerLevel, Eagle3Proposer
 from medusa_like.drafters.lookup import LookupDrafter
@@ -223,6 +223,39 @@ def test_a_failing_compiled_draft_runs_eagerly_with_a_log_line_never_a_wrong_tok
         assert out.new_tokens.tolist() == expected
         assert f"{said} failed (RuntimeError: the compiler broke)" in caplog.text
         assert compiled_draft.failed == "RuntimeError: the compiler broke"
+
+
+@needs_compile
+def test_a_tree_file_measured_on_the_compiled_step_compiles_the_target_and_the_drafters_level(
+    compiled_targets, monkeypatch, tmp_path, caplog
+):
+    """A model built eager and handed a tree file whose cost model was measured on the compiled step (a tree search
+    with `target.compile=auto`) runs the compiled step from then on, and its combined drafter drafts through the
+    EAGLE-3 level compiled beside it; the output is greedy's."""
+    prepared, _ = compiled(compiled_targets, "llama")
+    # the fixture's options (no autotuning): the step's package on disk is loaded, not compiled again
+    monkeypatch.setitem(forward_platform.CPU_OPTIONS, "max_autotune", False)
+    target = tiny_target("llama")  # the compiled one's weights (a target is prepared once: another object)
+    assert weights_fingerprint(target) == weights_fingerprint(prepared.target)
+    learned = EAGLE3.fresh(target)
+    learned.load_state_dict(eagle3_on(compiled_targets, "llama").state_dict())  # the same weights: its level's package
+    path = save_tree(
+        BudgetedTreeSpec(DynamicTreeSpec(depth=2, top_k=2, num_nodes=3), num_nodes=6, lookup_depth=4),
+        tmp_path / "tree.json",
+        cost_model=prepared.cost_model().to_json(),
+    )
+    assert json.loads(path.read_text())["cost_model"]["step"].startswith("compiled")
+    eager = prepare_target(target, tuned_layers=False)
+    model = MedusaLikeModel(eager, None, CombinedDrafter(learned, LookupDrafter()))
+    assert eager.compiled is None and isinstance(learned.level(), EagerLevel)
+    prompt = random_prompts(1, seed=12, min_len=9, max_len=9)[0]
+    with caplog.at_level(logging.INFO):
+        out = model.generate(prompt, max_new_tokens=NEW_TOKENS, tree=path, eos_token_id=[], remember=False)
+    assert out.new_tokens.tolist() == greedy(prepared, prompt)
+    assert eager.step is eager.compiled and eager.compiled.failed is None
+    assert isinstance(learned.level(), CompiledLevel) and learned.level().failed is None
+    assert learned.level().compiled is not None  # it drafted compiled, not only set up to
+    assert "loaded the target's step compiled from" in caplog.text
 
 
 @needs_compile

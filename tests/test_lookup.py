@@ -400,6 +400,35 @@ def test_every_source_and_their_combination_is_lossless(family, backend):
     assert all(count > 0 for count in accepted.values()), accepted
 
 
+def test_plain_decoding_drafts_nothing_whatever_the_drafter(monkeypatch):
+    """tree="none" is plain decoding for every drafter, lookup and combined too (they turn every other tree into a
+    budgeted one): one node a step, no draft, tau exactly 1, greedy's tokens. The evaluation's reference (a) and its
+    plain loop (c) decode `model.resolve_tree("none")`, which must be plain as well."""
+    target = tiny_target("llama")
+    prompt = random_prompts(1, seed=5, min_len=10, max_len=10)[0]
+    reference = greedy_reference(target, prompt, 40).tolist()
+    for drafter in (LookupDrafter(), CombinedDrafter(EAGLE3.fresh(target), LookupDrafter()), random_heads()):
+        model = MedusaLikeModel(target, None, drafter, backend="sdpa")
+        if drafter.wants_cost_model:
+            drafter.state.cost_model = flat_cost(model.target)
+        model.generate(prompt, max_new_tokens=40, eos_token_id=[])  # now in the store: lookup would draft it all
+        step, nodes = model.forward.step, []
+        forward = step.forward
+
+        def counted(input_ids, *args, forward=forward, nodes=nodes, **kwargs):
+            nodes.append(input_ids.shape[1])
+            return forward(input_ids, *args, **kwargs)
+
+        monkeypatch.setattr(step, "forward", counted)
+        for tree in ("none", model.resolve_tree("none")):
+            nodes.clear()
+            out = model.generate(prompt, max_new_tokens=40, tree=tree, eos_token_id=[])
+            assert out.new_tokens.tolist() == reference, (drafter.kind, tree)
+            assert out.stats.tau == 1.0 and not any(out.stats.accepted_draft), (drafter.kind, tree)
+            assert nodes == [prompt.numel()] + [1] * 39, (drafter.kind, tree)
+        monkeypatch.undo()
+
+
 def test_combined_tree_counts_each_sources_accepted_tokens():
     target = tiny_target("llama")
     drafter = CombinedDrafter(EAGLE3.fresh(target), LookupDrafter())

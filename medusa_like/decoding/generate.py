@@ -106,6 +106,24 @@ def count_sources(counts: dict[str, int], draft: DraftTree, accepted: torch.Tens
 # The loop
 
 
+class PlainProposer:
+    """The `Proposer` of plain decoding (a tree of the root alone: `tree="none"`), whatever drafter the model holds:
+    it drafts nothing and reads no features, so each step is one target forward over one node and tau is 1."""
+
+    feature_layers = None
+    max_depth = None
+    max_rank = None
+
+    def begin(self, prompt_ids: torch.Tensor, features: torch.Tensor, root: torch.Tensor, capacity: int) -> None:
+        self.root = root
+
+    def propose(self, spec) -> DraftTree:
+        return spec.grow(self.root, None)
+
+    def accept(self, tokens: torch.Tensor, features: torch.Tensor, bonus: torch.Tensor) -> None:
+        self.root = bonus
+
+
 class StopChecker:
     """EOS ids and stop strings; `cut(tokens)` returns where to cut the generated tokens, or None to go on.
 

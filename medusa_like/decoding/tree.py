@@ -328,6 +328,11 @@ class BudgetedTreeSpec:
         return BudgetedTreeSpec(learned, self.num_nodes, self.lookup_depth)
 
 
+def is_plain(spec: TreeSpec) -> bool:
+    """Whether `spec` is plain decoding: the root alone, nothing drafted (`tree="none"`)."""
+    return spec.max_nodes == 1
+
+
 def budgeted(spec: TreeSpec, lookup_depth: int = DEFAULT_LOOKUP_DEPTH, keep_learned: bool = True) -> BudgetedTreeSpec:
     """`spec` as a budgeted tree that verifies as many nodes as `spec` does, with `spec` as its learned part (or
     none, for lookup alone); a budgeted spec keeps its own settings."""
