@@ -155,6 +155,10 @@ class MedusaLikeModel:
         (`use_tree_settings`)."""
         spec = resolve_tree(tree, self.max_depth)
         self.use_tree_settings(tree)
+        return self._as_drafted(spec)
+
+    def _as_drafted(self, spec: TreeSpec) -> TreeSpec:
+        """`spec` as this drafter decodes with it; plain decoding stays plain, whatever the drafter."""
         return spec if is_plain(spec) else self.drafter.adapt_tree(spec)
 
     def use_tree_settings(self, tree) -> dict:
@@ -266,9 +270,8 @@ class MedusaLikeModel:
         stop = StopChecker(eos, () if stop_strings is None else stop_strings, self.tokenizer)
         input_ids = prompt_tensor(input_ids)
         with self._one_generation():
-            spec = resolve_tree(tree, self.max_depth)
+            spec = self._as_drafted(resolve_tree(tree, self.max_depth))
             plain = is_plain(spec)  # tree="none": the target alone, nothing drafted, whatever the drafter
-            spec = spec if plain else self.drafter.adapt_tree(spec)
             proposer = PlainProposer() if plain else self.proposer()
             capacity = check_inputs(
                 self.target, proposer, input_ids, spec, max_new_tokens, max_cache_len, temperature, top_k, top_p
