@@ -3,7 +3,8 @@ path, greedy decoding gives the eager step's tokens, every drafter and tree is l
 node counts from 1 to many), seeded sampling follows plain sampling, a failure falls back to eager with a log line,
 an unsupported platform runs eager and says why, and the compile cache is keyed and rebuilt when foreign. The EAGLE-3
 drafter's compiled level (forward/compiled_draft.py) drafts the eager level's trees, falls back alike and is keyed by
-the drafter's weights; compiled Medusa heads give the eager heads' logits.
+the drafter's weights; compiled Medusa heads give the eager heads' logits. A tree file measured on the compiled step
+compiles an eager model's step and its drafter's level.
 
 Compiling takes half a minute per tiny target: every test here is slow, one compiled target per family is shared, and
 two families are left to make test-all (`family`)."""
