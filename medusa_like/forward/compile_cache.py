@@ -52,9 +52,9 @@ PROGRESS_SECONDS = 30.0  # how often a long compile logs that it is still at wor
 
 def cache_key(step) -> dict:
     """What a compiled step's artifacts were built for (`step`: a `compiled.CompiledStep`, or a
-    `compiled_draft.CompiledLevel` or `CompiledHeads`): what it computes (`step.graph_key()`: the model's class, config, weights, dtype
-    and device), the code around it, the compiler's settings, the sizes it is compiled for, the libraries and the
-    machine."""
+    `compiled_draft.CompiledLevel` or `CompiledHeads`): what it computes (`step.graph_key()`: the model's class,
+    config, weights, dtype and device), the code around it, the compiler's settings, the sizes it is compiled for, the
+    libraries and the machine."""
     return {
         "version": CACHE_VERSION,
         **step.graph_key(),
@@ -66,6 +66,12 @@ def cache_key(step) -> dict:
         "python": platform.python_version(),
         "machine": machine_identity(),
     }
+
+
+def failure(err: Exception) -> str:
+    """Why a compiled graph failed, in one line for the log and its `failed` field: the error's type and first line."""
+    text = str(err)
+    return f"{type(err).__name__}: {text.splitlines()[0] if text else ''}"
 
 
 def model_key(model, role: str, config_text: str, code_of: type | None = None) -> dict:

@@ -143,6 +143,17 @@ class StaticTreeCache:
 # Masks and attention
 
 
+@contextmanager
+def attention_traced(config):
+    """A model of `config` attends through `static_attention` (`ATTENTION`) for the block: how every compiled graph
+    (the target's step, a drafter's level) is traced and run."""
+    previous, config._attn_implementation = config._attn_implementation, ATTENTION
+    try:
+        yield
+    finally:
+        config._attn_implementation = previous
+
+
 def window_mask(visible: torch.Tensor, q_pos: torch.Tensor, k_pos: torch.Tensor, window: int | None) -> torch.Tensor:
     """visible [T, S] -> [1, 2, T, S]: as it is (full-attention layers), and limited to keys less than `window`
     positions back (sliding-window layers; the same as the first without a window)."""
@@ -223,21 +234,15 @@ class CompiledStep(TargetStep):
                 # view's strides would name its buffer's capacity, and another capacity would compile again)
                 logits, hidden, states, new = self._compiled()(ids, positions, slots, mask, cache.buffer)
         except Exception as err:  # the compiler's errors have many types; the eager run below is always correct
-            self.failed = f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
+            self.failed = compile_cache.failure(err)
             log.warning("the compiled step failed (%s): the eager step runs from now on", self.failed)
             return self.forward(input_ids, position_ids, tree_mask, cache, feature_layers, last)
         cache.write(new)
         return logits[:real], _features(hidden[:real], states[:, :real], layers)
 
-    @contextmanager
     def traced_attention(self):
         """The target's attention through `static_attention` for the block (as the compiled graph was traced)."""
-        config = self.target.config
-        previous, config._attn_implementation = config._attn_implementation, ATTENTION
-        try:
-            yield
-        finally:
-            config._attn_implementation = previous
+        return attention_traced(self.target.config)
 
     def _inputs(self, cache: StaticTreeCache, position_ids, tree_mask, rows: int):
         """The [1, 2, T, S] mask of a forward of `rows` nodes (the first `position_ids.shape[1]` real, the others

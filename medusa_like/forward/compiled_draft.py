@@ -32,7 +32,7 @@ once whatever the row count).
 import hashlib
 import json
 import logging
-from contextlib import contextmanager, nullcontext
+from contextlib import nullcontext
 
 import torch
 import torch.nn.functional as F
@@ -40,7 +40,7 @@ import torch.nn.functional as F
 from medusa_like.targets import logit_softcap, softcap, weights_fingerprint
 
 from . import compile_cache
-from .compiled import ATTENTION, MAX_CONTEXT, MAX_ROWS, MIN_ROWS, LiveCache, StaticTreeCache
+from .compiled import MAX_CONTEXT, MAX_ROWS, MIN_ROWS, LiveCache, StaticTreeCache, attention_traced
 
 log = logging.getLogger(__name__)
 
@@ -100,7 +100,7 @@ class CompiledLevel:
                 with self.traced_attention():
                     state, logits, new = self._compiled()(*inputs)
             except Exception as err:  # the compiler's errors have many types; the eager run is always correct
-                self.failed = f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
+                self.failed = compile_cache.failure(err)
                 log.warning("the drafter's compiled level failed (%s): its eager level runs from now on", self.failed)
                 return self(feature, embeds, positions, visible, cache, last)
         else:
@@ -123,15 +123,9 @@ class CompiledLevel:
         mask = torch.stack([seen, seen])[None]  # [1, 2, rows, S]: the drafter's layer attends in full, no window
         return feature, embeds, positions[None], slots, mask, cache.buffer
 
-    @contextmanager
     def traced_attention(self):
         """The drafter's attention through the compiled step's attention function for the block."""
-        config = self.attention_config
-        previous, config._attn_implementation = config._attn_implementation, ATTENTION
-        try:
-            yield
-        finally:
-            config._attn_implementation = previous
+        return attention_traced(self.attention_config)
 
     def _compiled(self):
         if self.compiled is None:
@@ -204,7 +198,7 @@ class CompiledHeads:
             try:
                 return self._compiled()(hidden[None])[:, 0]
             except Exception as err:  # the compiler's errors have many types; the eager run is always correct
-                self.failed = f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
+                self.failed = compile_cache.failure(err)
                 log.warning("the compiled Medusa heads failed (%s): they run eagerly from now on", self.failed)
         if self.eager is None:
             self.eager = self._graph()
