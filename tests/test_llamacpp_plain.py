@@ -36,8 +36,14 @@ def test_named_but_not_built_it_is_left_out_and_the_report_says_why(tmp_path, ev
         report = evaluate(cfg)
     assert f"names {LLAMACPP_PLAIN}, not run: llama.cpp is not built in {tmp_path / '.llamacpp'}" in caplog.text
     reason = report["setup"]["not_run"][LLAMACPP_PLAIN]
-    assert reason.startswith("llama.cpp is not built") and LLAMACPP_PLAIN not in report["speed"]["median_tokens_per_second"]
-    assert f"Named but not run: (l) llama.cpp plain, same precision: {reason}" in (tmp_path / "run" / "report.md").read_text()
+    assert (
+        reason.startswith("llama.cpp is not built")
+        and LLAMACPP_PLAIN not in report["speed"]["median_tokens_per_second"]
+    )
+    assert (
+        f"Named but not run: (l) llama.cpp plain, same precision: {reason}"
+        in (tmp_path / "run" / "report.md").read_text()
+    )
 
 
 def test_targets_llamacpp_cannot_run_get_a_reason_before_anything_is_built(tmp_path):
