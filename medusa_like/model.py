@@ -246,7 +246,8 @@ class MedusaLikeModel:
         dynamic tree, 'chain', 'small', 'medusa', 'none' for plain decoding), a `DynamicTreeSpec` or a dict of its
         fields, a list of rank paths, a tree file (JSON from the tree search) or a spec. `eos_token_id`: an id or a
         list of ids (None: the target's). `stop_strings`: a string or a list of strings; generation stops once one
-        appears in the output. `streamer`: a callable taking each step's new token ids, or a transformers streamer.
+        appears in the output. `streamer`: a callable taking each step's new token ids, or a transformers streamer
+        (given the prompt first, as transformers' `generate` gives it).
 
         `seed` (temperature > 0): the same prompt, settings and seed give the same tokens on the same device and
         dtype, whatever the drafter, the tree, the output store's contents or the machine's timings, and the same as

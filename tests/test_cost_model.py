@@ -142,11 +142,15 @@ def test_a_cost_model_missing_a_field_or_not_an_object_is_refused():
         ({"kernels": {"linears": "nn.Linear"}}, "linears"),  # measured with other layers than this target's
     ],
 )
-def test_a_cost_model_of_another_setup_is_refused(changes, field):
+def test_a_cost_model_of_another_setup_is_refused_and_changes_nothing(changes, field):
+    """Refused with the difference named; the target runs on as before (a cost model of a compiled step, refused,
+    leaves it eager: no compile follows)."""
     target = tiny_target("llama")
     assert cost_json(target)["machine"] == machine_identity()
+    prepared = prepare_target(target)
     with pytest.raises(CostModelMismatchError, match=f"tree.json: .*{field}"):
-        prepare_target(target).load_cost_model(cost_json(target, **changes), "tree.json")
+        prepared.load_cost_model(cost_json(target, **changes), "tree.json")
+    assert prepared.compiled is None and prepared.step is prepared.eager and prepared.active is None
 
 
 def test_a_measurement_whose_timer_gives_no_valid_time_is_refused_not_kept():

@@ -327,15 +327,16 @@ def tokenizer():
     return AutoTokenizer.from_pretrained(resolve_target(DEFAULT_TARGET))
 
 
-def test_transformers_streamers_receive_exactly_the_generated_tokens(tokenizer):
-    """TextStreamer gets the generated ids (never the prompt), in order, once each, then `end`; TextIteratorStreamer
-    yields text that decodes to the same tokens."""
+def test_transformers_streamers_receive_what_transformers_generate_gives_them(tokenizer):
+    """A transformers streamer gets the prompt, then the generated ids in order, once each, then `end`: the ids
+    transformers' own greedy `generate` puts into it, so that `skip_prompt=True` drops the prompt and nothing else;
+    TextIteratorStreamer yields the same text as from transformers."""
     target, prompts, expected = references("qwen2")  # ids < 97 are valid ids of the default's tokenizer
     model = MedusaLikeModel(target, tokenizer, random_heads(), backend="sdpa")
 
     class Recording(TextStreamer):
-        def __init__(self):
-            super().__init__(tokenizer)
+        def __init__(self, skip_prompt):
+            super().__init__(tokenizer, skip_prompt=skip_prompt)
             self.ids, self.text, self.ended = [], [], False
 
         def put(self, value):
@@ -346,14 +347,20 @@ def test_transformers_streamers_receive_exactly_the_generated_tokens(tokenizer):
             self.text.append(text)
             self.ended |= stream_end
 
-    recording = Recording()
-    out = model.generate(prompts[5], max_new_tokens=NEW_TOKENS, tree="small", eos_token_id=[], streamer=recording)
-    assert recording.ids == out.new_tokens.tolist() == expected[5].tolist()
-    assert recording.ended and "".join(recording.text) == tokenizer.decode(expected[5])
+    prompt = prompts[5].reshape(1, -1)  # [1, T]
+    ours, theirs = Recording(skip_prompt=True), Recording(skip_prompt=True)
+    out = model.generate(prompt, max_new_tokens=NEW_TOKENS, tree="small", eos_token_id=[], streamer=ours)
+    target.generate(prompt, max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, do_sample=False,
+                    streamer=theirs, attention_mask=torch.ones_like(prompt))  # fmt: skip
+    assert out.new_tokens.tolist() == expected[5].tolist()
+    assert ours.ids == theirs.ids == prompt[0].tolist() + expected[5].tolist()
+    assert ours.ended and "".join(ours.text) == "".join(theirs.text) == tokenizer.decode(expected[5])
 
-    iterator = TextIteratorStreamer(tokenizer)
-    out = model.generate(prompts[6], max_new_tokens=NEW_TOKENS, tree="dynamic", eos_token_id=[], streamer=iterator)
-    assert "".join(iterator) == tokenizer.decode(expected[6]) and out.new_tokens.tolist() == expected[6].tolist()
+    for skip_prompt in (True, False):
+        iterator = TextIteratorStreamer(tokenizer, skip_prompt=skip_prompt)
+        out = model.generate(prompts[6], max_new_tokens=NEW_TOKENS, tree="dynamic", eos_token_id=[], streamer=iterator)
+        shown = expected[6].tolist() if skip_prompt else prompts[6].flatten().tolist() + expected[6].tolist()
+        assert "".join(iterator) == tokenizer.decode(shown) and out.new_tokens.tolist() == expected[6].tolist()
 
 
 @pytest.mark.slow

@@ -227,6 +227,8 @@ def decode(
         probs = warp_logits(logits, temperature, top_k, top_p)
         return race(probs, noise.take(first, max_depth + 1)[depth])
 
+    if streamer is not None and hasattr(streamer, "put"):  # a transformers streamer takes the prompt first, as from
+        streamer.put(input_ids.cpu())  # transformers' own generate (its `skip_prompt` drops it)
     start = time.perf_counter()
     positions = torch.arange(prompt_len, device=device)[None]
     logits, features = step.forward(input_ids, positions, None, cache, layers, last=True)  # [1, V], [P, F]

@@ -191,10 +191,12 @@ class PreparedTarget:
             raise InvalidCostModelError(f"{source}: cost model: {err}") from err
         except CostModelError as err:
             raise type(err)(f"{source}: {err}") from err
+        before = self.compiled, self.active
         if cost.step.startswith("compiled") and self.compiled is None:
-            self.use_compiled(True)
+            self.use_compiled(True)  # the step it was measured on, to compare identities
         found = self.mismatches(cost)
         if found:
+            self.compiled, self.active = before  # refused: this target runs on as it did
             raise CostModelMismatchError(f"{source}: {mismatch_error(cost, found)}")
         return self.activate(cost)
 
