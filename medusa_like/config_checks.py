@@ -33,6 +33,7 @@ from omegaconf import DictConfig, OmegaConf
 from medusa_like.data.generation import check_engine
 from medusa_like.data.naming import source_name
 from medusa_like.forward import check_read_kernel
+from medusa_like.targets import floating_dtype
 from medusa_like.training.ttt import loss_function
 
 log = logging.getLogger(__name__)
@@ -76,8 +77,7 @@ class FloatDtype(Check):
     def check(self, key: str, value) -> None:
         if (value is None and self.optional) or (isinstance(value, str) and value in self.words):
             return
-        dtype = getattr(torch, value, None) if isinstance(value, str) else None
-        if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        if not isinstance(value, str) or floating_dtype(value) is None:
             expected = "a torch floating-point dtype name such as float32 or bfloat16" + (" or null" * self.optional)
             expected += f" (or one of {list(self.words)})" if self.words else ""
             raise ConfigError(f"config key {key}: expected {expected}, got {value!r}")

@@ -25,7 +25,7 @@ from medusa_like.decoding.tree_files import resolve_tree
 from medusa_like.drafters.protocol import Drafter, Proposer
 from medusa_like.formats import resolve_drafter
 from medusa_like.forward import PreparedTarget, prepare_target
-from medusa_like.targets import DEFAULT_TARGET, chat_input_ids, eos_token_ids, freeze, load_target
+from medusa_like.targets import DEFAULT_TARGET, chat_input_ids, eos_token_ids, freeze, load_target, target_dtype
 
 DEFAULT_DRAFTER = "lookup"  # without a trained drafter: lookup drafting from the context and earlier outputs
 # what a tree search's file holds besides the tree (`learned_alone`: the learned drafter's own tree, decoding alone)
@@ -98,6 +98,7 @@ class MedusaLikeModel:
             target_name = str(target)
             target, tokenizer = load_target(target_name, dtype=dtype, device=device)
         else:
+            _check_as_loaded(target, dtype, device)
             target_name = getattr(target.config, "name_or_path", None)
         if drafter is None:
             drafter = DEFAULT_DRAFTER
@@ -143,6 +144,8 @@ class MedusaLikeModel:
 
     def chat_ids(self, messages: list[dict]) -> torch.Tensor:
         """Prompt ids [1, T] under the target's own chat template."""
+        if self.tokenizer is None:
+            raise ValueError("chat_ids needs the target's tokenizer: pass tokenizer= with a loaded model")
         return chat_input_ids(self.tokenizer, messages).to(self.device)
 
     def eos_token_ids(self) -> list[int]:
@@ -313,3 +316,24 @@ class MedusaLikeModel:
                 yield
             finally:
                 self._generating = None
+
+
+def _check_as_loaded(target, dtype, device) -> None:
+    """A loaded model is used as it is: `dtype=` or `device=` asking for another one is refused, not ignored."""
+    if not isinstance(target, torch.nn.Module):
+        raise TypeError(f"target: expected a hub id, a directory, the default's name or a loaded model, got {target!r}")
+    asked = target_dtype(dtype)
+    if asked not in (None, "auto") and asked != target.dtype:
+        raise ValueError(
+            f"dtype={dtype!r} for a model already loaded in {target.dtype}: a loaded model is used as it is; cast it "
+            "first (model.to(dtype)) or pass its name or directory"
+        )
+    if device is not None and not _same_device(torch.device(device), target.device):
+        raise ValueError(
+            f"device={str(device)!r} for a model already on {target.device}: a loaded model is used as it is; move it "
+            "first (model.to(device)) or pass its name or directory"
+        )
+
+
+def _same_device(asked: torch.device, actual: torch.device) -> bool:
+    return asked.type == actual.type and (asked.index is None or asked.index == (actual.index or 0))

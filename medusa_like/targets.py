@@ -74,18 +74,37 @@ def default_dtype(device: torch.device) -> torch.dtype:
     return torch.bfloat16 if device.type == "cuda" else torch.float32
 
 
+def floating_dtype(value) -> torch.dtype | None:
+    """The torch floating-point dtype `value` is or names ("bfloat16", torch.float32), else None."""
+    dtype = getattr(torch, value, None) if isinstance(value, str) else value
+    return dtype if isinstance(dtype, torch.dtype) and dtype.is_floating_point else None
+
+
+def target_dtype(dtype) -> torch.dtype | str | None:
+    """A target's `dtype` argument, checked: a floating torch dtype (given as one or by name), "auto" or None."""
+    if dtype is None or dtype == "auto":
+        return dtype
+    found = floating_dtype(dtype)
+    if found is None:
+        raise ValueError(
+            f"dtype {dtype!r}: expected a floating torch dtype or its name (float32, bfloat16, float16), 'auto' (the "
+            "checkpoint's own) or None (bf16 on CUDA, fp32 on CPU)"
+        )
+    return found
+
+
 def load_target(
     name_or_path: str = DEFAULT_TARGET,
     dtype: torch.dtype | str | None = None,
     device: torch.device | str | None = None,
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
-    """Load a frozen (eval, no grad) causal LM and its tokenizer. bf16 on CUDA and fp32 on CPU unless told."""
+    """Load a frozen (eval, no grad) causal LM and its tokenizer: in `dtype` (a floating torch dtype or its name;
+    "auto": the checkpoint's own; None: bf16 on CUDA, fp32 on CPU) on `device` (None: CUDA where there is one)."""
+    dtype = target_dtype(dtype)
     path = resolve_target(name_or_path)
     if os.path.sep in path and not Path(path).exists():
         raise FileNotFoundError(f"target path {path!r} does not exist")
     device = torch.device(device) if device is not None else default_device()
-    if isinstance(dtype, str):
-        dtype = getattr(torch, dtype)
     dtype = dtype or default_dtype(device)
     tokenizer = AutoTokenizer.from_pretrained(path)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device)

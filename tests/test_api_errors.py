@@ -89,3 +89,76 @@ def test_a_combined_drafter_loads_its_learned_drafter_from_a_directory(tmp_path)
         MedusaLikeModel.from_pretrained(target, drafter="combined", learned="lookup")
     with pytest.raises(FileNotFoundError, match="does not exist"):
         MedusaLikeModel.from_pretrained(target, drafter="combined", learned=tmp_path / "missing")
+
+
+def test_an_empty_prompt_is_called_empty_whatever_its_form(model):
+    for empty in ([[]], [], torch.zeros(1, 0, dtype=torch.long)):
+        with pytest.raises(ValueError, match="the prompt is empty"):
+            model.generate(empty, max_new_tokens=4)
+
+
+@pytest.mark.parametrize("dtype", ["float99", "nn", "int8", 5])
+def test_a_target_dtype_that_is_not_a_floating_dtype_is_refused_by_name(dtype):
+    with pytest.raises(ValueError, match=f"dtype {dtype!r}: expected a floating torch dtype"):
+        MedusaLikeModel.from_pretrained("no/such-target", dtype=dtype)
+
+
+def test_dtype_or_device_for_a_loaded_model_are_refused_unless_it_already_has_them():
+    """A loaded model is used as it is: asking for another dtype or device is an error, not ignored; asking for the
+    ones it has, or "auto", is accepted."""
+    target = tiny_target("llama")
+    with pytest.raises(ValueError, match="dtype=torch.bfloat16 for a model already loaded in torch.float32"):
+        MedusaLikeModel.from_pretrained(target, dtype=torch.bfloat16, tuned_layers=False)
+    with pytest.raises(ValueError, match="device='meta' for a model already on cpu"):
+        MedusaLikeModel.from_pretrained(target, device="meta", tuned_layers=False)
+    for dtype, device in (("float32", "cpu"), ("auto", None), (torch.float32, torch.device("cpu"))):
+        model = MedusaLikeModel.from_pretrained(target, dtype=dtype, device=device, tuned_layers=False)
+        assert model.target is target and model.target.dtype == torch.float32
+
+
+@pytest.mark.parametrize("drafter", [5, object(), 1.5])
+def test_a_drafter_that_is_no_drafter_is_refused_by_what_is_expected(drafter):
+    with pytest.raises(TypeError, match="expected a drafter kind's name"):
+        MedusaLikeModel.from_pretrained(tiny_target("llama"), drafter=drafter, tuned_layers=False)
+
+
+@pytest.mark.parametrize("depth", [0, -3, 2.5, True])
+def test_a_lookup_depth_that_is_not_a_positive_integer_is_refused(depth):
+    with pytest.raises(ValueError, match="lookup_depth: expected a positive integer"):
+        MedusaLikeModel.from_pretrained(tiny_target("llama"), drafter="lookup", lookup_depth=depth, tuned_layers=False)
+
+
+def test_chat_ids_without_a_tokenizer_says_to_pass_one(model):
+    with pytest.raises(ValueError, match="chat_ids needs the target's tokenizer"):
+        model.chat_ids([{"role": "user", "content": "hello"}])
+
+
+@pytest.mark.parametrize(
+    "family, fields, lacks",
+    [
+        ("phi3", {}, "layers\\[0\\].self_attn.q_proj"),  # fused qkv_proj
+        ("olmo2", {}, "layers\\[0\\].input_layernorm"),  # norms after attention and MLP only
+        ("gpt2", {"n_embd": 32, "n_layer": 2, "n_head": 4, "n_positions": 64}, "layers, norm, rotary_emb"),
+    ],
+)
+def test_an_eagle3_drafter_for_a_family_without_llamas_layout_says_what_it_lacks(family, fields, lacks):
+    """Refused at construction with the parts the family lacks, and what to use instead (before: an AttributeError
+    from inside the layer's construction); lookup on the same target stays lossless."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from medusa_like.targets import freeze
+
+    base = dict(vocab_size=97, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                intermediate_size=64, max_position_embeddings=64, bos_token_id=None, eos_token_id=None,
+                pad_token_id=None)  # fmt: skip
+    torch.manual_seed(0)
+    config = AutoConfig.for_model(family, **(base if not fields else {"vocab_size": 97, **fields}))
+    target = freeze(AutoModelForCausalLM.from_config(config, dtype=torch.float32))
+    for kind in ("eagle3", "combined"):
+        with pytest.raises(ValueError, match=f"the {family} model lacks {lacks}.*use drafter='lookup' or 'medusa'"):
+            MedusaLikeModel.from_pretrained(target, drafter=kind, tuned_layers=False)
+    prompt = random_prompts(1, seed=3)[0]
+    lookup = MedusaLikeModel.from_pretrained(target, drafter="lookup", tuned_layers=False)
+    assert lookup.generate(prompt, max_new_tokens=8, eos_token_id=[]).new_tokens.tolist() == (
+        greedy_reference(target, prompt, 8).tolist()
+    )

@@ -80,12 +80,12 @@ def prompt_tensor(input_ids) -> torch.Tensor:
 def check_prompt(target, input_ids) -> None:
     if not isinstance(input_ids, torch.Tensor):
         raise TypeError(f"input_ids must be a torch.Tensor of token ids [1, T], got {type(input_ids).__name__}")
+    if input_ids.numel() == 0:  # before the dtype: an empty list becomes a float tensor
+        raise ValueError("the prompt is empty: give at least one token")
     if input_ids.dtype not in (torch.int64, torch.int32):
         raise TypeError(f"input_ids must hold integer token ids (torch.long), got dtype {input_ids.dtype}")
     if input_ids.dim() != 2 or input_ids.shape[0] != 1:
         raise ValueError(f"speculative decoding takes one sequence, input_ids [1, T]; got {tuple(input_ids.shape)}")
-    if input_ids.shape[1] == 0:
-        raise ValueError("the prompt is empty: give at least one token")
     vocab = target.config.get_text_config().vocab_size
     if int(input_ids.min()) < 0 or int(input_ids.max()) >= vocab:
         raise ValueError(

@@ -93,6 +93,38 @@ class Eagle3Config:
         return config
 
 
+_LAYOUT = (  # what the drafter takes from its family's model, by where it lies: Llama's decoder layout
+    ("", ("layers", "norm", "rotary_emb")),
+    ("layers[0].", ("self_attn", "mlp", "input_layernorm", "post_attention_layernorm")),
+    ("layers[0].self_attn.", _QKV),
+)
+
+
+def _one_layer_of(config: Eagle3Config) -> nn.Module:
+    """A one-layer base model of the target's family; refused with what it lacks unless it has Llama's decoder layout
+    (Llama, Qwen, Mistral, Gemma 3...; not fused or otherwise named attention and norms: Phi-3, OLMo 2, GPT-2...)."""
+    family_name = config.layer["model_type"]
+    try:
+        family = AutoModel.from_config(config.layer_config())
+    except (ValueError, KeyError) as err:
+        raise ValueError(
+            f"an EAGLE-3 drafter for a {family_name} target: transformers cannot build its layer ({err})"
+        ) from err
+    missing = []
+    for prefix, names in _LAYOUT:
+        owner = family
+        for part in filter(None, prefix.rstrip(".").split(".")):
+            owner = getattr(owner, "layers", [None])[0] if part == "layers[0]" else getattr(owner, part, None)
+        missing += [prefix + name for name in names if not hasattr(owner, name)]
+    if missing:
+        raise ValueError(
+            f"an EAGLE-3 drafter is built from one decoder layer of the target's family with Llama's layout; the "
+            f"{family_name} model lacks {', '.join(missing)}: use drafter='lookup' or 'medusa' (or 'combined' with "
+            "learned='medusa') with this target"
+        )
+    return family
+
+
 class Eagle3Drafter(LearnedDrafter, nn.Module):
     """The draft model's weights and its one-step forward; `Eagle3Proposer` drives it at inference."""
 
@@ -102,7 +134,7 @@ class Eagle3Drafter(LearnedDrafter, nn.Module):
     def __init__(self, config: Eagle3Config, vocab: DraftVocab | None = None):
         super().__init__()
         self.config = config
-        family = AutoModel.from_config(config.layer_config())  # one layer of the target's family, random init
+        family = _one_layer_of(config)  # one layer of the target's family, random init
         layer, hidden = family.layers[0], config.hidden_size
         self.fc = nn.Linear(len(config.aux_layer_ids) * config.target_hidden_size, hidden, bias=False)
         # one norm of the family per captured state (EAGLE-3.1), or none

@@ -35,6 +35,10 @@ class LookupDrafter:
     ):
         self.store = store if store is not None else OutputStore()
         self.context = context or ContextLookup()
+        if isinstance(lookup_depth, bool) or not isinstance(lookup_depth, int) or lookup_depth < 1:
+            raise ValueError(
+                f"lookup_depth: expected a positive integer (tokens a lookup drafts), got {lookup_depth!r}"
+            )
         self.lookup_depth = lookup_depth
         unknown = set(use) - {"context", "store"}
         if unknown or not use:

@@ -56,6 +56,11 @@ def resolve_drafter(drafter: str | Path | Drafter, target, **options) -> Drafter
         )
     if isinstance(drafter, (str, Path)):
         return load_drafter(drafter, target)
+    if not callable(getattr(drafter, "proposer", None)):  # not a drafter object at all: say what is expected
+        raise TypeError(
+            f"drafter={drafter!r}: expected a drafter kind's name ({sorted(KINDS)}), a drafter directory or .ckpt "
+            "file, or a drafter object (medusa_like.drafters.protocol.Drafter)"
+        )
     return drafter
 
 

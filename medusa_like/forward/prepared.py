@@ -29,7 +29,7 @@ from medusa_like.decoding.cost_model import (
     mismatch_error,
 )
 from medusa_like.decoding.step import EagerStep, TargetStep
-from medusa_like.targets import weights_fingerprint
+from medusa_like.targets import floating_dtype, weights_fingerprint
 
 from . import cost_cache
 from .compiled import CompiledStep
@@ -115,8 +115,8 @@ class PreparedTarget:
             return torch.bfloat16 if own and native and target.dtype == torch.float32 else target.dtype
         if requested is None:
             return target.dtype
-        dtype = requested if isinstance(requested, torch.dtype) else getattr(torch, str(requested), None)
-        if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        dtype = floating_dtype(requested)
+        if dtype is None:
             raise ValueError(
                 f"drafter dtype {requested!r}: expected auto, null or a floating torch dtype (e.g. bfloat16)"
             )
