@@ -207,7 +207,15 @@ def applies(check: Check, cfg: DictConfig) -> bool:
 def check_config(cfg: DictConfig, checks: dict[str, Check | tuple[Check, ...]]) -> None:
     """Raise `ConfigError` for the first key of `checks` whose value does not pass its check (or its checks: a tuple,
     each with its own `when` or `unless`), or that `cfg` lacks (a typo in the checks, or a key the config no longer
-    has, is refused rather than skipped)."""
+    has, is refused rather than skipped). First, a key the config marks required (`???`) and the command left unset
+    is named, before anything is loaded."""
+    container = OmegaConf.to_container(cfg, resolve=False)  # unresolved: nothing is evaluated yet
+    container.pop("hydra", None)  # Hydra's own node (where a test composes it in), which Hydra fills as it runs
+    missing = unset_keys(container)
+    if missing:
+        given = " ".join(f"{key}=..." for key in missing)
+        many = len(missing) > 1
+        raise ConfigError(f"config key{'s' * many} {', '.join(missing)} {'are' if many else 'is'} required: give {given}")
     for key, key_checks in checks.items():
         for check in key_checks if isinstance(key_checks, tuple) else (key_checks,):
             if not applies(check, cfg):
@@ -218,6 +226,14 @@ def check_config(cfg: DictConfig, checks: dict[str, Check | tuple[Check, ...]]) 
                 scope = f" (checked where {when[0]}={when[1]})" if when else ""
                 raise ConfigError(f"config key {key}{scope}: checked, but the config has no such key")
             check.check(key, value)
+
+
+def unset_keys(node, prefix: str = "") -> list[str]:
+    """The dotted keys of a config's plain container (`OmegaConf.to_container`, unresolved) still marked `???`."""
+    if isinstance(node, (dict, list)):
+        items = node.items() if isinstance(node, dict) else enumerate(node)
+        return [found for key, value in items for found in unset_keys(value, f"{prefix}{key}.")]
+    return [prefix[:-1]] if node == "???" else []
 
 
 @contextlib.contextmanager

@@ -162,3 +162,27 @@ def test_an_eagle3_drafter_for_a_family_without_llamas_layout_says_what_it_lacks
     assert lookup.generate(prompt, max_new_tokens=8, eos_token_id=[]).new_tokens.tolist() == (
         greedy_reference(target, prompt, 8).tolist()
     )
+
+
+def test_the_loop_given_a_tree_name_says_where_names_are_resolved(model):
+    from medusa_like import speculative_generate
+
+    prompt = random_prompts(1, seed=2)[0]
+    for tree in ("dynamic", {"depth": 2, "top_k": 2, "num_nodes": 3}, [[0]]):
+        with pytest.raises(TypeError, match="the loop takes a tree spec.*resolve_tree"):
+            speculative_generate(model.target, model.proposer(), prompt, tree, 4)
+    spec = model.resolve_tree([[0], [0, 0]])
+    out = speculative_generate(model.target, model.proposer(), prompt, spec, 8)
+    assert out.new_tokens.tolist() == greedy_reference(model.target, prompt, 8).tolist()
+
+
+def test_numpy_integer_ranks_are_ranks(model):
+    import numpy as np
+
+    prompt = random_prompts(1, seed=4)[0]
+    as_numpy = model.generate(
+        prompt, max_new_tokens=8, tree=[[np.int64(0)], [np.int32(0), np.int64(1)]], eos_token_id=[]
+    )
+    resolved = model.resolve_tree([[np.int64(0)], [0, np.int64(1)]])
+    assert resolved.paths == [(0,), (0, 1)] and all(type(r) is int for path in resolved.paths for r in path)
+    assert as_numpy.new_tokens.tolist() == greedy_reference(model.target, prompt, 8).tolist()

@@ -14,7 +14,7 @@ import pytest
 
 from eval.evaluate import evaluate
 from medusa_like.apps.export import EXPORT_CHECKS, export
-from medusa_like.config_checks import ConfigError, check_config
+from medusa_like.config_checks import ConfigError, check_config, unset_keys
 from medusa_like.data.split import training_answers
 from medusa_like.evaluation.questions import QuestionSetError, load_jsonl_questions, select
 from medusa_like.evaluation.report import store_sentence
@@ -96,6 +96,22 @@ def test_an_export_dtype_the_format_does_not_write_is_refused_first(tmp_path, ex
     with pytest.raises(ConfigError, match=f"config key {message}"):
         export(export_cfg(*overrides))
     assert not (tmp_path / "out").exists()
+
+
+def test_required_keys_left_unset_are_named_before_anything_loads(tmp_path):
+    """`???` keys the command did not set: one ConfigError naming each, before the target loads or anything is
+    written (before: omegaconf's traceback, after loading the target and the drafter)."""
+    from .conftest import compose_config
+
+    for overrides, message in (
+        ((), "config keys drafter.path, out are required: give drafter.path=... out=..."),
+        (("drafter.path=none",), "config key out is required: give out=..."),
+    ):
+        cfg = compose_config("export", tmp_path, "model=tiny_llama", *overrides)
+        with pytest.raises(ConfigError, match=f"^{re.escape(message)}$"):
+            export(cfg)
+        assert not any(tmp_path.rglob("config.yaml"))
+    assert unset_keys({"a": {"b": "???", "c": [1, "???"]}, "d": "x"}) == ["a.b", "a.c.1"]
 
 
 # what each format writes: gguf its own types (PRECISIONS) and their torch names, or none (f32), each to the GGUF type

@@ -136,5 +136,10 @@ def check_inputs(
     check_lengths(max_new_tokens, max_cache_len)
     check_sampling(temperature, top_k, top_p)
     check_prompt(target, input_ids)
+    if not hasattr(spec, "learned_part"):  # a preset's name, a dict or a file: `generate` resolves those, not the loop
+        raise TypeError(
+            f"tree {str(spec)[:60]!r}: the loop takes a tree spec (decoding/tree.py); MedusaLikeModel.generate, or "
+            "its resolve_tree, turns presets, dicts, rank paths and tree files into one"
+        )
     check_drafter(spec, proposer.max_depth, proposer.max_rank)
     return check_room(target, input_ids.shape[1], spec, max_new_tokens, max_cache_len)

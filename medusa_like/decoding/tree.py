@@ -23,6 +23,7 @@ A `TokenTree` is also the static tree spec that `draft_tree.grow_static` fills f
 from rank accuracies (chains, greedy best-first trees) and the named presets are `tree_presets.py`.
 """
 
+import numbers
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -55,9 +56,9 @@ def validate_paths(paths) -> list[Path_]:
     for raw in paths:
         if not isinstance(raw, (list, tuple)) or len(raw) == 0:
             raise InvalidTreeError(f"path {raw!r} is not a non-empty list of ranks")
-        if not all(isinstance(r, int) and not isinstance(r, bool) for r in raw):
+        if not all(isinstance(r, numbers.Integral) and not isinstance(r, bool) for r in raw):  # numpy's ints too
             raise InvalidTreeError(f"path {list(raw)} holds a rank that is not an integer")
-        path = tuple(raw)
+        path = tuple(int(r) for r in raw)
         if any(r < 0 for r in path):
             raise InvalidTreeError(f"path {list(path)} holds a negative rank")
         if path in seen:
