@@ -17,7 +17,7 @@ from medusa_like.drafters.lookup_sources import DEFAULT_STORE_TOKENS
 from medusa_like.evaluation.benchmark import context_overflow
 from medusa_like.targets import weights_fingerprint
 
-from .conftest import greedy_reference, random_prompts, tiny_target
+from .conftest import VOCAB, greedy_reference, random_heads, random_prompts, tiny_target
 from .test_lookup import flat_cost
 
 
@@ -150,8 +150,33 @@ def test_the_context_rule_counts_the_positions_a_step_reaches_not_the_lookup_dep
         check_context(target, limit - 40, 30, spec)
     assert "1000" not in str(caught.value)
     deep = resolve_tree({"depth": 12, "top_k": 2, "num_nodes": 30})  # deeper than it is wide: 12 positions
-    assert context_overflow(target, limit - 40, 28, deep) is None
-    assert context_overflow(target, limit - 40, 29, deep) is not None
+    assert context_overflow(target, limit - 40, 29, deep) is None  # the 29th new token is never read
+    assert context_overflow(target, limit - 40, 30, deep) is not None
+    assert context_overflow(target, limit, 1, deep) is None  # one new token: the prefill's, no tree step
+    assert context_overflow(target, limit + 1, 1, deep) is not None
+
+
+def test_a_tree_step_may_read_the_last_position_and_never_past_it():
+    """GPT-2 reads positions through a table of `n_positions` rows, so a position past it fails. A chain 2 deep whose
+    drafts are never accepted runs a step from every new token, the last from the (N - 1)-th, whose nodes then sit at
+    the last position: a prompt of exactly the allowed length runs, equal to greedy; one token more is refused."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from medusa_like.targets import freeze
+
+    positions, new, chain = 64, 10, [[0], [0, 0]]
+    config = AutoConfig.for_model("gpt2", vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4, n_positions=positions)
+    torch.manual_seed(0)
+    target = freeze(AutoModelForCausalLM.from_config(config, dtype=torch.float32))
+    model = MedusaLikeModel(target, None, random_heads(num_heads=2, hidden=32, std=3.0), backend="sdpa")
+    fits = positions - new + 1 - 2  # prompt + new - 1 + reach == positions
+    prompt = random_prompts(1, seed=5, min_len=fits, max_len=fits)[0]
+    out = model.generate(prompt, max_new_tokens=new, tree=chain, eos_token_id=[])
+    assert out.new_tokens.tolist() == greedy_reference(target, prompt, new).tolist()
+    assert out.stats.target_forwards == new  # nothing accepted: a step from every new token, the last at the edge
+    longer = random_prompts(1, seed=5, min_len=fits + 1, max_len=fits + 1)[0]
+    with pytest.raises(ValueError, match="max_position_embeddings \\(64\\)"):
+        model.generate(longer, max_new_tokens=new, tree=chain, eos_token_id=[])
 
 
 # ---------------------------------------------------------------------------------------------------------------------

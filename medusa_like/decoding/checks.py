@@ -95,15 +95,16 @@ def check_prompt(target, input_ids) -> None:
 
 
 def check_context(target, prompt_len: int, max_new_tokens: int, spec) -> None:
-    """Refuse a prompt whose answer cannot fit the target's positions: prompt + new tokens + the positions a step
-    reaches past the text (`tree.reach`: the last step may draft past the final token) must stay within
-    `max_position_embeddings`."""
+    """Refuse a prompt whose answer cannot fit the target's positions. The target reads the prompt, then per step the
+    last token (at most the (max_new_tokens - 1)-th new one: the last new token is never read) and the tree's nodes
+    up to `tree.reach` past it; one new token is the prefill's alone. So prompt + max_new_tokens - 1 + that reach
+    must stay within `max_position_embeddings`."""
     max_positions = getattr(target.config.get_text_config(), "max_position_embeddings", None)
-    ahead = reach(spec)
-    if max_positions is not None and prompt_len + max_new_tokens + ahead > max_positions:
+    ahead = reach(spec) if max_new_tokens > 1 else 0
+    if max_positions is not None and prompt_len + max_new_tokens - 1 + ahead > max_positions:
         raise ValueError(
-            f"prompt ({prompt_len}) + max_new_tokens ({max_new_tokens}) + the positions a tree step reaches ({ahead}) "
-            f"exceeds the target's max_position_embeddings ({max_positions})"
+            f"prompt ({prompt_len}) + max_new_tokens ({max_new_tokens}) - 1 + the positions a tree step reaches past "
+            f"the last token ({ahead}) exceeds the target's max_position_embeddings ({max_positions})"
         )
 
 
