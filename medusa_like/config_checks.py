@@ -215,7 +215,9 @@ def check_config(cfg: DictConfig, checks: dict[str, Check | tuple[Check, ...]]) 
     if missing:
         given = " ".join(f"{key}=..." for key in missing)
         many = len(missing) > 1
-        raise ConfigError(f"config key{'s' * many} {', '.join(missing)} {'are' if many else 'is'} required: give {given}")
+        raise ConfigError(
+            f"config key{'s' * many} {', '.join(missing)} {'are' if many else 'is'} required: give {given}"
+        )
     for key, key_checks in checks.items():
         for check in key_checks if isinstance(key_checks, tuple) else (key_checks,):
             if not applies(check, cfg):
