@@ -151,3 +151,45 @@ def test_a_truncated_cache_shard_stops_the_run_in_one_line(tmp_path, data_dir): 
     shard.unlink()  # as the message says: its rows are computed again
     train(compose_train(tmp_path / "again", data_dir, *cached))
     assert shard.is_file()
+
+
+@pytest.mark.slow
+def test_a_fresh_run_is_refused_where_a_run_is_and_changes_nothing(tmp_path, data_dir):  # noqa: F811
+    """Without ckpt_path, a run directory holding a run's checkpoint is refused before anything is written (it was
+    overwritten: a forgotten ckpt_path=last after a kill lost the run); so is a ckpt_path that is no checkpoint."""
+    run = tmp_path / "run"
+    train(compose_train(run, data_dir, *QUICK, "trainer.max_steps=2"))
+    before = {p: p.read_bytes() for p in run.rglob("*") if p.is_file() and "wandb" not in p.parts}
+    with pytest.raises(FileExistsError) as refusal:
+        train(compose_train(run, data_dir, *QUICK, "trainer.max_steps=3"))
+    assert f"{run} already holds a run (checkpoints/last.ckpt): resume it with ckpt_path=last" in one_line(refusal)
+    after = {p: p.read_bytes() for p in run.rglob("*") if p.is_file() and "wandb" not in p.parts}
+    assert after == before
+    for not_one in (run / "config.yaml", tmp_path / "cut.ckpt"):
+        if not not_one.exists():
+            not_one.write_bytes((run / "checkpoints" / "last.ckpt").read_bytes()[:1000])  # a checkpoint cut short
+        with pytest.raises(ValueError, match=f"ckpt_path={not_one} is not a readable training checkpoint") as bad:
+            train(compose_train(tmp_path / "other", data_dir, *QUICK, f"ckpt_path={not_one}"))
+        one_line(bad)
+
+
+@pytest.mark.slow
+def test_a_run_resumed_from_an_epochs_end_trains_every_epoch_to_the_same_weights(tmp_path, data_dir):  # noqa: F811
+    """With last.ckpt written every step, the epoch's last step is saved at the epoch's end: a run stopped there and
+    resumed trains the epochs left, to the weights of a run never stopped (saved at its batch's end, Lightning resumed
+    it an epoch ahead and the run trained one epoch less; and each epoch's order was drawn from torch's global
+    generator, which a resumed run does not restore)."""
+    every_step = ("callbacks.last_checkpoint.every_n_train_steps=1", "+trainer.limit_val_batches=1",
+                  "export_drafter=false", "trainer.max_epochs=3")  # fmt: skip
+    whole = tmp_path / "whole"
+    train(compose_train(whole, data_dir, *every_step))
+    steps = last_state(whole)["global_step"]
+    per_epoch = steps // 3
+    cut = tmp_path / "cut"
+    train(compose_train(cut, data_dir, *every_step, *stop_at(per_epoch)))  # the same schedule, stopped
+    assert last_state(cut)["global_step"] == per_epoch
+    train(compose_train(cut, data_dir, *every_step, "ckpt_path=last"))
+    resumed, reference = last_state(cut), last_state(whole)
+    assert resumed["global_step"] == steps and resumed["epoch"] == reference["epoch"]
+    for key, value in reference["state_dict"].items():
+        assert torch.equal(resumed["state_dict"][key], value), key

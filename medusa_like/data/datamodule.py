@@ -72,10 +72,10 @@ class TrainingDataModule(L.LightningDataModule):
         return self.echo_window * self.batch_size if self.echo > 1 else 0
 
     def train_dataloader(self) -> StatefulDataLoader:
-        if self.echo == 1:
-            return self._loader(self.train_set, shuffle=self.shuffle)
-        # the batch sampler shuffles by epoch itself (resumable from a few numbers); under DDP Lightning replaces the
-        # sequential order with the rank's share
+        # the batch sampler shuffles by epoch itself, from a seed and the epoch (resumable from a few numbers, an
+        # epoch's end too: a loader's own shuffle draws each epoch's order from torch's global generator, which a
+        # resumed run does not restore), echoing or not (echo=1); under DDP Lightning replaces the sequential order
+        # with the rank's share
         batches = EchoBatchSampler(
             SequentialSampler(self.train_set), self.batch_size, echo=self.echo, window=self.echo_window,
             shuffle=self.shuffle,

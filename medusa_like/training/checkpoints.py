@@ -3,7 +3,8 @@ at every training epoch end, and when training ends; and checkpoints at token mi
 
 Lightning's `ModelCheckpoint` treats `every_n_train_steps` and `every_n_epochs` as mutually exclusive: with the former
 set it saves nothing at an epoch end, so a run's final `last.ckpt` could lag its last steps. This subclass adds the
-epoch-end and end-of-training saves; a step already saved is not saved twice.
+epoch-end and end-of-training saves, and leaves an epoch's last batch to the epoch-end save; a step already saved is
+not saved twice.
 """
 
 from pathlib import Path
@@ -24,6 +25,12 @@ class LastCheckpoint(ModelCheckpoint):
             save_on_train_epoch_end=True,
             enable_version_counter=False,
         )
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        # an epoch's last batch is saved at the epoch's end instead: Lightning resumes a checkpoint written between the
+        # two as if that epoch and the next were done (a run resumed from it trains one epoch less)
+        if batch_idx + 1 < trainer.num_training_batches:
+            super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
 
     def on_train_epoch_end(self, trainer, pl_module) -> None:
         super().on_train_epoch_end(trainer, pl_module)  # saves here only without every_n_train_steps

@@ -29,6 +29,7 @@ whose checkpoint already reached its limits trains nothing: it stops with one er
 import functools
 import json
 import logging
+import pickle
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
@@ -88,8 +89,16 @@ def resume_checkpoint(ckpt_path: str | None, out_dir: Path) -> str | None:
     """The checkpoint a run resumes from: None, a .ckpt file, or for `last` this run directory's
     `checkpoints/last.ckpt`, never another run's (a sibling run may train another drafter, or be another experiment
     that happens to fit)."""
+    if ckpt_path is None:
+        held = [name for name in ("checkpoints/last.ckpt", "drafter") if (Path(out_dir) / name).exists()]
+        if held:  # a fresh run here would overwrite them (a forgotten ckpt_path=last after a kill, say)
+            raise FileExistsError(
+                f"{out_dir} already holds a run ({', '.join(held)}): resume it with ckpt_path=last, or train in "
+                "another hydra.run.dir (or delete this one)"
+            )
+        return None
     if ckpt_path != LAST:
-        if ckpt_path is not None and not Path(ckpt_path).is_file():
+        if not Path(ckpt_path).is_file():
             raise FileNotFoundError(f"ckpt_path={ckpt_path!r} does not exist (a .ckpt file, or 'last')")
         return ckpt_path
     out_dir = Path(out_dir)
@@ -153,7 +162,7 @@ def check_resume(path: str | None, settings: dict, complete: bool = False) -> di
     the keys of `settings` are compared, and with `complete` the checkpoint's other keys too."""
     if path is None:
         return {}
-    checkpoint = torch.load(path, map_location="cpu", weights_only=False, mmap=True)
+    checkpoint = read_checkpoint(path)
     kind = checkpoint.get(CHECKPOINT_KEY, {}).get("kind")
     recorded = checkpoint.get(RESUME_KEY)
     if recorded is None:
@@ -181,9 +190,22 @@ def show(settings: dict, key: str) -> str:
     return repr(settings[key]) if key in settings else "not set"
 
 
+def read_checkpoint(path: str) -> dict:
+    """The Lightning training checkpoint at `path` (memory-mapped); a file that is none, or is cut short, is one
+    `ValueError` naming it."""
+    try:
+        checkpoint = torch.load(path, map_location="cpu", weights_only=False, mmap=True)
+    except (RuntimeError, EOFError, OSError, ValueError, pickle.UnpicklingError) as err:
+        first = str(err).splitlines()[0] if str(err) else type(err).__name__
+        raise ValueError(f"ckpt_path={path} is not a readable training checkpoint (cut short?): {first}") from err
+    if not isinstance(checkpoint, dict) or "global_step" not in checkpoint or "state_dict" not in checkpoint:
+        raise ValueError(f"ckpt_path={path} is no Lightning training checkpoint (no global_step or state_dict)")
+    return checkpoint
+
+
 def checkpoint_step(path: str) -> int:
     """The optimizer steps the checkpoint at `path` had trained."""
-    return int(torch.load(path, map_location="cpu", weights_only=False, mmap=True)["global_step"])
+    return int(read_checkpoint(path)["global_step"])
 
 
 def record_resume(out_dir: Path, path: str, applied: dict[str, tuple]) -> None:
