@@ -45,6 +45,9 @@ $(STAMP): pyproject.toml setup.py
 # losslessness
 EVAL_METHODS := [hf_greedy,hf_prompt_lookup,hf_greedy_stock,hf_greedy_compiled,llamacpp_plain,learned,lookup,speculative]
 run: $(STAMP)
+	@# a previous make run's directory is kept, renamed with its time (training refuses to start over a run)
+	@if [ -e $(RUN_DIR) ]; then kept=$(RUN_DIR)-$$(date -r $(RUN_DIR) +%Y%m%d-%H%M%S); \
+	  mv $(RUN_DIR) $$kept && echo "kept the previous $(RUN_DIR) as $$kept"; fi
 	$(PY) -m train.train experiment=smollm2_eagle3 hydra.run.dir=$(RUN_DIR)/train
 	$(PY) -m eval.tree_search drafter.path=$(RUN_DIR)/train/drafter tree_search.calibration.limit=4 \
 	  tree_search.timing_prompts=3 eval.max_new_tokens=64 'tree_search.dynamic=[[1,4,4],[2,2,2],[2,4,4],[3,4,6],[4,4,8]]' \

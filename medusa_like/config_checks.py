@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 from hydra.core.hydra_config import HydraConfig
 from hydra.experimental.callback import Callback
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from medusa_like.data.generation import check_engine
 from medusa_like.data.naming import source_name
@@ -104,6 +104,19 @@ class Number(Check):
 
 
 @dataclass(frozen=True)
+class Names(Check):
+    """A non-empty list of names (`eval.methods=[a,b]`), or null: a bare string would be read letter by letter."""
+
+    def check(self, key: str, value) -> None:
+        if value is None:
+            return
+        if not isinstance(value, (list, tuple, ListConfig)) or not value or not all(isinstance(v, str) for v in value):
+            raise ConfigError(
+                f"config key {key}: expected a non-empty list of names ({key}=[a,b]) or null, got {value!r}"
+            )
+
+
+@dataclass(frozen=True)
 class Accepted(Check):
     """A value that `accept` (the function that uses it) takes: its ValueError, naming what it expects, becomes the
     key's error, so the rule has one home and is still checked before any work."""
@@ -170,6 +183,7 @@ DISTILL_CHECKS = {
 EVAL_CHECKS = {
     "seed": Number(),
     "eval.max_new_tokens": Number(min=1),
+    "eval.methods": Names(),
     "eval.prompt_lookup_num_tokens": NumberOrWord(min=1, words=("auto",)),
     "model.dtype": FloatDtype(optional=True),
     "drafter.dtype": FloatDtype(optional=True, words=("auto",)),

@@ -57,6 +57,11 @@ def write_jsonl(path: Path, records) -> Path:
         ("eval.resume=yes", "eval.resume: expected true or false, got 'yes'"),
         ("eval.warmup=1", "eval.warmup: expected true or false, got 1"),
         (
+            "eval.methods=lookup",
+            "eval.methods: expected a non-empty list of names (eval.methods=[a,b]) or null, got 'lookup'",
+        ),
+        ("eval.methods=[]", "eval.methods: expected a non-empty list of names (eval.methods=[a,b]) or null, got []"),
+        (
             "drafter.dtype=bf16",
             "drafter.dtype: expected a torch floating-point dtype name such as float32 or bfloat16 or null "
             "(or one of ['auto']), got 'bf16'",
@@ -69,6 +74,22 @@ def test_bad_eval_values_are_refused_before_any_work(tmp_path, eval_cfg, overrid
     with pytest.raises(ConfigError, match=f"^{re.escape('config key ' + message)}$"):
         evaluate(cfg)
     assert not (tmp_path / "run").exists()
+
+
+def test_a_directory_for_the_question_file_or_the_tree_file_is_refused_before_the_model_loads(tmp_path, eval_cfg):
+    from medusa_like.apps.tree_search import tree_search
+
+    with pytest.raises(QuestionSetError, match=r"is a directory \(expected an MT-Bench-form JSONL file\)"):
+        load_jsonl_questions(tmp_path)
+    questions = write_jsonl(tmp_path / "q.jsonl", QUESTIONS)
+    cfg = eval_cfg(f"data.path={questions}", f"out_dir={tmp_path / 'run'}", f"tree_search.out={tmp_path}", *FAST)
+    with pytest.raises(IsADirectoryError, match=f"tree_search.out={tmp_path} is a directory: name the tree file"):
+        tree_search(cfg)
+    blocked = tmp_path / "a_file"
+    blocked.write_text("")
+    cfg = eval_cfg(f"data.path={questions}", f"tree_search.out={blocked / 'tree.json'}", *FAST)
+    with pytest.raises(OSError, match="no file can be written there"):
+        tree_search(cfg)
 
 
 def test_skipping_every_question_is_refused_before_the_model_loads(tmp_path, eval_cfg):

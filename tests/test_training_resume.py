@@ -158,7 +158,7 @@ def test_a_fresh_run_is_refused_where_a_run_is_and_changes_nothing(tmp_path, dat
     """Without ckpt_path, a run directory holding a run's checkpoint is refused before anything is written (it was
     overwritten: a forgotten ckpt_path=last after a kill lost the run); so is a ckpt_path that is no checkpoint."""
     run = tmp_path / "run"
-    train(compose_train(run, data_dir, *QUICK, "trainer.max_steps=2"))
+    train(compose_train(run, data_dir, *QUICK, "trainer.max_steps=2", "callbacks.progress_bar=null"))  # null: left out
     before = {p: p.read_bytes() for p in run.rglob("*") if p.is_file() and "wandb" not in p.parts}
     with pytest.raises(FileExistsError) as refusal:
         train(compose_train(run, data_dir, *QUICK, "trainer.max_steps=3"))

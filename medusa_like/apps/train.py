@@ -40,8 +40,8 @@ log = logging.getLogger(__name__)
 
 def instantiate_all(group: DictConfig | None) -> list:
     """The objects of a callbacks/logger group; entries without `_target_` (an experiment's settings for a logger
-    that was switched off, say) are left out."""
-    return [instantiate(c) for c in (group or {}).values() if "_target_" in c]
+    that was switched off, say) or set to null (`callbacks.progress_bar=null`) are left out."""
+    return [instantiate(c) for c in (group or {}).values() if c is not None and "_target_" in c]
 
 
 def train(cfg: DictConfig) -> dict[str, float]:

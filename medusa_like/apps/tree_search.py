@@ -18,6 +18,7 @@ accepts. `tree_search(cfg)` is importable; `main` is the Hydra app behind `medus
 """
 
 import logging
+import tempfile
 from pathlib import Path
 
 import hydra
@@ -87,11 +88,27 @@ def tree_search(cfg: DictConfig) -> dict:
     check_config(cfg, EVAL_CHECKS)
     set_threads(cfg.eval.threads)
     torch.manual_seed(cfg.seed)
-    model = load_eval_model(cfg)
     out_path = Path(cfg.tree_search.out) if cfg.tree_search.out else run_dir(cfg) / "tree.json"
+    check_writable(out_path)  # before the search, not after it
+    model = load_eval_model(cfg)
     result = run_search(cfg, model, out_path)
     print_search(result)
     return result
+
+
+def check_writable(path: Path) -> None:
+    """Refuse a tree file that could not be written once the search is done: a directory, or a place where no file
+    can be made (a probe file is written there and removed)."""
+    if path.is_dir():
+        raise IsADirectoryError(
+            f"tree_search.out={path} is a directory: name the tree file (e.g. {path / 'tree.json'})"
+        )
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=path.parent, prefix=f".{path.name}.probe-"):
+            pass
+    except OSError as err:
+        raise OSError(f"tree_search.out={path}: no file can be written there ({err})") from err
 
 
 @hydra.main(version_base="1.3", config_path=CONFIG_DIR, config_name="eval")

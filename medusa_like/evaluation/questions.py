@@ -109,6 +109,8 @@ def read_records(path: Path, opener=open) -> list[tuple[int, object]]:
 def load_jsonl_questions(path: str | Path) -> list[Question]:
     """Questions from a JSONL file in MT-Bench form; ids must be unique."""
     path = Path(path)
+    if path.is_dir():
+        raise QuestionSetError(f"question file {str(path)!r} is a directory (expected an MT-Bench-form JSONL file)")
     if not path.is_file():
         raise QuestionSetError(f"question file {str(path)!r} does not exist (expected MT-Bench-form JSONL)")
     questions = [parse_question(record, f"{path}:{lineno}") for lineno, record in read_records(path)]
