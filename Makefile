@@ -19,8 +19,8 @@ install: $(STAMP)
 # through --system-site-packages) is kept; on a GPU machine without one, PyPI's CUDA build; on a CPU-only machine a
 # CPU build (a local wheel if pip's find-links has one, else PyTorch's CPU index) instead of a multi-GB CUDA wheel.
 # pip byte-compiles every installed module (about a minute of the install): `--no-compile` would leave that to the
-# first import, but where PYTHONDONTWRITEBYTECODE is set (CI's machines) nothing is kept and every process compiles
-# all it imports again (measured: `make test` 12 -> 16.7 minutes)
+# first import, but where PYTHONDONTWRITEBYTECODE is set (as on this project's machines) nothing is kept and every
+# process compiles all it imports again (measured: `make test` 12 -> 16.7 minutes)
 $(STAMP): pyproject.toml setup.py
 	@if [ ! -x $(PY) ]; then \
 	  if python3 -c "import torch" 2>/dev/null; then python3 -m venv --system-site-packages $(VENV); \
