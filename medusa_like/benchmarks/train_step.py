@@ -69,7 +69,7 @@ def run(
     optimizer = torch.optim.AdamW(module.drafter.parameters(), lr=1e-4)  # the step's cost, not the run's schedule
     precision = str(cfg.trainer.precision)
     autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled="bf16" in precision)
-    batches = iter(datamodule._loader(datamodule.train_set, shuffle=False))
+    batches = iter(datamodule.in_order(datamodule.train_set))
     times: dict[str, list[float]] = {phase: [] for phase in PHASES}
     layers = module.drafter.config.aux_layer_ids
     rows, k = module.drafter.token_ids, module.top_k

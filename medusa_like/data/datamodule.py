@@ -88,17 +88,12 @@ class TrainingDataModule(L.LightningDataModule):
         )
 
     def val_dataloader(self) -> StatefulDataLoader:
-        return self._loader(self.val_set, shuffle=False)
+        return self.in_order(self.val_set)
 
-    def _loader(self, dataset, shuffle: bool) -> StatefulDataLoader:
-        """A loader whose position (sampler order and batches already served) Lightning saves in its checkpoints, so a
-        run resumed from a mid-epoch checkpoint continues with the next batch rather than restarting the epoch."""
+    def in_order(self, dataset) -> StatefulDataLoader:
+        """`dataset`'s rows in their order, in this module's batches: every epoch the same."""
         return StatefulDataLoader(
-            dataset,
-            batch_size=self.batch_size,
-            shuffle=shuffle,
-            num_workers=self.num_workers,
-            collate_fn=PadCollator(self.max_length),
+            dataset, batch_size=self.batch_size, num_workers=self.num_workers, collate_fn=PadCollator(self.max_length)
         )
 
 

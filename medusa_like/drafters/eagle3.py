@@ -110,12 +110,9 @@ def _one_layer_of(config: Eagle3Config) -> nn.Module:
         raise ValueError(
             f"an EAGLE-3 drafter for a {family_name} target: transformers cannot build its layer ({err})"
         ) from err
-    missing = []
-    for prefix, names in _LAYOUT:
-        owner = family
-        for part in filter(None, prefix.rstrip(".").split(".")):
-            owner = getattr(owner, "layers", [None])[0] if part == "layers[0]" else getattr(owner, part, None)
-        missing += [prefix + name for name in names if not hasattr(owner, name)]
+    layer = family.layers[0] if len(getattr(family, "layers", ())) else None
+    owners = {"": family, "layers[0].": layer, "layers[0].self_attn.": getattr(layer, "self_attn", None)}
+    missing = [prefix + name for prefix, names in _LAYOUT for name in names if not hasattr(owners[prefix], name)]
     if missing:
         raise ValueError(
             f"an EAGLE-3 drafter is built from one decoder layer of the target's family with Llama's layout; the "
