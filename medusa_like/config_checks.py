@@ -118,15 +118,16 @@ class Names(Check):
 
 @dataclass(frozen=True)
 class Accepted(Check):
-    """A value that `accept` (the function that uses it) takes: its ValueError, naming what it expects, becomes the
-    key's error, so the rule has one home and is still checked before any work."""
+    """A value that `accept` (the function that uses it) takes: its ValueError (or TypeError, for a value of another
+    shape), naming what it expects, becomes the key's error, so the rule has one home and is still checked before any
+    work."""
 
     accept: Callable[[object], object]
 
     def check(self, key: str, value) -> None:
         try:
             self.accept(value)
-        except ValueError as err:
+        except (TypeError, ValueError) as err:
             raise ConfigError(f"config key {key}: {err}") from None
 
 

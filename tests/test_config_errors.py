@@ -92,6 +92,33 @@ def test_a_directory_for_the_question_file_or_the_tree_file_is_refused_before_th
         tree_search(cfg)
 
 
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        ("tree_search.budgeted.num_nodes=[0]", "BudgetedTreeSpec.num_nodes must be a positive integer, got 0"),
+        ("tree_search.budgeted.lookup_depth=0", "BudgetedTreeSpec.lookup_depth must be a positive integer, got 0"),
+        ("tree_search.budgeted.num_nodes=[]", "tree_search.budgeted needs at least one node budget"),
+        ("tree_search.budgeted.num_nodes=5", "'int' object is not iterable"),
+        ("tree_search.dynamic=[]", "tree_search.dynamic needs at least one [depth, top_k, num_nodes] row"),
+    ],
+)
+def test_bad_candidate_trees_are_refused_before_the_target_is_loaded(
+    tmp_path, eval_cfg, monkeypatch, override, message
+):
+    """The tree search's candidates are checked by the functions that build them, before the target is loaded and
+    its cost model measured (minutes on a real target; `num_nodes=[0]` was refused only after them)."""
+    from medusa_like.apps import tree_search as app
+
+    def loaded(*args, **kwargs):
+        raise AssertionError("the target was loaded before the candidates were checked")
+
+    monkeypatch.setattr(app, "load_eval_model", loaded)
+    questions = write_jsonl(tmp_path / "q.jsonl", QUESTIONS)
+    cfg = eval_cfg(f"data.path={questions}", f"out_dir={tmp_path / 'run'}", override, *FAST)
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        app.tree_search(cfg)
+
+
 def test_skipping_every_question_is_refused_before_the_model_loads(tmp_path, eval_cfg):
     questions = write_jsonl(tmp_path / "q.jsonl", QUESTIONS)
     cfg = eval_cfg(f"data.path={questions}", "data.skip=2", f"out_dir={tmp_path / 'run'}", *FAST)

@@ -120,20 +120,24 @@ def test_a_changed_objective_vocabulary_data_or_target_is_refused_naming_each_di
 
 
 @pytest.mark.slow
-def test_a_resume_at_its_limits_trains_nothing_and_writes_no_drafter(tmp_path, data_dir):  # noqa: F811
+def test_a_resume_at_its_limits_is_refused_and_changes_nothing(tmp_path, data_dir):  # noqa: F811
+    """A resume whose checkpoint reached the run's epochs, steps or time budget is refused in one line before it
+    writes anything (it rewrote last.ckpt, config.yaml and resumes.json, then refused); raised limits train on."""
     run = tmp_path / "run"
     finished = ("trainer.max_epochs=1", "+trainer.limit_val_batches=1", "export_drafter=true")
     train(compose_train(run, data_dir, *finished))
     steps = last_state(run)["global_step"]
-    metrics = (run / "metrics.json").read_bytes()
     (run / "drafter" / "model.safetensors").unlink()
-    with pytest.raises(NothingToTrainError) as refusal:
-        train(compose_train(run, data_dir, *finished, "ckpt_path=last"))
-    message = one_line(refusal)
-    assert f"is at step {steps} after 1 epochs" in message and "trainer.max_epochs=1" in message
-    assert "nothing to train, so no drafter is written" in message
-    assert not (run / "drafter" / "model.safetensors").exists() and (run / "metrics.json").read_bytes() == metrics
-    assert last_state(run)["global_step"] == steps
+    before = {p: p.read_bytes() for p in run.rglob("*") if p.is_file() and "wandb" not in p.parts}
+    for limit in ("trainer.max_epochs=1", f"trainer.max_steps={steps}", "trainer.max_time=00:00:00:00"):
+        limits = (*finished[1:], "trainer.max_epochs=5", limit)  # the last setting of a key wins
+        with pytest.raises(NothingToTrainError) as refusal:
+            train(compose_train(run, data_dir, *limits, "module.optimizer.lr=0.05", "ckpt_path=last"))
+        message = one_line(refusal)
+        assert f"is at step {steps} after 1 epochs" in message and limit in message
+        assert "nothing to train, so nothing is written" in message
+        after = {p: p.read_bytes() for p in run.rglob("*") if p.is_file() and "wandb" not in p.parts}
+        assert after == before
     train(compose_train(run, data_dir, *finished, "trainer.max_epochs=2", "ckpt_path=last"))  # more epochs: trains
     assert last_state(run)["global_step"] == 2 * steps and (run / "drafter" / "model.safetensors").is_file()
 
@@ -191,5 +195,25 @@ def test_a_run_resumed_from_an_epochs_end_trains_every_epoch_to_the_same_weights
     train(compose_train(cut, data_dir, *every_step, "ckpt_path=last"))
     resumed, reference = last_state(cut), last_state(whole)
     assert resumed["global_step"] == steps and resumed["epoch"] == reference["epoch"]
+    for key, value in reference["state_dict"].items():
+        assert torch.equal(resumed["state_dict"][key], value), key
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("cut", [("trainer.max_epochs=1", "trainer.max_steps=1000"), ("trainer.max_steps=1",)])
+def test_a_run_with_max_steps_resumed_trains_what_the_run_never_stopped_trains(tmp_path, data_dir, cut):  # noqa: F811
+    """With `trainer.max_steps` set, a run stopped at an epoch's end, or by max_steps inside an epoch, and resumed with
+    limits raised trains the steps the uninterrupted run trains, to its weights. (Lightning took the epoch-end
+    checkpoint for a restart inside that epoch, counted it twice and trained none of the next; a run cut by max_steps
+    was saved at its epoch's end, as if that epoch were done.)"""
+    common = ("+trainer.limit_val_batches=1", "export_drafter=false", "module.scheduler=null")
+    limits = ("trainer.max_epochs=2", "trainer.max_steps=1000")
+    whole, stopped = tmp_path / "whole", tmp_path / "stopped"
+    train(compose_train(whole, data_dir, *common, *limits))
+    train(compose_train(stopped, data_dir, *common, *cut))
+    assert 0 < last_state(stopped)["global_step"] < last_state(whole)["global_step"]
+    train(compose_train(stopped, data_dir, *common, *limits, "ckpt_path=last"))
+    resumed, reference = last_state(stopped), last_state(whole)
+    assert resumed["global_step"] == reference["global_step"] and resumed["epoch"] == reference["epoch"]
     for key, value in reference["state_dict"].items():
         assert torch.equal(resumed["state_dict"][key], value), key

@@ -26,6 +26,7 @@ from medusa_like.io import write_json
 from medusa_like.runs import resolved, save_config
 from medusa_like.training.build import build_module
 from medusa_like.training.resume import (
+    check_left_to_train,
     check_resume,
     check_trained,
     checkpoint_step,
@@ -61,6 +62,7 @@ def train(cfg: DictConfig) -> dict[str, float]:
     module = build_module(cfg, target)
     module.resume_settings = config_settings(cfg) | loaded_settings(module, cfg)
     applied = check_resume(ckpt_path, module.resume_settings, complete=True)
+    check_left_to_train(ckpt_path, cfg.trainer)  # a resume at its limits: refused before anything is written
     if ckpt_path is not None:
         save_config(run_config, out_dir)  # a resumed run's settings, once its checkpoint accepted them
     callbacks = instantiate_all(cfg.get("callbacks"))

@@ -28,8 +28,9 @@ from rich.console import Console
 from rich.table import Table
 
 from medusa_like.apps import CONFIG_DIR
-from medusa_like.config_checks import EVAL_CHECKS, check_config, one_line_errors
+from medusa_like.config_checks import EVAL_CHECKS, Accepted, check_config, one_line_errors
 from medusa_like.evaluation.setup import load_eval_model, run_dir, run_search, set_threads
+from medusa_like.evaluation.tree_search import budgeted_candidates, dynamic_candidates
 
 log = logging.getLogger(__name__)
 
@@ -83,9 +84,16 @@ def print_search(result: dict, console: Console | None = None) -> None:
     console.print(f"{saved} to {result['path']}")
 
 
+# the candidate trees, checked by the functions that build them, before the target is loaded and measured
+SEARCH_CHECKS = {
+    "tree_search.dynamic": Accepted(dynamic_candidates),
+    "tree_search.budgeted": Accepted(lambda b: budgeted_candidates(b.learned, b.num_nodes, b.lookup_depth, True)),
+}
+
+
 def tree_search(cfg: DictConfig) -> dict:
     """Load the model, search, save and print; returns `evaluation.setup.run_search`'s result."""
-    check_config(cfg, EVAL_CHECKS)
+    check_config(cfg, EVAL_CHECKS | SEARCH_CHECKS)
     set_threads(cfg.eval.threads)
     torch.manual_seed(cfg.seed)
     out_path = Path(cfg.tree_search.out) if cfg.tree_search.out else run_dir(cfg) / "tree.json"

@@ -3,8 +3,9 @@ at every training epoch end, and when training ends; and checkpoints at token mi
 
 Lightning's `ModelCheckpoint` treats `every_n_train_steps` and `every_n_epochs` as mutually exclusive: with the former
 set it saves nothing at an epoch end, so a run's final `last.ckpt` could lag its last steps. This subclass adds the
-epoch-end and end-of-training saves, and leaves an epoch's last batch to the epoch-end save; a step already saved is
-not saved twice.
+epoch-end and end-of-training saves, and leaves an epoch's last batch to the epoch-end save; a run that stops inside an
+epoch is saved at that batch's end, so that a resume goes on inside the epoch; a step already saved is not saved
+twice.
 """
 
 from pathlib import Path
@@ -29,7 +30,14 @@ class LastCheckpoint(ModelCheckpoint):
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         # an epoch's last batch is saved at the epoch's end instead: Lightning resumes a checkpoint written between the
         # two as if that epoch and the next were done (a run resumed from it trains one epoch less)
-        if batch_idx + 1 < trainer.num_training_batches:
+        if batch_idx + 1 >= trainer.num_training_batches:
+            return
+        if trainer.should_stop or 0 <= trainer.max_steps <= trainer.global_step:
+            # training ends inside the epoch (max_steps, max_time, a callback): saved here, mid-epoch, where a resume
+            # goes on with the epoch's next batch. Saved at the epoch's end, Lightning would count the cut epoch as
+            # done and resume into an epoch whose batches it takes as served (a resume given more steps trained none)
+            self._save_now(trainer)
+        else:
             super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
 
     def on_train_epoch_end(self, trainer, pl_module) -> None:

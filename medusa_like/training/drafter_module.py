@@ -19,7 +19,7 @@ import torch.nn as nn
 
 from medusa_like.drafters.base import CHECKPOINT_KEY
 from medusa_like.targets import freeze, target_fingerprint, weights_fingerprint
-from medusa_like.training.resume import RESUME_KEY, apply_optimizer_settings
+from medusa_like.training.resume import RESUME_KEY, apply_optimizer_settings, finish_epoch_end_state
 from medusa_like.training.schedule import budget_spent, total_optimizer_steps
 from medusa_like.training.target_cache import BATCH_TOKENS, TargetCache, cache_key
 from medusa_like.training.target_memo import TargetMemo
@@ -108,6 +108,10 @@ class DrafterModule(L.LightningModule):
         }
         if self.resume_settings is not None:
             checkpoint[RESUME_KEY] = self.resume_settings
+
+    def on_load_checkpoint(self, checkpoint: dict) -> None:
+        if self._trainer is not None:  # a resumed fit, before Lightning's loops read their state
+            finish_epoch_end_state(checkpoint, self._trainer.max_steps)
 
     def on_train_start(self) -> None:
         """A resumed run: put the run's optimizer settings (learning rate, betas, weight decay) in place of the

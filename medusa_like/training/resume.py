@@ -4,6 +4,7 @@
     check_resume(path, config_settings(cfg))                 # before anything is loaded
     module.resume_settings = settings = config_settings(cfg) | loaded_settings(module, cfg)
     applied = check_resume(path, settings, complete=True)    # {key: (checkpoint's, run's)} put to use from here on
+    check_left_to_train(path, cfg.trainer)                   # a resume at its limits: refused before anything is written
 
 Every checkpoint records the settings it was trained with (`RESUME_KEY`, flat dotted keys). A resumed run compares its
 own with them before any step, and for each setting that differs:
@@ -22,8 +23,8 @@ own with them before any step, and for each setting that differs:
 
 A checkpoint without recorded settings (written before they were) is checked for its drafter kind only, with a
 warning. A resumed run
-whose checkpoint already reached its limits trains nothing: it stops with one error line and writes no drafter
-(`check_trained`).
+whose checkpoint already reached its limits stops with one error line before it writes anything
+(`check_left_to_train`; `check_trained` after the fit is the backstop).
 """
 
 import functools
@@ -34,6 +35,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 import torch
+from lightning.pytorch.callbacks import Timer
 from omegaconf import DictConfig, OmegaConf
 from torch.optim.lr_scheduler import LambdaLR
 
@@ -246,18 +248,72 @@ def apply_optimizer_settings(optimizer, scheduler, factory) -> None:
         scheduler._last_lr = [group["lr"] for group in optimizer.param_groups]  # what get_last_lr() reports
 
 
+def finish_epoch_end_state(checkpoint: dict, max_steps: int) -> None:
+    """Make a checkpoint saved at an epoch's end (`on_train_epoch_end`: the epoch processed, not yet counted complete)
+    resume as Lightning resumes it without `max_steps`: the next epoch starts at its first batch, with a new data
+    iterator. With `max_steps` set, Lightning takes every resume for a restart inside the epoch: it runs the finished
+    epoch again with no batch left and counts it a second time, so that a resume given one more epoch trained none
+    (Lightning 2.6). Changed in place, before the loops read it; any other checkpoint is left as it is."""
+    loops = checkpoint.get("loops", {}).get("fit_loop")
+    if max_steps == -1 or not loops:
+        return
+    epochs, batches = loops["epoch_progress"], loops["epoch_loop.batch_progress"]
+    current = epochs["current"]
+    if current["processed"] != current["completed"] + 1 or not batches.get("is_last_batch"):
+        return
+    for progress in (epochs["total"], current):
+        progress["completed"] = progress["processed"]
+    batches["current"] = dict.fromkeys(batches["current"], 0)
+    batches["is_last_batch"] = False
+    loops.get("state_dict", {}).pop("combined_loader", None)  # the finished epoch's iterator: the next starts anew
+
+
 class NothingToTrainError(ValueError):
     """A resumed run whose checkpoint already reached the run's limits."""
+
+
+def check_left_to_train(path: str | None, trainer_cfg) -> None:
+    """Before a run resumes the checkpoint at `path`, and before it writes anything: refuse when the checkpoint has
+    reached the run's limits already (steps, epochs, or the time budget, which Lightning's timer counts on from the
+    checkpoint's), so that a resume with nothing left to train changes nothing in the run directory."""
+    if path is None:
+        return
+    checkpoint = read_checkpoint(path)
+    step, epochs = int(checkpoint["global_step"]), finished_epochs(checkpoint)
+    max_steps, max_epochs = trainer_cfg.get("max_steps", -1), trainer_cfg.get("max_epochs", None)
+    reached = [f"trainer.max_steps={max_steps}"] if max_steps is not None and 0 <= max_steps <= step else []
+    if max_epochs is not None and 0 <= max_epochs <= epochs:
+        reached.append(f"trainer.max_epochs={max_epochs}")
+    budget = trainer_cfg.get("max_time", None)
+    if budget is not None:
+        timer = Timer(duration=OmegaConf.to_container(budget) if OmegaConf.is_config(budget) else budget)
+        for key, state in checkpoint.get("callbacks", {}).items():  # Lightning's timer, where the run had one
+            if key.startswith("Timer"):
+                timer.load_state_dict(state)
+        if timer.time_remaining("train") <= 0:
+            reached.append(f"trainer.max_time={budget} ({timer.time_elapsed('train'):.0f} s trained)")
+    if reached:
+        raise NothingToTrainError(nothing_to_train(path, step, epochs, ", ".join(reached)))
+
+
+def finished_epochs(checkpoint: dict) -> int:
+    """The epochs a Lightning checkpoint had finished (one saved at an epoch's end counts that epoch)."""
+    progress = checkpoint.get("loops", {}).get("fit_loop", {}).get("epoch_progress", {}).get("current", {})
+    return int(progress.get("processed", checkpoint.get("epoch", 0)))
+
+
+def nothing_to_train(path: str, step: int, epochs: int, limits: str) -> str:
+    return (
+        f"ckpt_path={path} is at step {step} after {epochs} epochs, where this run's limits end training ({limits}): "
+        "nothing to train, so nothing is written; raise trainer.max_epochs, max_steps or max_time to train further"
+    )
 
 
 def check_trained(path: str | None, start_step: int | None, trainer) -> None:
     """After a fit resumed from the checkpoint at `path` at `start_step`: refuse to go on (export a drafter, write
     metrics) when it trained no step, the checkpoint having reached the run's limits already (Lightning then runs no
-    loop at all, and says nothing)."""
+    loop at all, and says nothing). A backstop: `check_left_to_train` refuses such a resume before it starts."""
     if path is None or trainer.global_step != start_step:
         return
-    raise NothingToTrainError(
-        f"ckpt_path={path} is at step {trainer.global_step} after {trainer.current_epoch} epochs, where this run's "
-        f"limits end training (trainer.max_epochs={trainer.max_epochs}, trainer.max_steps={trainer.max_steps}): "
-        "nothing to train, so no drafter is written; raise trainer.max_epochs or trainer.max_steps to train further"
-    )
+    limits = f"trainer.max_epochs={trainer.max_epochs}, trainer.max_steps={trainer.max_steps}"
+    raise NothingToTrainError(nothing_to_train(path, trainer.global_step, trainer.current_epoch, limits))
