@@ -267,8 +267,9 @@ def one_line_errors() -> Iterator[None]:
 
 
 class RunDirectoryCheck(Callback):
-    """Creates the run directory before Hydra does, so that one it cannot create (a read-only file system, a path
-    through a file) ends the command with one `error:` line naming `hydra.run.dir` instead of Hydra's traceback."""
+    """Creates the run directory before Hydra does, so that one it cannot create or write to (a read-only file system
+    or directory, a path through a file) ends the command with one `error:` line naming `hydra.run.dir` instead of
+    Hydra's traceback."""
 
     def on_run_start(self, config: DictConfig, **kwargs) -> None:
         self._create(config, "hydra.run.dir")
@@ -285,6 +286,8 @@ class RunDirectoryCheck(Callback):
                 directory.mkdir(parents=True, exist_ok=True)
             except OSError as err:
                 raise OSError(f"cannot create the run directory {key}={directory}: {err}") from err
+            if not os.access(directory, os.W_OK | os.X_OK):
+                raise PermissionError(f"the run directory {key}={directory} exists and cannot be written to")
 
 
 def computes_in_bf16() -> bool:

@@ -131,6 +131,29 @@ def test_a_run_directory_that_cannot_be_created_is_one_error_line(tmp_path):
 
 
 @pytest.mark.slow
+def test_a_refused_training_run_leaves_the_run_directory_as_it_was(tmp_path):
+    """A resume of a checkpoint that is not there, or a fresh run where a run is, is refused in one line before Hydra
+    writes its `.hydra/` files and log into the run directory (they were overwritten with the refused run's)."""
+    run_dir = tmp_path / "run"
+    files = {".hydra/config.yaml": "the first run's config\n", ".hydra/overrides.yaml": "- its overrides\n",
+             "train.log": "its log\n"}  # fmt: skip
+    for name, text in files.items():
+        (run_dir / name).parent.mkdir(parents=True, exist_ok=True)
+        (run_dir / name).write_text(text)
+    resumed = run("train.train", *TINY_TRAIN, "ckpt_path=last", f"hydra.run.dir={run_dir}")
+    assert f"error: ckpt_path=last resumes this run's own directory only, and {run_dir} holds no" in resumed.stderr
+    files["checkpoints/last.ckpt"] = "its checkpoint"
+    (run_dir / "checkpoints").mkdir()
+    (run_dir / "checkpoints" / "last.ckpt").write_text(files["checkpoints/last.ckpt"])
+    fresh = run("train.train", *TINY_TRAIN, f"hydra.run.dir={run_dir}")
+    assert f"error: {run_dir} already holds a run (checkpoints/last.ckpt): resume it" in fresh.stderr
+    for proc in (resumed, fresh):
+        assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr
+    assert {name: (run_dir / name).read_text() for name in files} == files
+    assert len([p for p in run_dir.rglob("*") if p.is_file()]) == len(files)  # nothing else written
+
+
+@pytest.mark.slow
 def test_different_local_sources_get_different_data_directories(tmp_path, train_cfg):
     a, b = tmp_path / "A.jsonl", tmp_path / "sub" / "A.jsonl"
     b.parent.mkdir()

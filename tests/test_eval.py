@@ -69,6 +69,7 @@ def test_report_fields(report):
     for key in ("tau", "mean_accepted_draft", "speedup_vs_hf_greedy", "speedup_vs_hf_prompt_lookup", "losslessness"):
         assert isinstance(summary[key], float)
     assert report["setup"]["data"]["questions"] == 2
+    assert report["setup"]["step"].startswith("eager step, ")  # the fixture asks for the eager step (conftest.py)
     acc = report["acceptance"]
     assert acc["prompts"] == 3  # two turns + one turn
     steps, prompts = acc["tree_steps"], acc["prompts"]

@@ -139,6 +139,7 @@ def test_a_method_of_this_project_that_differs_from_a_reference_makes_evaluate_e
     assert done.returncode == (0 if broken == "none" else 1), done.stderr[-3000:]
     assert "Traceback" not in done.stderr
     report = json.loads((run_dir / "report.json").read_text())
+    assert report["setup"]["step"].startswith("compiled" if compiled else "eager")  # the step the methods ran on
     lossless = report["losslessness"]
     assert lossless["stock"]["compared"]  # fp32 on the CPU: few-row layers, so (g) runs beside (a)
     assert list(lossless["per_method"]) == OURS

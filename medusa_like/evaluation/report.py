@@ -206,6 +206,12 @@ def drafter_dtype_words(setup: dict) -> str:
     return f", the drafter in {dtype}" if dtype and dtype != setup["dtype"] else ""
 
 
+def step_words(setup: dict) -> str:
+    """The target's step (eager or compiled, and its layers), where the report records it."""
+    step = setup.get("step")  # absent in reports written before it was recorded
+    return f", the target's {step}" if step else ""
+
+
 def markdown(report: dict) -> str:
     s, setup, speed = report["summary"], report["setup"], report["speed"]
     parts = []
@@ -220,7 +226,7 @@ def markdown(report: dict) -> str:
         f"{setup['data']['source']} "
         f"({setup['data']['questions']} questions, {report['losslessness']['prompts']} prompts), "
         f"max_new_tokens {setup['max_new_tokens']}; {setup['dtype']}{drafter_dtype_words(setup)} on {setup['device']} "
-        f"({setup['threads']} threads), "
+        f"({setup['threads']} threads){step_words(setup)}, "
         f"backend {setup['backend']}, torch {setup['torch']}, transformers {setup['transformers']}."
     )
     if setup.get("not_run"):

@@ -195,6 +195,8 @@ def setup_section(
         "drafter_dtype": None if model.drafter_dtype is None else str(model.drafter_dtype),
         "device": str(model.device),
         "backend": model.backend,
+        "step": model.forward.describe(),  # the target's step every method of this project ran on (a tree file's
+        # cost model may have compiled it: `target.compile` alone does not say)
         "threads": torch.get_num_threads(),
         "torch": torch.__version__,
         "transformers": transformers.__version__,

@@ -35,10 +35,14 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 import torch
+from hydra.core.hydra_config import HydraConfig
+from hydra.experimental.callback import Callback
 from lightning.pytorch.callbacks import Timer
 from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
 from torch.optim.lr_scheduler import LambdaLR
 
+from medusa_like.config_checks import one_line_errors
 from medusa_like.drafters.base import CHECKPOINT_KEY
 from medusa_like.io import write_json
 from medusa_like.training.target_cache import vocab_digest
@@ -117,6 +121,23 @@ def resume_checkpoint(ckpt_path: str | None, out_dir: Path) -> str | None:
     raise FileNotFoundError(
         f"ckpt_path=last resumes this run's own directory only, and {out_dir} holds no checkpoints/last.ckpt{hint}"
     )
+
+
+class ResumeCheck(Callback):
+    """The training app's Hydra callback: what a run can check from its command line alone (`resume_checkpoint`, and
+    `check_resume` on the config's settings) is checked before Hydra writes its `.hydra/` files and log into the run
+    directory, so that a refused run leaves the run it would have overwritten or continued as it found it. The app
+    checks again (a `train(cfg)` call has no Hydra), and completes the check once the target is loaded."""
+
+    def on_run_start(self, config: DictConfig, **kwargs) -> None:
+        HydraConfig.instance().set_config(config)  # resolves ${hydra:...}, as Hydra's run_job does
+        with one_line_errors():
+            path = resume_checkpoint(config.get("ckpt_path"), Path(str(config.hydra.run.dir)))
+            try:
+                settings = config_settings(config)
+            except OmegaConfBaseException:  # a value known only once the job runs: the app checks it then
+                return
+            check_resume(path, settings)
 
 
 def flatten(value, prefix: str) -> dict:
