@@ -27,7 +27,7 @@ import torch
 from torch import nn
 from torch._inductor import config as inductor_config
 
-from medusa_like.forward.platform import CPU_OPTIONS
+from medusa_like.forward.platform import AVX512_OPTIONS, CPU_OPTIONS
 from medusa_like.targets import DEFAULT_TARGET
 
 from .harness import Report, load, median_ms, table, use_threads
@@ -36,7 +36,7 @@ WAYS = {  # Inductor's options per compiled way (None: eager)
     "eager": None,
     "aten": {"freezing": True},
     "template": CPU_OPTIONS,
-    "template+concat": {**CPU_OPTIONS, "cpp.enable_concat_linear": True},
+    "template+concat": {**CPU_OPTIONS, **AVX512_OPTIONS},  # the compiled step's options where AVX512 runs
     "template+int8": CPU_OPTIONS,
 }
 INT8_WAYS = {"template+int8"}  # computed over `Int8Linear` copies of the products

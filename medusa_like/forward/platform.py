@@ -8,7 +8,8 @@ On CPUs the compiled step freezes the weights and lets Inductor's C++ GEMM templ
 the template packs each weight once and streams it at a few rows up to 1.6x faster than ATen's packed linear and 2-4x
 faster than eager BLAS calls (`eval.bench products`; docs/cpu-kernels.md). With one choice a product, nothing is
 autotuned: autotuning timed each product with its weight in cache, picked the template for every product of the
-default target, and took about 50 s of a compile. On CUDA the same graph runs under CUDA graphs, which needs static
+default target, and took about 50 s of a compile. Where torch's kernels run AVX512, the products of one input are
+concatenated into one (`AVX512_OPTIONS`). On CUDA the same graph runs under CUDA graphs, which needs static
 shapes.
 """
 
@@ -30,6 +31,10 @@ CPU_OPTIONS = {  # Inductor's options of the compiled step on CPUs
     "max_autotune": True,
     "max_autotune_gemm_backends": "CPP",
 }
+# added where torch's CPU kernels run AVX512: the products of one input (q, k and v; gate and up) computed as one, which
+# streamed the weights 1.03-1.23x faster there at 2 to 16 rows, where on an AVX2-only CPU it was slower from 4 rows
+# (`eval.bench products`; docs/cpu-kernels.md)
+AVX512_OPTIONS = {"cpp.enable_concat_linear": True}
 
 
 def native_bf16(device: torch.device) -> bool:
@@ -72,6 +77,8 @@ def compile_settings(target) -> tuple[dict, str]:
         problem = _cpp_compiler()
         if problem:
             raise CompileUnsupported(problem)
+        if torch.backends.cpu.get_cpu_capability().startswith("AVX512"):
+            return {**CPU_OPTIONS, **AVX512_OPTIONS}, "inductor, C++ GEMM template, concatenated products"
         return dict(CPU_OPTIONS), "inductor, C++ GEMM template"
     if device.type == "cuda":
         if importlib.util.find_spec("triton") is None:
