@@ -220,3 +220,31 @@ def test_plot_results_draws_a_results_file_and_refuses_a_malformed_one(tmp_path)
         plot_results.run(results=tmp_path / "bad.json")
     with pytest.raises(ValueError, match="not both"):
         plot_results.run(results=tmp_path / "r.json", report=("a=b.json",))
+
+
+def test_agreement_counts_equal_outputs_and_first_differences_and_refuses_other_prompts(tmp_path):
+    """Each method of one evaluation against a reference method of another, prompt by prompt: equal outputs counted,
+    the first differing token of the others (a shorter output differs where it ends); other prompts are refused."""
+    from medusa_like.benchmarks import agreement
+
+    def write(run, records):
+        run.mkdir()
+        (run / "prompts.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+        return run
+
+    def record(qid, greedy, fast):
+        return {"question_id": qid, "turn": 1, "prompt_ids": [1, 2], "hf_greedy": {"tokens": greedy},
+                "speculative": {"tokens": fast, "tau": 1.5}}  # fmt: skip
+
+    fp32 = write(tmp_path / "fp32", [record("a", [5, 6, 7], [5, 6, 7]), record("b", [5, 6, 7], [5, 6, 7])])
+    bf16 = write(tmp_path / "bf16", [record("a", [5, 6, 7], [5, 9, 7]), record("b", [5, 6], [5, 6, 7])])
+    report = agreement.run(fp32, bf16, out=str(tmp_path / "agreement.json"))
+    assert report.result["methods"]["hf_greedy"] == {"prompts": 2, "equal": 1, "first": [2]}
+    assert report.result["methods"]["speculative"] == {"prompts": 2, "equal": 1, "first": [1]}
+    other = write(tmp_path / "other", [record("a", [5], [5]), record("c", [5], [5])])
+    with pytest.raises(ValueError, match="were evaluated on other prompts"):
+        agreement.run(fp32, other)
+    with pytest.raises(ValueError, match="method 'hf_greedy_stock' did not run on every prompt"):
+        agreement.run(fp32, bf16, reference="hf_greedy_stock")
+    with pytest.raises(FileNotFoundError, match="no prompts.jsonl"):
+        agreement.run(tmp_path, bf16)

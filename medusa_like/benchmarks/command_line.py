@@ -24,6 +24,7 @@ from medusa_like.config_checks import one_line_errors
 
 from . import (
     ablations,
+    agreement,
     core,
     distill,
     draft,
@@ -55,6 +56,7 @@ BENCHMARKS: dict[str, Callable] = {
 }
 ANALYSES: dict[str, Callable] = {  # of finished runs and reports: they time nothing
     "ablations": ablations.run,
+    "agreement": agreement.run,
     "learning_curve": learning_curve.run,
     "plot_results": plot_results.run,
 }
