@@ -32,8 +32,8 @@ CPU_OPTIONS = {  # Inductor's options of the compiled step on CPUs
     "max_autotune_gemm_backends": "CPP",
 }
 # added where torch's CPU kernels run AVX512: the products of one input (q, k and v; gate and up) computed as one, which
-# streamed the weights 1.03-1.23x faster there at 2 to 16 rows, where on an AVX2-only CPU it was slower from 4 rows
-# (`eval.bench products`; docs/cpu-kernels.md)
+# streamed the weights faster there at every row count measured, where on an AVX2-only CPU it was slower from 4 rows
+# (`eval.bench products`; the figures in docs/cpu-kernels.md)
 AVX512_OPTIONS = {"cpp.enable_concat_linear": True}
 
 
