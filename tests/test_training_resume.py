@@ -124,18 +124,29 @@ def test_a_resume_at_its_limits_is_refused_and_changes_nothing(tmp_path, data_di
     """A resume whose checkpoint reached the run's epochs, steps or time budget is refused in one line before it
     writes anything (it rewrote last.ckpt, config.yaml and resumes.json, then refused); raised limits train on."""
     run = tmp_path / "run"
-    finished = ("trainer.max_epochs=1", "+trainer.limit_val_batches=1", "export_drafter=true")
+    # a time budget it does not reach: Lightning's timer runs and saves what it counted in the checkpoint
+    finished = (
+        "trainer.max_epochs=1",
+        "+trainer.limit_val_batches=1",
+        "export_drafter=true",
+        "trainer.max_time={seconds:3600}",
+    )
     train(compose_train(run, data_dir, *finished))
-    steps = last_state(run)["global_step"]
+    steps, spent = last_state(run)["global_step"], last_state(run)["callbacks"]["Timer"]["time_elapsed"]["train"]
     (run / "drafter" / "model.safetensors").unlink()
     before = {p: p.read_bytes() for p in run.rglob("*") if p.is_file() and "wandb" not in p.parts}
-    for limit in ("trainer.max_epochs=1", f"trainer.max_steps={steps}", "trainer.max_time=00:00:00:00"):
+    for limit, said in (
+        ("trainer.max_epochs=1", "trainer.max_epochs=1"),
+        (f"trainer.max_steps={steps}", f"trainer.max_steps={steps}"),
+        (f"trainer.max_time={{seconds:{spent / 2}}}", f"({spent:.0f} s trained)"),  # half what its timer counted
+    ):
         limits = (*finished[1:], "trainer.max_epochs=5", limit)  # the last setting of a key wins
         with pytest.raises(NothingToTrainError) as refusal:
             train(compose_train(run, data_dir, *limits, "module.optimizer.lr=0.05", "ckpt_path=last"))
         message = one_line(refusal)
-        assert f"is at step {steps} after 1 epochs" in message and limit in message
+        assert f"is at step {steps} after 1 epochs" in message and said in message
         assert "nothing to train, so nothing is written" in message
+        assert ("trainer.max_time" in message) == ("max_time" in limit)  # the time budget only where it was reached
         after = {p: p.read_bytes() for p in run.rglob("*") if p.is_file() and "wandb" not in p.parts}
         assert after == before
     train(compose_train(run, data_dir, *finished, "trainer.max_epochs=2", "ckpt_path=last"))  # more epochs: trains
