@@ -32,6 +32,7 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from medusa_like.data.generation import check_engine
 from medusa_like.data.naming import source_name
+from medusa_like.evaluation.precision import check_setting as check_fp32_reference
 from medusa_like.forward import check_read_kernel
 from medusa_like.targets import floating_dtype
 from medusa_like.training.ttt import loss_function
@@ -192,6 +193,7 @@ EVAL_CHECKS = {
     "eval.warmup": Flag(),
     "eval.head_accuracy": Flag(),
     "eval.fail_on_mismatch": Flag(),
+    "eval.fp32_reference": Accepted(check_fp32_reference),
     "eval.resume": Flag(),
     "eval.threads": Number(min=1, optional=True),
     "drafter.num_heads": Number(min=1),

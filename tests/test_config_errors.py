@@ -56,6 +56,8 @@ def write_jsonl(path: Path, records) -> Path:
         ("data.skip='2'", "data.skip: expected an integer >= 0, got '2'"),
         ("eval.resume=yes", "eval.resume: expected true or false, got 'yes'"),
         ("eval.warmup=1", "eval.warmup: expected true or false, got 1"),
+        ("eval.fp32_reference=always", "eval.fp32_reference: must be auto, true or false, got 'always'"),
+        ("eval.fp32_reference=1", "eval.fp32_reference: must be auto, true or false, got 1"),
         (
             "eval.methods=lookup",
             "eval.methods: expected a non-empty list of names (eval.methods=[a,b]) or null, got 'lookup'",

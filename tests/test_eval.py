@@ -6,12 +6,15 @@ import re
 from pathlib import Path
 
 import pytest
+import torch
 
 from eval.evaluate import evaluate, exit_code
+from medusa_like.data.prepare import load_model as load_target
 from medusa_like.data.split import is_validation
 from medusa_like.drafters.base import DrafterMismatchError
 from medusa_like.drafters.medusa import HeadsConfig, MedusaHeads
 from medusa_like.evaluation.plots import PLOTS
+from medusa_like.evaluation.precision import fp32_margin_section
 from medusa_like.evaluation.questions import (
     QuestionSetError,
     load_humaneval_questions,
@@ -22,6 +25,7 @@ from medusa_like.evaluation.report import failure_line, markdown
 from medusa_like.evaluation.setup import load_eval_model as load_model
 from medusa_like.evaluation.setup import question_set
 from medusa_like.formats import save_drafter
+from medusa_like.targets import eos_token_ids
 from medusa_like.tiny import tiny_chat_target
 
 from .conftest import compose_config
@@ -302,6 +306,55 @@ def test_a_killed_evaluation_keeps_its_prompts_and_resumes(tmp_path, small_eval)
     assert [(r["question_id"], r["turn"]) for r in records] == [("1", 1), ("1", 2), ("2", 1)]
     assert records[0] == kept  # the finished prompt was not run again
     assert resumed["acceptance"]["prompts"] == 3 and resumed["summary"]["lossless"]
+
+
+@pytest.mark.slow
+def test_a_bf16_run_reports_each_methods_margin_to_fp32_greedy_decoded_apart(tmp_path, small_eval):
+    """A bf16 run compares every output with greedy decoding of the same weights in fp32 (`eval.fp32_reference:
+    auto`): its shares are what fp32 transformers greedy, decoded here apart, gives prompt by prompt, and each
+    difference is reported where it is. An fp32 run has no such section unless asked; asked, stock greedy equals it."""
+    cfg = small_eval(QUESTIONS, "model.dtype=bfloat16", "eval.max_new_tokens=16")
+    report = evaluate(cfg)
+    assert report["setup"]["dtype"] == "torch.bfloat16"
+    fp32 = report["losslessness"]["fp32"]
+    records = [json.loads(line) for line in (tmp_path / "run" / "prompts.jsonl").read_text().splitlines()]
+    target, tokenizer = load_target(cfg.model, dtype="float32")
+    eos = eos_token_ids(target, tokenizer)
+    expected = []
+    for r in records:
+        ids = torch.tensor([r["prompt_ids"]])
+        out = target.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=16, do_sample=False,
+                              eos_token_id=eos, pad_token_id=eos[0])  # fmt: skip
+        expected.append(out[0, ids.shape[1] :].tolist())
+    assert set(fp32["per_method"]) == set(report["losslessness"]["equality"]) and fp32["prompts"] == len(records) == 3
+    for method, result in fp32["per_method"].items():
+        equal = [r[method]["tokens"] == tokens for r, tokens in zip(records, expected, strict=True)]
+        assert result["equal"] == pytest.approx(sum(equal) / len(equal)), method
+        assert result["differing_prompts"] == equal.count(False)
+        for d in (d for d in fp32["differences"] if d["method"] == method):
+            r = next(r for r in records if (r["question_id"], r["turn"]) == (d["question_id"], d["turn"]))
+            i = d["first_divergence"]
+            assert r[method]["tokens"][:i] == expected[records.index(r)][:i]
+    assert "## Margin to fp32 greedy" in (tmp_path / "run" / "report.md").read_text()
+    # a difference is found where it is, with fp32's logit margin there: an output made to leave fp32 greedy at token 5
+    i = next(i for i, r in enumerate(records) if r["speculative"]["tokens"] == expected[i] and len(expected[i]) > 5)
+    altered = json.loads(json.dumps(records))
+    wrong = altered[i]["speculative"]["tokens"][5] = (expected[i][5] + 1) % target.config.vocab_size
+    section = fp32_margin_section(cfg.model, load_model(cfg), altered, ["speculative"], 16)
+    (difference,) = [d for d in section["differences"] if d["question_id"] == records[i]["question_id"]
+                     and d["turn"] == records[i]["turn"]]  # fmt: skip
+    assert difference["first_divergence"] == 5 and difference["method_token"] == wrong
+    with torch.inference_mode():
+        logits = target(torch.tensor([records[i]["prompt_ids"] + expected[i][:5]])).logits[0, -1]
+    assert difference["margin"] == pytest.approx(float(logits[expected[i][5]] - logits[wrong]), rel=1e-4)
+    assert difference["margin"] > 0  # fp32 greedy's token is fp32's argmax
+
+    fp32_run = evaluate(small_eval(QUESTIONS, "eval.max_new_tokens=16", f"out_dir={tmp_path / 'fp32'}"))
+    assert "fp32" not in fp32_run["losslessness"]
+    asked = evaluate(
+        small_eval(QUESTIONS, "eval.max_new_tokens=16", "eval.fp32_reference=true", f"out_dir={tmp_path / 'asked'}")
+    )
+    assert asked["losslessness"]["fp32"]["per_method"]["hf_greedy_stock"]["equal"] == 1.0
 
 
 @pytest.mark.slow

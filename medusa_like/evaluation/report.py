@@ -88,6 +88,32 @@ def equality_markdown(report: dict) -> list[str]:
     return parts
 
 
+def fp32_markdown(report: dict) -> list[str]:
+    """Where the run's precision is not fp32: every method against fp32 greedy of the same weights
+    (`precision.fp32_margin_section`), a row per method."""
+    fp32 = report["losslessness"].get("fp32")
+    if not fp32:
+        return []
+    parts = [
+        "## Margin to fp32 greedy",
+        f"Every output of this {fp32['dtype']} run against {fp32['reference']}, on the same {fp32['prompts']} prompts "
+        "(the margin the precision costs; losslessness above is against greedy in the run's own precision, (a)):",
+    ]
+    rows = [
+        [
+            label(m),
+            share_text(r["equal"]),
+            r["differing_prompts"],
+            "-" if r["median_tokens_followed"] is None else f"{r['median_tokens_followed']:g}",
+            "-" if r["median_abs_margin"] is None else f"{r['median_abs_margin']:.4g}",
+        ]
+        for m, r in fp32["per_method"].items()
+    ]
+    header = ["method", "equal to fp32 greedy", "prompts differing", "tokens followed (median)", "fp32 margin (median)"]
+    parts.append(_table(header, rows))
+    return parts
+
+
 def share_text(share: float | None) -> str:
     return "-" if share is None else f"{share:.3f}"
 
@@ -287,6 +313,7 @@ def markdown(report: dict) -> str:
     parts.append(_table(["method", "tokens/s", "vs (a) (paired)", "vs (b) (paired)"], rows))
     parts.extend(methods_markdown(report))
     parts.extend(equality_markdown(report))
+    parts.extend(fp32_markdown(report))
     acc = report["acceptance"]
     parts.append("## Acceptance per category")
     parts.append(
@@ -363,4 +390,9 @@ def print_report(report: dict, out_dir: Path, console: Console | None = None) ->
         f"[{style}]losslessness {s['losslessness']:.3f}[/{style}]"
         + ("" if s.get("stock_equality") is None else f", equal to stock greedy {s['stock_equality']:.3f}")
     )
+    fp32 = report["losslessness"].get("fp32")
+    if fp32:
+        console.print(
+            "equal to fp32 greedy: " + ", ".join(f"{label(m)} {r['equal']:.3f}" for m, r in fp32["per_method"].items())
+        )
     console.print(f"reports in {out_dir}")

@@ -11,7 +11,7 @@ import torch
 import transformers
 
 from medusa_like.decoding.tree_files import spec_from_json
-from medusa_like.evaluation import metrics
+from medusa_like.evaluation import metrics, precision
 from medusa_like.evaluation.losslessness import LOSSLESSNESS, losslessness_section
 from medusa_like.evaluation.methods import BASELINES, METHODS, REFERENCE, SPECULATIVE, STOCK, not_run_for
 from medusa_like.evaluation.plots import write_plots
@@ -270,6 +270,8 @@ def build_report(
     acceptance = acceptance_section(records)
     speed = metrics.speed_summary([{m: r[m]["tps"] for m in methods} for r in records], BASELINES)
     lossless = losslessness_section(model, records, methods)
+    if precision.wanted(cfg.eval.get("fp32_reference", "auto"), model.target.dtype):
+        lossless["fp32"] = precision.fp32_margin_section(cfg.model, model, records, methods, cfg.eval.max_new_tokens)
     setup = setup_section(cfg, model, tree, tree_name, questions, methods, prompt_lookup, store_filling, learned_tree)
     prompts = [torch.tensor(r["prompt_ids"])[None] for r in records]
     report = {
