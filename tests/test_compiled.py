@@ -30,6 +30,7 @@ from medusa_like.forward import platform as forward_platform
 from medusa_like.forward.compile_cache import progress
 from medusa_like.forward.compiled import CompiledStep
 from medusa_like.forward.compiled_draft import CompiledLevel, DraftCompiler
+from medusa_like.forward.cpu.few_row_linear import FewRowLinear, onednn_packs_available
 from medusa_like.forward.platform import CompileUnsupported, compile_settings
 from medusa_like.model import MedusaLikeModel
 from medusa_like.targets import weights_fingerprint
@@ -335,6 +336,30 @@ def test_a_failing_compile_falls_back_to_eager_with_a_log_line_never_a_wrong_tok
     assert prepared.step is prepared.eager and greedy(prepared, prompt) == expected
     directory = compile_cache.cache_directory(prepared.compiled)
     assert not list(directory.glob("step*.pt2"))  # nothing half-written left to load, or to fill the disk
+
+
+@needs_compile
+@pytest.mark.skipif(not onednn_packs_available(), reason="oneDNN's packs do not run here")
+def test_the_compiled_steps_prefill_runs_on_the_few_row_layers_onednn_pack_with_the_targets_logits():
+    """A compiled fp32 target's prompt is read eagerly, on its few-row layers with oneDNN's pack for the prompt's many
+    rows (F.linear, what the compiled graph's stock layers would run, takes about twice as long), and gives the
+    target's own logits; nothing is compiled for it."""
+    target = tiny_target("llama")
+    prompt = torch.randint(0, VOCAB, (1, 80), generator=torch.Generator().manual_seed(5))  # more rows than MAX_ROWS
+    with torch.inference_mode():
+        expected = target(prompt).logits[0, -1]
+    prepared = prepare_target(target, compile=True)
+    step = prepared.step
+    assert isinstance(step, CompiledStep) and step.eager_target is prepared.target
+    cache = step.new_cache(100)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profile:
+        logits, _ = step.forward(prompt, torch.arange(80)[None], None, cache, last=True)
+    calls = {event.key: event.count for event in profile.key_averages()}
+    layers = sum(isinstance(m, FewRowLinear) for m in prepared.target.base_model.modules())
+    # every decoder layer's product over the prompt's rows on the pack; F.linear only for the last row's logits
+    assert calls.get("mkldnn::_linear_pointwise") == layers > 0 and calls.get("aten::mm", 0) <= 1
+    torch.testing.assert_close(logits[0], expected, atol=1e-4, rtol=1e-4)
+    assert step.compiled is None  # a prefill compiles nothing
 
 
 @pytest.mark.skipif(forward_platform.platform.machine() not in ("x86_64", "AMD64"), reason="x86 CPUs only")

@@ -51,9 +51,10 @@ def mismatch_warning(report: dict) -> str | None:
         for ref, d in entries[:5]
     )
     clauses = "; ".join(failure_clauses(report, name=lambda m: f"`{m}`"))  # labels hold commas: names are clearer
+    dtype = report["setup"]["dtype"].removeprefix("torch.")
     return (
         f"LOSSLESSNESS FAILED: outputs differ from transformers' greedy decoding ({clauses}; expected equal at "
-        f"temperature 0 in fp32). First: {where}"
+        f"temperature 0, greedy in {dtype} being the reference). First: {where}"
     )
 
 

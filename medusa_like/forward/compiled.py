@@ -185,13 +185,17 @@ AttentionInterface.register(ATTENTION, static_attention)
 class CompiledStep(TargetStep):
     """`TargetStep` (decoding/step.py) of a target compiled by `torch.compile` with Inductor `options`
     (`platform.compile_settings`). Steps of up to `MAX_ROWS` nodes run compiled; a prompt's prefill, and any larger
-    forward, run the same function eagerly over the same cache. A compile or run that fails logs why and falls back
+    forward, run the same function eagerly over the same cache (on `eager_target`'s layers where one is given). A compile or run that fails logs why and falls back
     to that eager run for good (`failed`): never a wrong token, only a slower one."""
 
     what = "the target's step"  # what the log calls it
 
-    def __init__(self, target, options: dict, label: str):
+    def __init__(self, target, options: dict, label: str, eager_target=None):
         self.target, self.options, self.label = target, dict(options), label
+        # what the eager runs compute with: `eager_target`, the same weights behind other layers (the few-row CPU
+        # layers, whose prompt-sized products run on oneDNN's pack: half F.linear's time for a prompt's prefill),
+        # else the target that is compiled
+        self.eager_target = eager_target if eager_target is not None else target
         text = target.config.get_text_config()
         self.window = getattr(text, "sliding_window", None) if _slides(text) else None
         self.num_layers = text.num_hidden_layers
@@ -220,8 +224,8 @@ class CompiledStep(TargetStep):
         layers = None if feature_layers is None else tuple(feature_layers)
         if last or real > self.max_rows or self.failed:  # a prefill, a large forward, or after a failure: eagerly
             mask, slots, positions = self._inputs(cache, position_ids, tree_mask, real)
-            with torch.inference_mode(), self.traced_attention():
-                graph = _Graph(self.target, self.cache_keyword, every_state=layers is not None)
+            with torch.inference_mode(), attention_traced(self.eager_target.config):
+                graph = _Graph(self.eager_target, self.cache_keyword, every_state=layers is not None)
                 logits, hidden, states, new = graph(input_ids, positions, slots, mask, cache.buffer, last)
             cache.write(new)
             return logits, _features(hidden, states, layers)

@@ -36,7 +36,9 @@ from .compiled import CompiledStep
 from .compiled_draft import DraftCompiler
 from .cpu.few_row_linear import (
     measure_row_plans,
+    packs_fit,
     use_few_row_linears,
+    use_read_kernel,
     with_stock_linears,
     worth_swapping,
 )
@@ -84,9 +86,12 @@ class PreparedTarget:
         except CompileUnsupported as why:
             log.log(logging.WARNING if compile is True else logging.INFO, "compile: %s; the eager step runs", why)
             return
-        # the compiled graph traces transformers' own layers: a copy of the target with them, sharing every weight
+        # the compiled graph traces transformers' own layers: a copy of the target with them, sharing every weight;
+        # prefills run eagerly on the few-row layers, their many rows on oneDNN's pack where it runs and fits
         model = with_stock_linears(self.target) if self.tuned else self.target
-        self.compiled = CompiledStep(model, options, label)
+        if self.tuned and packs_fit(self.target, 1):
+            use_read_kernel(self.target, "auto")
+        self.compiled = CompiledStep(model, options, label, eager_target=self.target if self.tuned else None)
         self.active = None  # a cost model of the eager step does not hold for the compiled one
 
     def describe(self) -> str:
