@@ -6,7 +6,8 @@ This section says what the precision itself costs: how many prompts still give f
 each output follows it for, and fp32's logit margin at the first difference (near zero: a near-tie the lower
 precision flipped; large: the precision changed the answer). It does not change the exit status.
 
-    fp32_margin_section(model_cfg, model, records, methods, max_new_tokens)   # None where the run is fp32 already
+    if wanted(cfg.eval.fp32_reference, model.target.dtype):        # auto: wherever the run is not fp32
+        section = fp32_margin_section(cfg.model, model, records, methods, cfg.eval.max_new_tokens)
 """
 
 import statistics

@@ -185,16 +185,16 @@ AttentionInterface.register(ATTENTION, static_attention)
 class CompiledStep(TargetStep):
     """`TargetStep` (decoding/step.py) of a target compiled by `torch.compile` with Inductor `options`
     (`platform.compile_settings`). Steps of up to `MAX_ROWS` nodes run compiled; a prompt's prefill, and any larger
-    forward, run the same function eagerly over the same cache (on `eager_target`'s layers where one is given). A compile or run that fails logs why and falls back
-    to that eager run for good (`failed`): never a wrong token, only a slower one."""
+    forward, run the same function eagerly over the same cache (on `eager_target`'s layers where one is given). A
+    compile or run that fails logs why and falls back to that eager run for good (`failed`): never a wrong token, only
+    a slower one."""
 
     what = "the target's step"  # what the log calls it
 
     def __init__(self, target, options: dict, label: str, eager_target=None):
         self.target, self.options, self.label = target, dict(options), label
         # what the eager runs compute with: `eager_target`, the same weights behind other layers (the few-row CPU
-        # layers, whose prompt-sized products run on oneDNN's pack: half F.linear's time for a prompt's prefill),
-        # else the target that is compiled
+        # layers, whose prompt-sized products run on oneDNN's pack, faster than F.linear), else the compiled target
         self.eager_target = eager_target if eager_target is not None else target
         text = target.config.get_text_config()
         self.window = getattr(text, "sliding_window", None) if _slides(text) else None
