@@ -340,12 +340,13 @@ def test_a_failing_compile_falls_back_to_eager_with_a_log_line_never_a_wrong_tok
 
 @needs_compile
 @pytest.mark.skipif(not onednn_packs_available(), reason="oneDNN's packs do not run here")
-def test_the_compiled_steps_prefill_runs_on_the_few_row_layers_onednn_pack_with_the_targets_logits():
-    """A compiled fp32 target's prompt is read eagerly, on its few-row layers with oneDNN's pack for the prompt's many
-    rows (F.linear, what the compiled graph's stock layers would run, takes about twice as long), and gives the
-    target's own logits; nothing is compiled for it."""
+@pytest.mark.parametrize("length", [80, 20])  # over the few-row layers' MAX_ROWS, and under it
+def test_the_compiled_steps_prefill_runs_on_the_few_row_layers_onednn_pack_with_the_targets_logits(length):
+    """A compiled fp32 target's prompt, long or short, is read eagerly on its few-row layers with oneDNN's pack
+    (the compiled graph's stock layers would run F.linear, slower over a prompt's rows; a short prompt would run the
+    unmeasured plans' weight-first products) and gives the target's own logits; nothing is compiled for it."""
     target = tiny_target("llama")
-    prompt = torch.randint(0, VOCAB, (1, 80), generator=torch.Generator().manual_seed(5))  # more rows than MAX_ROWS
+    prompt = torch.randint(0, VOCAB, (1, length), generator=torch.Generator().manual_seed(5))
     with torch.inference_mode():
         expected = target(prompt).logits[0, -1]
     prepared = prepare_target(target, compile=True)
@@ -353,7 +354,7 @@ def test_the_compiled_steps_prefill_runs_on_the_few_row_layers_onednn_pack_with_
     assert isinstance(step, CompiledStep) and step.eager_target is prepared.target
     cache = step.new_cache(100)
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profile:
-        logits, _ = step.forward(prompt, torch.arange(80)[None], None, cache, last=True)
+        logits, _ = step.forward(prompt, torch.arange(length)[None], None, cache, last=True)
     calls = {event.key: event.count for event in profile.key_averages()}
     layers = sum(isinstance(m, FewRowLinear) for m in prepared.target.base_model.modules())
     # every decoder layer's product over the prompt's rows on the pack; F.linear only for the last row's logits

@@ -87,10 +87,10 @@ class PreparedTarget:
             log.log(logging.WARNING if compile is True else logging.INFO, "compile: %s; the eager step runs", why)
             return
         # the compiled graph traces transformers' own layers: a copy of the target with them, sharing every weight;
-        # prefills run eagerly on the few-row layers, their many rows on oneDNN's pack where it runs and fits
+        # prompts are read eagerly on the few-row layers, on oneDNN's pack from two rows where it runs and fits
         model = with_stock_linears(self.target) if self.tuned else self.target
         if self.tuned and packs_fit(self.target, 1):
-            use_read_kernel(self.target, "auto")
+            use_read_kernel(self.target, "auto", from_rows=2)
         self.compiled = CompiledStep(model, options, label, eager_target=self.target if self.tuned else None)
         self.active = None  # a cost model of the eager step does not hold for the compiled one
 
