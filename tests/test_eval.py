@@ -13,6 +13,7 @@ from medusa_like.data.prepare import load_model as load_target
 from medusa_like.data.split import is_validation
 from medusa_like.drafters.base import DrafterMismatchError
 from medusa_like.drafters.medusa import HeadsConfig, MedusaHeads
+from medusa_like.evaluation import precision
 from medusa_like.evaluation.plots import PLOTS
 from medusa_like.evaluation.precision import fp32_margin_section
 from medusa_like.evaluation.questions import (
@@ -355,6 +356,24 @@ def test_a_bf16_run_reports_each_methods_margin_to_fp32_greedy_decoded_apart(tmp
         small_eval(QUESTIONS, "eval.max_new_tokens=16", "eval.fp32_reference=true", f"out_dir={tmp_path / 'asked'}")
     )
     assert asked["losslessness"]["fp32"]["per_method"]["hf_greedy_stock"]["equal"] == 1.0
+
+
+@pytest.mark.slow
+def test_a_bf16_run_whose_fp32_copy_does_not_fit_still_writes_its_report_and_says_why(
+    tmp_path, small_eval, monkeypatch
+):
+    """The margin to fp32 greedy loads a second, fp32 copy of the target after the timed runs; where that copy runs
+    out of memory, the report is still written, with the timed runs' figures, and says why the section is missing."""
+
+    def out_of_memory(*args, **kwargs):
+        raise torch.OutOfMemoryError("fault injected: no room for an fp32 copy")
+
+    monkeypatch.setattr(precision, "load_model", out_of_memory)
+    report = evaluate(small_eval(QUESTIONS, "model.dtype=bfloat16"))
+    assert report["losslessness"]["fp32"]["skipped"].startswith("the fp32 copy of the target did not fit")
+    md = (tmp_path / "run" / "report.md").read_text()
+    assert "## Margin to fp32 greedy\n\nNot computed: the fp32 copy of the target did not fit (OutOfMemoryError)" in md
+    assert set(report["speed"]["median_tokens_per_second"]) >= {"hf_greedy", "speculative"}
 
 
 @pytest.mark.slow

@@ -10,6 +10,7 @@ precision flipped; large: the precision changed the answer). It does not change 
         section = fp32_margin_section(cfg.model, model, records, methods, cfg.eval.max_new_tokens)
 """
 
+import logging
 import statistics
 
 import torch
@@ -18,6 +19,8 @@ from tqdm import tqdm
 from medusa_like.data.prepare import load_model
 from medusa_like.evaluation.losslessness import compare
 from medusa_like.evaluation.methods import hf_runner
+
+log = logging.getLogger(__name__)
 
 FP32_GREEDY = "fp32_greedy"  # the reference's name in this section (not a timed method)
 SETTINGS = ("auto", True, False)  # eval.fp32_reference: auto = wherever the target's dtype is not fp32
@@ -51,9 +54,15 @@ def fp32_greedy_tokens(target, model, records: list[dict], max_new_tokens: int) 
 def fp32_margin_section(model_cfg, model, records: list[dict], methods: list[str], max_new_tokens: int) -> dict:
     """Every method of `methods` against fp32 greedy of the same weights (`model_cfg` loaded again in fp32): its
     share of equal outputs, the tokens each differing output follows fp32 greedy for (median), and the fp32 logit
-    margins at the first differences."""
-    target, _ = load_model(model_cfg, dtype="float32")
-    tokens = fp32_greedy_tokens(target, model, records, max_new_tokens)
+    margins at the first differences; where the fp32 copy does not fit in memory, why not (`skipped`), and the
+    report is written without it."""
+    try:
+        target, _ = load_model(model_cfg, dtype="float32")
+        tokens = fp32_greedy_tokens(target, model, records, max_new_tokens)
+    except (torch.OutOfMemoryError, MemoryError) as err:  # a second, fp32 copy of a large target: the report stays
+        why = f"the fp32 copy of the target did not fit ({type(err).__name__}); eval.fp32_reference=false skips it"
+        log.warning("no margin to fp32 greedy: %s", why)
+        return {"dtype": str(model.target.dtype), "skipped": why}
     with_reference = [{**r, FP32_GREEDY: {"tokens": t}} for r, t in zip(records, tokens, strict=True)]
     result = compare(target, with_reference, [*methods, FP32_GREEDY], FP32_GREEDY)
     per_method = {}

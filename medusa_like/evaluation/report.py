@@ -95,6 +95,8 @@ def fp32_markdown(report: dict) -> list[str]:
     fp32 = report["losslessness"].get("fp32")
     if not fp32:
         return []
+    if "skipped" in fp32:
+        return ["## Margin to fp32 greedy", f"Not computed: {fp32['skipped']}."]
     parts = [
         "## Margin to fp32 greedy",
         f"Every output of this {fp32['dtype']} run against {fp32['reference']}, on the same {fp32['prompts']} prompts "
@@ -392,7 +394,7 @@ def print_report(report: dict, out_dir: Path, console: Console | None = None) ->
         + ("" if s.get("stock_equality") is None else f", equal to stock greedy {s['stock_equality']:.3f}")
     )
     fp32 = report["losslessness"].get("fp32")
-    if fp32:
+    if fp32 and "skipped" not in fp32:
         console.print(
             "equal to fp32 greedy: " + ", ".join(f"{label(m)} {r['equal']:.3f}" for m, r in fp32["per_method"].items())
         )
