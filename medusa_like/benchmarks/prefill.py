@@ -3,6 +3,7 @@
     python -m eval.bench prefill                                  # default target, fp32, N = 65, 128, 300, 600
     python -m eval.bench prefill --tokens 128,512 --rounds 5 --out bench_prefill.json
     python -m eval.bench prefill --batch 4 --tokens 384          # training's read: [4, 384] through the public forward
+    python -m eval.bench prefill --tokens 8,24,46,64,150         # short prompts too (the compiled step reads them on oneDNN)
 
 A prompt's products run over more rows than any tree step (over `few_row_linear.MAX_ROWS`), by the prefill kernel the
 cost model picks (`few_row_linear.PREFILL_KERNELS`: F.linear, or oneDNN's pack). A copy of the target with its own
@@ -27,6 +28,7 @@ from medusa_like.forward.cpu.few_row_linear import (
     sync_packs,
     usable_row_kernels,
     use_few_row_linears,
+    use_read_kernel,
 )
 from medusa_like.targets import DEFAULT_TARGET
 
@@ -59,6 +61,9 @@ def prefill_targets(stock) -> dict:
             set_prefill_kernel(few_row, kernel)
             sync_packs(few_row)
             targets[f"few_row, prefill {kernel}"] = few_row
+    reads = copy.deepcopy(stock)  # how the compiled step reads a prompt: oneDNN's pack from two rows on
+    if use_read_kernel(reads, "auto", from_rows=2):
+        targets["few_row, oneDNN from 2 rows (the compiled step's prompts)"] = reads
     return targets
 
 

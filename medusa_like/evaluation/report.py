@@ -95,26 +95,25 @@ def fp32_markdown(report: dict) -> list[str]:
     fp32 = report["losslessness"].get("fp32")
     if not fp32:
         return []
+    title = "## Margin to fp32 greedy"
     if "skipped" in fp32:
-        return ["## Margin to fp32 greedy", f"Not computed: {fp32['skipped']}."]
-    parts = [
-        "## Margin to fp32 greedy",
+        return [title, f"Not computed: {fp32['skipped']}."]
+    intro = (
         f"Every output of this {fp32['dtype']} run against {fp32['reference']}, on the same {fp32['prompts']} prompts "
-        "(the margin the precision costs; losslessness above is against greedy in the run's own precision, (a)):",
-    ]
+        "(the margin the precision costs; losslessness above is against greedy in the run's own precision, (a)):"
+    )
+    medians = ("median_tokens_followed", "median_abs_margin")
     rows = [
         [
             label(m),
             share_text(r["equal"]),
             r["differing_prompts"],
-            "-" if r["median_tokens_followed"] is None else f"{r['median_tokens_followed']:g}",
-            "-" if r["median_abs_margin"] is None else f"{r['median_abs_margin']:.4g}",
+            *("-" if r[k] is None else f"{r[k]:.4g}" for k in medians),
         ]
         for m, r in fp32["per_method"].items()
     ]
     header = ["method", "equal to fp32 greedy", "prompts differing", "tokens followed (median)", "fp32 margin (median)"]
-    parts.append(_table(header, rows))
-    return parts
+    return [title, intro, _table(header, rows)]
 
 
 def share_text(share: float | None) -> str:
