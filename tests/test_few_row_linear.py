@@ -530,6 +530,20 @@ def test_training_reads_the_target_on_onednn_with_the_same_hidden_states():
         few_row_linear.use_read_kernel(target.base_model, "mkl")
 
 
+@needs_onednn
+def test_a_read_whose_pack_would_not_fit_in_memory_keeps_f_linear_or_is_refused(monkeypatch):
+    """oneDNN's pack is a second copy of every weight: where it would not fit, `auto` keeps nn.Linear (no pack made)
+    and `onednn` is refused with what to set instead; the compiled step's prompt read calls the same check."""
+    target = tiny_target("llama")
+    monkeypatch.setattr(few_row_linear, "PACK_MEMORY_SHARE", 0.0)
+    assert not few_row_linear.use_read_kernel(target.base_model, "auto")
+    assert not few_row_linear.use_read_kernel(target.base_model, "auto", from_rows=2)
+    assert linear_kernel(target) == "nn.Linear"
+    with pytest.raises(ValueError, match="second copy of every weight.*use read_kernel=linear"):
+        few_row_linear.use_read_kernel(target.base_model, "onednn")
+    assert linear_kernel(target) == "nn.Linear"
+
+
 def test_a_target_that_trains_on_another_device_keeps_its_own_kernels():
     """A trainer on a GPU moves the target there after the train app builds it on the CPU: `use_read_kernel` told the
     device leaves nn.Linear (auto) or refuses (onednn), and a few-row layer that was moved anyway computes F.linear

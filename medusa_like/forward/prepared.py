@@ -36,7 +36,6 @@ from .compiled import CompiledStep
 from .compiled_draft import DraftCompiler
 from .cpu.few_row_linear import (
     measure_row_plans,
-    packs_fit,
     use_few_row_linears,
     use_read_kernel,
     with_stock_linears,
@@ -89,7 +88,7 @@ class PreparedTarget:
         # the compiled graph traces transformers' own layers: a copy of the target with them, sharing every weight;
         # prompts are read eagerly on the few-row layers, on oneDNN's pack from two rows where it runs and fits
         model = with_stock_linears(self.target) if self.tuned else self.target
-        if self.tuned and packs_fit(self.target, 1):
+        if self.tuned:
             use_read_kernel(self.target, "auto", from_rows=2)
         self.compiled = CompiledStep(model, options, label, eager_target=self.target if self.tuned else None)
         self.active = None  # a cost model of the eager step does not hold for the compiled one

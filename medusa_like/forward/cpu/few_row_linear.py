@@ -322,15 +322,22 @@ def use_read_kernel(
     plans (`linear`). `from_rows`: over MAX_ROWS by default (training's teacher-forced reads); 2 where the layers read
     prompts alone (a compiled step's prefill: 8-64 tokens took 13-27% less than on nn.Linear, `eval.bench prefill`).
     `device`: where the model will run, if not where its weights are now (a trainer moves it to its accelerator).
-    Only fp32 rounding changes. Returns whether oneDNN now reads it."""
+    The pack is a second copy of every weight: `auto` keeps F.linear where it would not fit in PACK_MEMORY_SHARE of
+    this machine's memory, `onednn` refuses. Only fp32 rounding changes. Returns whether oneDNN now reads it."""
     check_read_kernel(kernel)
     weight = next(model.parameters())
     on_cpu = torch.device(device or weight.device).type == "cpu"
     usable = on_cpu and weight.device.type == "cpu" and weight.dtype == torch.float32 and onednn_packs_available()
-    if kernel == "linear" or (kernel == "auto" and not usable):
+    fits = usable and packs_fit(model, 1)
+    if kernel == "linear" or (kernel == "auto" and not fits):
         return False
     if not usable:
         raise ValueError("read_kernel=onednn needs an fp32 model on a CPU whose torch runs oneDNN's packs")
+    if not fits:
+        raise ValueError(
+            f"read_kernel=onednn lays out a second copy of every weight, which would take more than "
+            f"{PACK_MEMORY_SHARE:.0%} of this machine's memory: use read_kernel=linear (or auto, which then keeps it)"
+        )
     use_few_row_linears(model, plans="cached")  # products under `from_rows` rows keep their plans
     for module in model.modules():
         if isinstance(module, FewRowLinear):
