@@ -415,6 +415,39 @@ def test_compile_must_be_a_known_choice():
 
 
 @needs_compile
+def test_a_compiled_step_that_would_not_fit_in_memory_runs_eagerly_and_says_why(compiled_targets, monkeypatch, caplog):
+    """Building a package takes several times the weights' bytes, loading one about four: where the machine has
+    less memory available, the build is refused before any tracing (a process killed for memory minutes in would be
+    no fallback) and the eager step decodes the same tokens; a package built earlier is not loaded either."""
+    target = tiny_target("llama", seed=31)  # weights no other test compiled: no package to load
+    weights = sum(p.numel() * p.element_size() for p in target.parameters())
+    prompt = random_prompts(1, seed=5, min_len=8, max_len=8)[0]
+    expected = greedy(prepare_target(tiny_target("llama", seed=31), tuned_layers=False), prompt)
+    traced = []
+    monkeypatch.setattr(torch.export, "export", lambda *a, **k: traced.append(a))
+    monkeypatch.setattr(compile_cache, "available_memory", lambda: 5 * weights)
+    prepared = prepare_target(target, tuned_layers=False, compile=True)
+    with caplog.at_level(logging.WARNING):
+        assert greedy(prepared, prompt) == expected
+    assert not traced and prepared.step is prepared.eager
+    said = f"compiling the target's step would take about {7 * weights / 2**30:.1f} GiB of memory (7x the weights'"
+    assert f"the compiled step failed (NotEnoughMemory: {said}" in caplog.text
+
+    monkeypatch.undo()
+    shared, _ = compiled(compiled_targets, "llama")
+    greedy(shared, prompt)  # its package built (or loaded)
+    step, built = shared.step, shared.step.compiled
+    weights = sum(p.numel() * p.element_size() for p in step.target.parameters())
+    monkeypatch.setattr(compile_cache, "available_memory", lambda: 3 * weights)
+    step.compiled = None  # a later process
+    try:
+        with pytest.raises(compile_cache.NotEnoughMemory, match="loading the target's step compiled would take"):
+            step._compiled()
+    finally:
+        step.compiled = built
+
+
+@needs_compile
 def test_a_later_process_loads_the_compiled_step_and_a_corrupt_package_is_compiled_again(compiled_targets, caplog):
     """A step whose compiled graph is gone (a new process) loads the package the first one saved, with the same
     tokens; a package cut short is refused with a log line and compiled again, never run."""

@@ -13,7 +13,9 @@ half-written directory) is emptied and rebuilt, with a log line. The package is 
 renamed into place when complete: a killed build leaves no package that a later process would load.
 
 On CPUs the package holds the whole compiled step (the generated code, compiled, and the frozen, packed weights): a
-later process loads it in seconds instead of compiling for minutes. On GPUs the step is compiled in-process with CUDA
+later process loads it in seconds instead of compiling for minutes. Building one takes several times the weights'
+bytes in memory, and loading one about four times: where the machine has less available, the build or load is refused
+(`NotEnoughMemory`, before any work) and the step runs eagerly. On GPUs the step is compiled in-process with CUDA
 graphs, and the directory holds Inductor's caches only (generated kernels and autotuning results).
 """
 
@@ -48,6 +50,14 @@ CACHE_VERSION = 2  # part of the key: raised when what is cached here changes me
 RECOMPILE_LIMIT = 64
 PROFILER_NAME = "medusa_like compiled step"  # how a profiler names a call of the compiled package (CPUs)
 PROGRESS_SECONDS = 30.0  # how often a long compile logs that it is still at work
+# the memory a CPU package takes beyond the loaded model, in multiples of the model's weight bytes: the package holds the
+# frozen weights beside their packed copies, and loading it copies both out of its library. The default target, fp32
+# (538 MB of weights), 2026-11-29: building peaked 6.3x above the loaded target, loading took 3.8x
+BUILD_MEMORY, LOAD_MEMORY = 7.0, 4.0
+
+
+class NotEnoughMemory(MemoryError):
+    """A compiled step that would not fit in this machine's available memory (the eager step runs instead)."""
 
 
 def cache_key(step) -> dict:
@@ -151,6 +161,30 @@ def progress(doing: str, every: float | None = None):
         reporter.join()
 
 
+def available_memory() -> int | None:
+    """Bytes of memory this machine can give a process now (Linux's MemAvailable), or None where that is unknown."""
+    try:
+        with open("/proc/meminfo", encoding="ascii") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def check_memory(graph: torch.nn.Module, times: float, doing: str) -> None:
+    """`NotEnoughMemory` if `doing` would need more than the available memory: `times` the bytes of `graph`'s weights
+    (its parameters and buffers, each counted once)."""
+    weights = sum(t.numel() * t.element_size() for t in (*graph.parameters(), *graph.buffers()))
+    free = available_memory()
+    if free is not None and times * weights > free:
+        raise NotEnoughMemory(
+            f"{doing} would take about {times * weights / 2**30:.1f} GiB of memory ({times:g}x the weights' "
+            f"{weights / 2**30:.2f} GiB) and {free / 2**30:.1f} GiB is available"
+        )
+
+
 class Package:
     """The step's graph compiled ahead of time into an AOTInductor package (`package_path`), loaded
     from there when an earlier process built it: traced once by `torch.export` over the step's dynamic sizes, and
@@ -160,6 +194,7 @@ class Package:
         path = package_path(step)
         start = time.perf_counter()
         if path.is_file():
+            check_memory(graph, LOAD_MEMORY, f"loading {step.what} compiled")
             try:
                 self.run = torch._inductor.aoti_load_package(str(path))
                 log.info("loaded %s compiled from %s in %.1f s", step.what, path, time.perf_counter() - start)
@@ -173,6 +208,8 @@ class Package:
 
     @staticmethod
     def _build(graph, step, path):
+        # refused before minutes of work, not killed for memory in them
+        check_memory(graph, BUILD_MEMORY, f"compiling {step.what}")
         log.info(
             "compiling %s (%s) on its first use: once for these weights, settings and machine "
             "(minutes for a 100M-parameter target on 2 cores; progress below)",
