@@ -160,6 +160,8 @@ def test_prefill_and_training_read_and_linear_verify_on_a_tiny_target():
     assert prefill.prefill_ms(target, ids[:1]) > 0 and prefill.read_ms(target, ids) > 0
     assert "nn.Linear" in prefill.prefill_targets(target)
     assert len(linear.verify_ms(target, [1, 2, 3])) == 3
+    with pytest.raises(ValueError, match="--compile-read times training's read: give --batch too"):
+        prefill.run(compile_read=True)  # refused before the target is loaded
 
 
 @pytest.mark.slow

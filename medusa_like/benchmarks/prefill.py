@@ -4,6 +4,7 @@
     python -m eval.bench prefill --tokens 128,512 --rounds 5 --out bench_prefill.json
     python -m eval.bench prefill --batch 4 --tokens 384          # training's read: [4, 384] through the public forward
     python -m eval.bench prefill --tokens 8,24,46,64,150         # short prompts too (the compiled step reads them on oneDNN)
+    python -m eval.bench prefill --batch 4 --tokens 384 --compile-read --dtype bfloat16   # the read by torch.compile too
 
 A prompt's products run over more rows than any tree step (over `few_row_linear.MAX_ROWS`), by the prefill kernel the
 cost model picks (`few_row_linear.PREFILL_KERNELS`: F.linear, or oneDNN's pack). A copy of the target with its own
@@ -11,10 +12,13 @@ cost model picks (`few_row_linear.PREFILL_KERNELS`: F.linear, or oneDNN's pack).
 alternately, round after round (the forward alone, into an empty KV cache: decoding projects only a prompt's last
 row); the median round is reported. With `--batch B`, each round instead reads B rows of N tokens through the
 target's public forward with every hidden state returned, as training reads the frozen target (`DrafterModule
-.target_hidden`, the target cache's build).
+.target_hidden`, the target cache's build); `--compile-read` adds that read by `torch.compile` (Inductor's default
+settings, one shape: training's batches are padded to one length), its compile timed apart: what compiling training's
+read would buy.
 """
 
 import copy
+from types import SimpleNamespace
 from typing import Annotated
 
 import torch
@@ -74,20 +78,28 @@ def run(
     rounds: Annotated[int, "alternating rounds; the median round is reported"] = 5,
     tokens: Annotated[tuple[int, ...], "prompt lengths"] = (65, 128, 300, 600),
     batch: Annotated[int | None, "time training's read of B rows instead of a prefill"] = None,
+    compile_read: Annotated[bool, "with --batch: also the read by torch.compile (Inductor's defaults)"] = False,
     out: str = "bench_prefill.json",
 ) -> Report:
     """The target's forward over an N-token prompt per prefill kernel against nn.Linear (or training's read)."""
+    if compile_read and not batch:
+        raise ValueError("--compile-read times training's read: give --batch too")
     lengths = sorted(set(tokens))
     stock, _, _ = load(target, dtype=dtype, device=None)
     targets = prefill_targets(stock)
+    if compile_read:  # the stock layers, compiled: one graph per length (each compiled in the warm-up below)
+        targets["nn.Linear, torch.compile"] = SimpleNamespace(base_model=torch.compile(stock.base_model, dynamic=False))
     vocab = stock.config.get_text_config().vocab_size
     rows = batch or 1
     prompts = [torch.randint(0, vocab, (rows, n), generator=torch.Generator().manual_seed(n)) for n in lengths]
     measure = read_ms if batch else prefill_ms
-    for model in targets.values():  # a warm-up
-        measure(model, prompts[0])
+    warmup = {name: sum(measure(model, ids) for ids in prompts) / 1000 for name, model in targets.items()}
     median = alternating_medians(lambda model: [measure(model, ids) for ids in prompts], targets, rounds)
     what = f"training's read of {rows} x N tokens" if batch else "target forward over an N-token prompt"
     shown = ms_table(f"{what}, ms ({dtype}, {torch.get_num_threads()} threads)", "linears", lengths, median)
     result = {"target": target, "dtype": dtype, "batch": batch, "tokens": lengths, "prefill_ms": median}
-    return Report(result, [shown], out=out)
+    notes = []
+    if compile_read:
+        result["compile_s"] = round(warmup["nn.Linear, torch.compile"], 1)  # the first read of every length
+        notes.append(f"torch.compile's first reads, its compile included: {result['compile_s']} s")
+    return Report(result, [shown], notes, out=out)
