@@ -3,6 +3,7 @@ row plans measured once per shape and cached, and lossless decoding with them.""
 
 import copy
 import json
+import logging
 import random
 
 import pytest
@@ -531,12 +532,15 @@ def test_training_reads_the_target_on_onednn_with_the_same_hidden_states():
 
 
 @needs_onednn
-def test_a_read_whose_pack_would_not_fit_in_memory_keeps_f_linear_or_is_refused(monkeypatch):
+def test_a_read_whose_pack_would_not_fit_in_memory_keeps_f_linear_or_is_refused(monkeypatch, caplog):
     """oneDNN's pack is a second copy of every weight: where it would not fit, `auto` keeps nn.Linear (no pack made)
-    and `onednn` is refused with what to set instead; the compiled step's prompt read calls the same check."""
+    and says so, and `onednn` is refused with what to set instead; the compiled step's prompt read calls the same
+    check."""
     target = tiny_target("llama")
     monkeypatch.setattr(few_row_linear, "PACK_MEMORY_SHARE", 0.0)
-    assert not few_row_linear.use_read_kernel(target.base_model, "auto")
+    with caplog.at_level(logging.INFO):
+        assert not few_row_linear.use_read_kernel(target.base_model, "auto")
+    assert "would not fit in memory: the model's many-row reads keep F.linear" in caplog.text
     assert not few_row_linear.use_read_kernel(target.base_model, "auto", from_rows=2)
     assert linear_kernel(target) == "nn.Linear"
     with pytest.raises(ValueError, match="second copy of every weight.*use read_kernel=linear"):

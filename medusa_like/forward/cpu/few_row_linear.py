@@ -29,6 +29,7 @@ row count or kernel would: the target's greedy decoding stays the reference, com
 
 import copy
 import functools
+import logging
 import os
 
 import torch
@@ -36,6 +37,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from .row_plans import PLANNED_ROWS, cached_row_plan, row_plan
+
+log = logging.getLogger(__name__)
 
 MAX_ROWS = PLANNED_ROWS  # above this (64) a product is a prefill: F.linear, or oneDNN's pack (`prefill`)
 PACK_ROWS = (4, 8, 16, 32)  # the row counts MKL packs are made for; a plan entry -m runs a pack for m rows
@@ -330,6 +333,8 @@ def use_read_kernel(
     usable = on_cpu and weight.device.type == "cpu" and weight.dtype == torch.float32 and onednn_packs_available()
     fits = usable and packs_fit(model, 1)
     if kernel == "linear" or (kernel == "auto" and not fits):
+        if kernel == "auto" and usable:
+            log.info("a pack of every weight would not fit in memory: the model's many-row reads keep F.linear")
         return False
     if not usable:
         raise ValueError("read_kernel=onednn needs an fp32 model on a CPU whose torch runs oneDNN's packs")
