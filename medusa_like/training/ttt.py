@@ -12,7 +12,6 @@ outside the draft vocabulary (`Eagle3Module`, which computes that argmax), are l
 """
 
 import torch
-import torch.nn.functional as F
 
 from medusa_like.training.losses import shift_left
 
@@ -34,47 +33,52 @@ def supervised_rows(loss_mask: torch.Tensor, attention_mask: torch.Tensor) -> to
     return shift_left(loss_mask.bool() & attention_mask.bool(), 1, fill=False)
 
 
+def drafter_log_probs(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """The drafter's log-probabilities of the teacher's k tokens: logits [n, N] over the draft vocabulary, ids [n, k]
+    -> [n, k] in fp32. One log_softmax over N serves every term of a loss (q is its exponential at the k tokens): a
+    log_softmax and a softmax per term made twice the passes over [n, N], forward and backward."""
+    return logits.float().log_softmax(-1).gather(-1, ids)
+
+
 def topk_soft_cross_entropy(logits: torch.Tensor, ids: torch.Tensor, logp: torch.Tensor) -> torch.Tensor:
     """Mean over rows of -sum p_teacher * log q, the teacher kept as its k most likely tokens: logits [n, N], ids and logp [n, k]
     (the teacher's log-probabilities of those tokens) -> []. The k probabilities are renormalised, so where they hold
     the teacher's whole mass this equals the loss with the full distribution."""
-    if logits.shape[0] == 0:
-        return logits.sum() * 0.0
-    logq = F.log_softmax(logits.float(), dim=-1).gather(-1, ids)  # [n, k]
-    return -(logp.float().softmax(-1) * logq).sum(-1).mean()
+    return loss_function("soft_ce")(logits, ids, logp)
 
 
 def topk_total_variation(logits: torch.Tensor, ids: torch.Tensor, logp: torch.Tensor) -> torch.Tensor:
     """Mean over rows of the total variation 1/2 sum |p_teacher - q| over the draft vocabulary, the teacher kept as its
     k most likely tokens (renormalised, zero elsewhere): logits [n, N], ids and logp [n, k] -> []. 1 - TV = sum min(p, q)
     is the rate at which speculative sampling accepts a draft from q, so this loss optimises acceptance directly."""
-    if logits.shape[0] == 0:
-        return logits.sum() * 0.0
-    return 1.0 - _topk_overlap(logits, ids, logp).mean()
+    return loss_function("tv")(logits, ids, logp)
 
 
 def topk_log_acceptance(logits: torch.Tensor, ids: torch.Tensor, logp: torch.Tensor) -> torch.Tensor:
     """LK-style loss: the mean over rows of -log sum min(p_teacher, q), minus the log of the acceptance rate (same
     shapes as `topk_total_variation`). Its gradient weights each row by 1 / its acceptance, where TV's weights them
     equally, so rows the drafter gets badly wrong pull harder."""
-    if logits.shape[0] == 0:
-        return logits.sum() * 0.0
-    return -_topk_overlap(logits, ids, logp).clamp(min=1e-6).log().mean()
+    return loss_function("lk")(logits, ids, logp)
 
 
-def _topk_overlap(logits: torch.Tensor, ids: torch.Tensor, logp: torch.Tensor) -> torch.Tensor:
+def _overlap(logq: torch.Tensor, logp: torch.Tensor) -> torch.Tensor:
     """[n]: sum_i min(p_i, q_i) over the teacher's k tokens (its mass elsewhere is zero, where min is zero too)."""
-    q = F.softmax(logits.float(), dim=-1).gather(-1, ids)  # [n, k]
-    return torch.minimum(logp.float().softmax(-1), q).sum(-1)
+    return torch.minimum(logp.float().softmax(-1), logq.exp()).sum(-1)
 
 
-# name -> loss(logits [n, N], ids [n, k], logp [n, k]) -> []; `Eagle3Module(loss=...)` picks one (a "+"-joined
-# weighted mix such as "0.1*soft_ce+0.9*tv", DSpark's, is parsed by `loss_function`)
-LOSSES = {"soft_ce": topk_soft_cross_entropy, "tv": topk_total_variation, "lk": topk_log_acceptance}
+# name -> term(logq [n, k], logp [n, k]) -> []: logq the drafter's log-probabilities of the teacher's k tokens
+# (`drafter_log_probs`), logp the teacher's; `Eagle3Module(loss=...)` picks one or a "+"-joined weighted mix such as
+# "0.1*soft_ce+0.9*tv", DSpark's (`loss_function`)
+LOSSES = {
+    "soft_ce": lambda logq, logp: -(logp.float().softmax(-1) * logq).sum(-1).mean(),
+    "tv": lambda logq, logp: 1.0 - _overlap(logq, logp).mean(),
+    "lk": lambda logq, logp: -_overlap(logq, logp).clamp(min=1e-6).log().mean(),
+}
 
 
 def loss_function(spec: str):
-    """'soft_ce', 'tv', 'lk' or a weighted sum of them ('0.1*soft_ce+0.9*tv') -> loss(logits, ids, logp)."""
+    """'soft_ce', 'tv', 'lk' or a weighted sum of them ('0.1*soft_ce+0.9*tv') -> loss(logits [n, N], ids [n, k],
+    logp [n, k]) -> [] (the mean over rows; 0 with a gradient for no rows)."""
     terms = []
     for term in str(spec).replace(" ", "").split("+"):
         weight, _, name = term.rpartition("*")
@@ -89,9 +93,14 @@ def loss_function(spec: str):
         if not value > 0:
             raise ValueError(f"drafter loss {spec!r}: weight {weight!r} of {name!r} must be positive")
         terms.append((value, LOSSES[name]))
-    if len(terms) == 1 and terms[0][0] == 1.0:
-        return terms[0][1]
-    return lambda logits, ids, logp: sum(w * f(logits, ids, logp) for w, f in terms)
+
+    def loss(logits: torch.Tensor, ids: torch.Tensor, logp: torch.Tensor) -> torch.Tensor:
+        if logits.shape[0] == 0:
+            return logits.sum() * 0.0
+        logq = drafter_log_probs(logits, ids)  # [n, k], once for every term
+        return sum(weight * term(logq, logp) for weight, term in terms)
+
+    return loss
 
 
 def simulated_tau(accuracy: list) -> float:
