@@ -35,8 +35,8 @@ def supervised_rows(loss_mask: torch.Tensor, attention_mask: torch.Tensor) -> to
 
 def drafter_log_probs(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     """The drafter's log-probabilities of the teacher's k tokens: logits [n, N] over the draft vocabulary, ids [n, k]
-    -> [n, k] in fp32. One log_softmax over N serves every term of a loss (q is its exponential at the k tokens): a
-    log_softmax and a softmax per term made twice the passes over [n, N], forward and backward."""
+    -> [n, k] in fp32. One log_softmax over N serves every term of a loss, q at the k tokens being its exponential:
+    no term makes a pass of its own over [n, N], forward or backward."""
     return logits.float().log_softmax(-1).gather(-1, ids)
 
 
