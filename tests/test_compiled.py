@@ -30,7 +30,8 @@ from medusa_like.forward import platform as forward_platform
 from medusa_like.forward.compile_cache import progress
 from medusa_like.forward.compiled import CompiledStep
 from medusa_like.forward.compiled_draft import CompiledLevel, DraftCompiler
-from medusa_like.forward.cpu.few_row_linear import FewRowLinear, onednn_packs_available
+from medusa_like.forward.cpu import few_row_linear
+from medusa_like.forward.cpu.few_row_linear import ANY_ROWS, ONEDNN, FewRowLinear, onednn_packs_available
 from medusa_like.forward.platform import CompileUnsupported, compile_settings
 from medusa_like.model import MedusaLikeModel
 from medusa_like.targets import weights_fingerprint
@@ -361,6 +362,25 @@ def test_the_compiled_steps_prefill_runs_on_the_few_row_layers_onednn_pack_with_
     assert calls.get("mkldnn::_linear_pointwise") == layers > 0 and calls.get("aten::mm", 0) <= 1
     torch.testing.assert_close(logits[0], expected, atol=1e-4, rtol=1e-4)
     assert step.compiled is None  # a prefill compiles nothing
+
+
+@needs_compile
+@pytest.mark.skipif(not onednn_packs_available(), reason="oneDNN's packs do not run here")
+def test_the_compiled_steps_prompts_keep_f_linear_where_a_pack_of_every_weight_would_not_fit(monkeypatch):
+    """oneDNN's pack is a second copy of every weight: where it would not fit in memory, the compiled step reads its
+    prompts on the few-row layers as they were (no layer reads on the pack, none holds one), and gives the target's
+    logits."""
+    target = tiny_target("llama")
+    prompt = torch.randint(0, VOCAB, (1, 80), generator=torch.Generator().manual_seed(5))
+    with torch.inference_mode():
+        expected = target(prompt).logits[0, -1]
+    monkeypatch.setattr(few_row_linear, "PACK_MEMORY_SHARE", 0.0)
+    prepared = prepare_target(target, compile=True)
+    layers = [m for m in prepared.target.modules() if isinstance(m, FewRowLinear)]
+    assert isinstance(prepared.step, CompiledStep) and layers
+    assert not any(m.prefill == ONEDNN or ONEDNN in m.plan or ANY_ROWS in m.packs.packs for m in layers)
+    logits, _ = prepared.step.forward(prompt, torch.arange(80)[None], None, prepared.step.new_cache(100), last=True)
+    torch.testing.assert_close(logits[0], expected, atol=1e-4, rtol=1e-4)
 
 
 @pytest.mark.skipif(forward_platform.platform.machine() not in ("x86_64", "AMD64"), reason="x86 CPUs only")
