@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from medusa_like.benchmarks import (
+    attention,
     core,
     draft,
     first_call,
@@ -200,6 +201,36 @@ def test_the_int8_way_streams_a_quarter_of_the_bytes_and_computes_the_int8_produ
     torch.testing.assert_close(compiled, eager, rtol=1e-4, atol=1e-5)
     _, full = products.way_ms(module, "eager", [3], repeats=1)
     assert 0 < (eager - full).abs().max() < 0.05 * full.abs().max()
+
+
+def test_the_row_invariant_attention_computes_attention_over_what_each_row_sees():
+    """Eager, it equals SDPA over the step's mask up to fp32 rounding, on a branching tree after committed keys."""
+    query, key, value, visible, _ = attention.tree_inputs([-1, 0, 0, 1, 2, 2], 70, 4, 2, 16, torch.float32)
+    expected = attention.sdpa_attention(query, key, value, visible, 0.25)
+    got = attention.row_invariant_attention(query, key, value, visible, 0.25)
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
+
+
+def test_the_drift_check_counts_rows_that_change_with_the_rows_beside_them():
+    """A row that depends on the step's row count drifts in every row: the check can fail."""
+
+    def row_count_dependent(query, key, value, visible, scale):
+        return attention.sdpa_attention(query, key, value, visible, scale) + 1e-3 * query.shape[2]
+
+    parents = attention.TREES["binary, 7 nodes"]
+    assert attention.drifting_rows(row_count_dependent, parents, 40, 4, 2, 16, torch.float32) == len(parents)
+
+
+@pytest.mark.slow
+def test_the_row_invariant_attention_compiled_gives_tree_rows_the_bits_of_one_node_steps():
+    """Compiled over dynamic shapes (one graph, as the step's), in bf16, every row of every tree shape equals the same
+    node's one-node step bit for bit, after each checked committed length; the report says so."""
+    report = attention.run(nodes=(2,), committed=(40,), dtypes=("bfloat16",), heads=4, kv_heads=2, head_dim=16,
+                           repeats=1, out=None)  # fmt: skip
+    drift = report.result["drifting_rows"]["row-invariant, bfloat16"]
+    assert drift == dict.fromkeys(attention.TREES, 0)
+    assert set(report.result["ms"]) == {"sdpa, bfloat16", "row-invariant, bfloat16"}
+    assert all(ms[0] > 0 for by_keys in report.result["ms"].values() for ms in by_keys.values())
 
 
 def test_a_vocabulary_projection_is_timed():

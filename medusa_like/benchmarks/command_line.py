@@ -25,6 +25,7 @@ from medusa_like.config_checks import one_line_errors
 from . import (
     ablations,
     agreement,
+    attention,
     core,
     distill,
     draft,
@@ -42,6 +43,7 @@ from . import (
 from .harness import show
 
 BENCHMARKS: dict[str, Callable] = {
+    "attention": attention.run,
     "core": core.run,
     "distill": distill.run,
     "draft": draft.run,
