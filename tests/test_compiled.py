@@ -400,6 +400,29 @@ def test_the_products_of_one_input_are_concatenated_where_avx512_runs_and_the_ca
     assert keys[0]["options"] != keys[1]["options"]  # a package built with either is never loaded for the other
 
 
+@needs_compile
+def test_the_gemm_templates_micro_kernels_reach_the_generated_code_declared_noexcept():
+    """Where the step compiles, the template's micro-kernels are declared noexcept (the compiler then keeps their
+    accumulators in registers) in the code a compiled product generates, over enough rows for a kernel the compiler
+    does not inline, and the product is still nn.Linear's up to fp32 rounding."""
+    from torch._inductor.codegen.cpp_micro_gemm import CppMicroGemmFP32Vec
+    from torch._inductor.utils import run_and_get_code
+
+    options, _ = compile_settings(tiny_target("llama"))
+    assert forward_platform.micro_kernels_noexcept()
+    assert CppMicroGemmFP32Vec.TEMPLATE_KERNEL.count(forward_platform.NOEXCEPT_SIGNATURE_END) == 1
+    linear = torch.nn.Linear(64, 96, bias=False).eval()
+    x = torch.randn(7, 64, generator=torch.Generator().manual_seed(0))
+    torch._dynamo.reset()
+    compiled = torch.compile(linear, fullgraph=True, options=options)
+    torch._dynamo.mark_dynamic(x, 0, min=2, max=64)
+    with torch.no_grad(), torch._inductor.config.patch({**options, "fx_graph_cache": False}):
+        out, code = run_and_get_code(compiled, x)
+    source = "\n".join(code)
+    assert "micro_gemm" in source and ") noexcept {" in source
+    torch.testing.assert_close(out, linear(x), atol=1e-5, rtol=1e-5)
+
+
 def test_an_unsupported_platform_runs_eager_and_says_why(monkeypatch, caplog):
     monkeypatch.setattr(forward_platform.platform, "machine", lambda: "riscv64")
     with caplog.at_level(logging.INFO):

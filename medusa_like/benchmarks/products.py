@@ -27,7 +27,7 @@ import torch
 from torch import nn
 from torch._inductor import config as inductor_config
 
-from medusa_like.forward.platform import AVX512_OPTIONS, CPU_OPTIONS
+from medusa_like.forward.platform import AVX512_OPTIONS, CPU_OPTIONS, micro_kernels_noexcept
 from medusa_like.targets import DEFAULT_TARGET
 
 from .harness import Report, load, median_ms, table, use_threads
@@ -113,6 +113,7 @@ def way_ms(module: Products, way: str, rows: list[int], repeats: int) -> tuple[l
     if options is None:
         fn = module
     else:
+        micro_kernels_noexcept()  # the template's kernels as the compiled step builds them
         torch._dynamo.reset()
         compiled = torch.compile(module, fullgraph=True, options=options)
 

@@ -44,7 +44,7 @@ log = logging.getLogger(__name__)
 
 KEY_FILE = "key.json"
 PACKAGE_FILE = "step.pt2"
-CACHE_VERSION = 2  # part of the key: raised when what is cached here changes meaning
+CACHE_VERSION = 3  # part of the key: raised when what is cached here changes meaning (3: noexcept micro-kernels)
 # in-process, every compiled step compiles one function (`compiled._Graph`) for its own target: the compiler's
 # default of 8 per function would send a process's ninth target (tests, several models) back to eager
 RECOMPILE_LIMIT = 64
