@@ -7,14 +7,15 @@ Greedy decoding on the compiled step (the reference of every method) computes ea
 step computes the same token as one row of many. The compiled products give a row the same bits either way; the
 attention does not: `scaled_dot_product_attention` sums a row's keys in an order that depends on the rows beside it,
 the key count and where the masked keys sit, so a bf16 target's tree steps drift from its greedy steps and flip
-near-ties (docs/cpu-kernels.md, "The compiled step on an AVX512-BF16 EPYC"). fp32 drifts too, by less than any
-greedy token measured needed.
+near-ties (docs/cpu-kernels.md, "The compiled step on an AVX512-BF16 EPYC"). fp32 rows drift too, by far less: no
+greedy token measured has flipped.
 
-`row_invariant_attention` is an attention whose rows cannot drift, written in torch ops for Inductor: row t, at
-position p, sums the committed keys before p - WINDOW + 1 in slot order (its own visibility masks the rest to exact
-zeros), then the WINDOW positions up to p gathered into position order (committed slots, then its tree ancestors'),
-in fp32. A one-node step and a tree row at the same position then add the same numbers in the same order, whatever
-the tree's shape and size: one compiled graph (dynamic shapes, as the step's) generates the same loops for both.
+`row_invariant_attention` is an attention whose rows did not drift in any case checked, written in torch ops for
+Inductor: row t, at position p, sums the committed keys before p - WINDOW + 1 in slot order (its own visibility
+masks the rest to exact zeros), then the WINDOW positions up to p gathered into position order (committed slots,
+then its tree ancestors'), in fp32. A one-node step and a tree row at the same position then add the same numbers in
+the same order, whatever the tree's shape and size, provided one compiled graph (dynamic shapes, as the step's)
+generates the same loops for both: eager, torch's own reductions may order them otherwise.
 
 For each dtype, every row of each tree in TREES after each committed length in CHECKED_PREFIXES is compared bit for
 bit with the same node computed as a one-node step (its ancestors committed in consecutive slots, a masked dummy row
@@ -146,7 +147,7 @@ def run(
     threads: int | None = None,
     out: str = "bench_attention.json",
 ) -> Report:
-    """A decoder layer's attention, compiled: SDPA against a row-invariant one, ms and rows drifting from one-node steps."""
+    """One layer's attention, compiled: SDPA against a row-invariant one; ms, and rows drifting from one-node steps."""
     unknown = [d for d in dtypes if d not in DTYPES]
     if unknown or any(not 2 <= n <= 64 for n in nodes) or any(c < 1 for c in committed) or heads % kv_heads:
         raise ValueError(
@@ -176,7 +177,8 @@ def run(
     drift_rows = [[way, *(f"{n} / {rows_checked[t]}" for t, n in counts.items())] for way, counts in drift.items()]
     tables = [
         table(
-            f"one layer's attention, compiled, ms ({heads} heads, {kv_heads} kv heads, dim {head_dim}, {threads} threads)",
+            f"one layer's attention, compiled, ms ({heads} heads, {kv_heads} kv heads, dim {head_dim}, "
+            f"{threads} threads)",
             ["attention", "committed keys", *(f"{n} nodes" for n in nodes)],
             time_rows,
         ),

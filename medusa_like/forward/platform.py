@@ -79,11 +79,12 @@ def micro_kernels_noexcept() -> bool:
     registers; whether the template now says so (False: this torch's template has another form, left as it is).
 
     The template computes a block of rows by a kernel function per row count. g++ inlines the small ones into the
-    product's loop; in a kernel it does not inline (6-8 rows of the 8 x 48 block it picks for fp32 on AVX512, 3-4 of
-    AVX2's 4 x 24) it stores every accumulator to the stack at every step of the inner loop, because the function
-    may throw. It cannot (loads, multiply-adds, stores), and declared noexcept it keeps them in registers: the
-    default target's compiled step verified 8 nodes in 24.9 ms instead of 36.8, 16 in 35.7 instead of 61.3, one to
-    four as before, the logits bit for bit the same (docs/cpu-kernels.md)."""
+    product's loop; in a kernel it does not inline (the 6-8-row ones of the 8 x 48 block it picks for fp32 on
+    AVX512; AVX2's 4 x 24 kernels compile the same way when not inlined) it stores every accumulator to the stack at
+    every step of the inner loop, because the function may throw. It cannot (loads, multiply-adds, stores), and
+    declared noexcept it keeps them in registers: the default target's compiled step verified 8 nodes in 24.9 ms
+    instead of 36.8, 16 in 35.7 instead of 61.3, one to four as before, the logits bit for bit the same
+    (docs/cpu-kernels.md)."""
     import torch._inductor.kernel.mm  # noqa: F401  imports the GEMM templates in the order Inductor needs
     from torch._inductor.codegen.cpp_micro_gemm import CppMicroGemmFP32Vec
 
