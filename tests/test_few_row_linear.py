@@ -534,8 +534,8 @@ def test_training_reads_the_target_on_onednn_with_the_same_hidden_states():
 @needs_onednn
 def test_a_read_whose_pack_would_not_fit_in_memory_keeps_f_linear_or_is_refused(monkeypatch, caplog):
     """oneDNN's pack is a second copy of every weight: where it would not fit, `auto` keeps nn.Linear (no pack made)
-    and says so, also from two rows on (the compiled step's prompt read: tests/test_compiled.py), and `onednn` is
-    refused with what to set instead."""
+    and says so; asked from two rows on (the compiled step's prompt read: tests/test_compiled.py) it keeps nn.Linear
+    too; and `onednn` is refused with what to set instead."""
     target = tiny_target("llama")
     monkeypatch.setattr(few_row_linear, "PACK_MEMORY_SHARE", 0.0)
     with caplog.at_level(logging.INFO):

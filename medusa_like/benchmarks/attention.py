@@ -50,9 +50,10 @@ def sdpa_attention(query, key, value, visible, scale: float):
 
 
 def row_invariant_attention(query, key, value, visible, scale: float):
-    """The same contract as `sdpa_attention`; each row's result depends on its own query and the keys it sees, in
-    position order, never on the other rows (see the module docstring). Committed slot s holds position s; a tree
-    node's position is the first node's plus its depth (its ancestors in the tree block, less one)."""
+    """The same contract as `sdpa_attention`; each row sums the keys it sees in position order, whatever the other
+    rows (compiled, the bits matched its one-node step in every case checked: the module docstring). Committed slot s
+    holds position s; a tree node's position is the first node's plus its depth (its ancestors in the tree block, less
+    one)."""
     _, heads, rows, dim = query.shape
     kv_heads, live = key.shape[1], key.shape[2]
     committed, group = live - rows, heads // kv_heads

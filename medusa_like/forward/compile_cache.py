@@ -51,8 +51,8 @@ RECOMPILE_LIMIT = 64
 PROFILER_NAME = "medusa_like compiled step"  # how a profiler names a call of the compiled package (CPUs)
 PROGRESS_SECONDS = 30.0  # how often a long compile logs that it is still at work
 # the memory a CPU package takes beyond the loaded model, in multiples of the model's weight bytes: the package holds the
-# frozen weights beside their packed copies, and loading it copies both out of its library. The default target, fp32
-# (538 MB of weights), 2026-11-29: building peaked 6.3x above the loaded target, loading took 3.8x
+# frozen weights beside their packed copies, and loading it copies both out of its library; set a little above the
+# peaks measured on the default target (docs/cpu-kernels.md, "What it costs")
 BUILD_MEMORY, LOAD_MEMORY = 7.0, 4.0
 
 

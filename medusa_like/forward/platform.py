@@ -5,10 +5,10 @@
 
 On CPUs the compiled step freezes the weights and lets Inductor's C++ GEMM template compute the products
 (`max_autotune` with the CPP backend alone; a product the template cannot compute falls back to ATen's packed linear):
-the template packs each weight once and streams it at a few rows up to 1.6x faster than ATen's packed linear and 2-4x
-faster than eager BLAS calls (`eval.bench products`; docs/cpu-kernels.md). With one choice a product, nothing is
-autotuned: autotuning timed each product with its weight in cache, picked the template for every product of the
-default target, and took about 50 s of a compile. Where torch's kernels run AVX512, the products of one input are
+the template packs each weight once and streams it at a few rows faster than ATen's packed linear and than eager BLAS
+calls (`eval.bench products`; the figures in docs/cpu-kernels.md). With one choice a product, nothing is autotuned:
+autotuning timed each product with its weight in cache, picked the template for every product of the default target,
+and made the compile longer. Where torch's kernels run AVX512, the products of one input are
 concatenated into one (`AVX512_OPTIONS`), and on every CPU the template's micro-kernels are declared noexcept
 (`micro_kernels_noexcept`: the compiler then keeps their accumulators in registers). On CUDA the same graph runs under
 CUDA graphs, which needs static shapes.
@@ -82,9 +82,8 @@ def micro_kernels_noexcept() -> bool:
     product's loop; in a kernel it does not inline (the 6-8-row ones of the 8 x 48 block it picks for fp32 on
     AVX512; AVX2's 4 x 24 kernels compile the same way when not inlined) it stores every accumulator to the stack at
     every step of the inner loop, because the function may throw. It cannot (loads, multiply-adds, stores), and
-    declared noexcept it keeps them in registers: the default target's compiled step verified 8 nodes in 24.9 ms
-    instead of 36.8, 16 in 35.7 instead of 61.3, one to four as before, the logits bit for bit the same
-    (docs/cpu-kernels.md)."""
+    declared noexcept it keeps them in registers: steps of more than four nodes get much cheaper, smaller ones stay
+    as they were, and the logits stay bit for bit the same (the A/B and its figures: docs/cpu-kernels.md)."""
     import torch._inductor.kernel.mm  # noqa: F401  imports the GEMM templates in the order Inductor needs
     from torch._inductor.codegen.cpp_micro_gemm import CppMicroGemmFP32Vec
 
