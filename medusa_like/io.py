@@ -1,5 +1,5 @@
-"""Files written whole or not at all, a lock file held while a directory is built, JSON Lines read with errors that
-name the line, and the user's cache directory.
+"""Files written whole or not at all, a lock file held while a directory is built, JSON Lines and training
+checkpoints read with errors that name the line or file, and the user's cache directory.
 
 Every file or directory this package writes whole goes through `atomic_file` or `atomic_directory`: the content is
 written under a temporary name next to its destination (`.<name>.tmp-<pid>`) and renamed into place, so an interrupted
@@ -12,10 +12,13 @@ import fcntl
 import json
 import logging
 import os
+import pickle
 import shutil
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
+
+import torch
 
 log = logging.getLogger(__name__)
 
@@ -124,6 +127,10 @@ def exclusive_lock(path: str | Path, waiting: str = "") -> Iterator[None]:
             fcntl.flock(handle, fcntl.LOCK_UN)
 
 
+class CheckpointError(ValueError):
+    """A training checkpoint that cannot be read or holds something else: the message names the file."""
+
+
 class JsonLinesError(ValueError):
     """A JSON Lines file that cannot be read: the message names the file and the line."""
 
@@ -156,3 +163,32 @@ def existing_file(path: str | Path, what: str) -> Path:
     if not path.is_file():
         raise FileNotFoundError(f"{what} {str(path)!r} does not exist")
     return path
+
+
+def read_training_checkpoint(path: str | Path, required: Sequence[str], name: str = "", trusted: bool = False) -> dict:
+    """The Lightning checkpoint at `path` (memory-mapped) as a dict holding every key of `required`; a file that is
+    none, is cut short, or lacks a key is one `CheckpointError` that names it as `name` (default: the path).
+
+    Tensors and plain containers are read with `weights_only`; a checkpoint whose hyper-parameters need full
+    unpickling is read fully after a warning, or at once where it is `trusted` (the run's own checkpoint)."""
+    name = name or str(path)
+
+    def load(weights_only: bool) -> object:
+        try:
+            return torch.load(path, map_location="cpu", weights_only=weights_only, mmap=True)
+        except (RuntimeError, EOFError, OSError, ValueError, pickle.UnpicklingError) as err:
+            if weights_only and isinstance(err, pickle.UnpicklingError):
+                raise
+            first = str(err).splitlines()[0] if str(err) else type(err).__name__
+            raise CheckpointError(f"{name} is not a readable training checkpoint (cut short?): {first}") from err
+
+    try:
+        checkpoint = load(weights_only=not trusted)
+    except pickle.UnpicklingError:
+        log.warning("%s holds more than tensors: unpickling it fully (load checkpoints you trust only)", path)
+        checkpoint = load(weights_only=False)
+    missing = [key for key in required if not isinstance(checkpoint, dict) or key not in checkpoint]
+    if missing:
+        held = sorted(checkpoint) if isinstance(checkpoint, dict) else type(checkpoint).__name__
+        raise CheckpointError(f"{name} is not a medusa_like training checkpoint: it lacks {missing}, holds {held}")
+    return checkpoint

@@ -356,7 +356,7 @@ def test_checkpoint_errors(target, tmp_path):
         read_drafter(tmp_path / "plain.ckpt", target)
     good = write_checkpoint(tmp_path / "good.ckpt", heads, target).read_bytes()
     (tmp_path / "cut.ckpt").write_bytes(good[: len(good) // 2])
-    with pytest.raises(FormatError, match="not a readable torch checkpoint"):
+    with pytest.raises(FormatError, match="not a readable training checkpoint"):
         read_drafter(tmp_path / "cut.ckpt", target)
     ckpt = write_checkpoint(tmp_path / "less.ckpt", random_heads(K, 1, seed=1), target)
     checkpoint = torch.load(ckpt, weights_only=True)

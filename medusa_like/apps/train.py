@@ -13,7 +13,6 @@ from pathlib import Path
 
 import hydra
 import lightning as L
-import torch
 from hydra.utils import instantiate
 from omegaconf import DictConfig
 
@@ -22,7 +21,7 @@ from medusa_like.config_checks import TRAIN_CHECKS, check_config, one_line_error
 from medusa_like.data.prepare import ensure_dataset, load_model
 from medusa_like.formats import save_drafter
 from medusa_like.forward import use_read_kernel
-from medusa_like.io import write_json
+from medusa_like.io import read_training_checkpoint, write_json
 from medusa_like.runs import resolved, save_config
 from medusa_like.training.build import build_module
 from medusa_like.training.resume import (
@@ -104,7 +103,7 @@ def restore_best(trainer: L.Trainer, module) -> dict[str, float] | None:
     path = getattr(callback, "best_model_path", "") if callback is not None else ""
     if not path or callback.best_model_score is None:
         return None
-    checkpoint = torch.load(path, map_location=module.device, weights_only=False)
+    checkpoint = read_training_checkpoint(path, ("state_dict", "global_step"), trusted=True)
     module.load_state_dict(checkpoint["state_dict"])
     log.info("exporting the best checkpoint by %s (%.4f): %s", callback.monitor, callback.best_model_score, path)
     return {f"best/{callback.monitor}": float(callback.best_model_score), "best/step": float(checkpoint["global_step"])}

@@ -35,7 +35,7 @@ from medusa_like.config_checks import register_resolvers
 from medusa_like.data.prepare import load_model
 from medusa_like.evaluation.questions import load_questions, select
 from medusa_like.formats import load_drafter
-from medusa_like.io import write_json
+from medusa_like.io import read_training_checkpoint, write_json
 from medusa_like.model import MedusaLikeModel
 from medusa_like.targets import chat_input_ids
 from medusa_like.training.build import build_module
@@ -52,7 +52,7 @@ def held_out(cfg, target, datamodule, checkpoint: Path) -> dict[str, float]:
     the training run's validation computes them: on its rows (the first `trainer.limit_val_batches` batches, or that
     share of them, where it set one), from its target cache when it had one."""
     module = build_module(cfg, target)
-    module.load_state_dict(torch.load(checkpoint, map_location="cpu", weights_only=False)["state_dict"])
+    module.load_state_dict(read_training_checkpoint(checkpoint, ("state_dict",), trusted=True)["state_dict"])
     module.prepare_target_cache(datamodule)
     module.eval()
     batches = datamodule.val_dataloader()

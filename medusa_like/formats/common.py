@@ -10,7 +10,6 @@ config, or any unknown file are never overwritten.
 import json
 import logging
 import os
-import pickle
 import shutil
 from collections.abc import Callable
 from pathlib import Path
@@ -19,7 +18,13 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file
 
-from medusa_like.io import remove_stale_temporaries, temporary_name, write_json
+from medusa_like.io import (
+    CheckpointError,
+    read_training_checkpoint,
+    remove_stale_temporaries,
+    temporary_name,
+    write_json,
+)
 
 log = logging.getLogger(__name__)
 
@@ -42,25 +47,12 @@ def drafter_source(path: str | Path, error: type[FormatError] = FormatError) -> 
 
 
 def read_checkpoint(path: Path, key: str) -> dict:
-    """A training checkpoint as a dict holding `state_dict` and the training module's `key` entry; refuses truncated
-    files and checkpoints of anything else with a `FormatError` naming the file."""
+    """A training checkpoint holding `state_dict` and the training module's `key` entry; anything else is a
+    `FormatError` naming the file."""
     try:
-        checkpoint = torch.load(path, map_location="cpu", weights_only=True)
-    except pickle.UnpicklingError:
-        # Lightning may store hyper-parameters as arbitrary objects, which only a full unpickling restores
-        log.warning("%s holds more than tensors: unpickling it fully (load checkpoints you trust only)", path)
-        try:
-            checkpoint = torch.load(path, map_location="cpu", weights_only=False)
-        except (RuntimeError, EOFError, OSError, pickle.UnpicklingError) as err:
-            raise FormatError(f"{path} is not a readable torch checkpoint (truncated or corrupted?): {err}") from err
-    except (RuntimeError, EOFError, OSError) as err:
-        raise FormatError(f"{path} is not a readable torch checkpoint (truncated or corrupted?): {err}") from err
-    if not isinstance(checkpoint, dict) or key not in checkpoint or "state_dict" not in checkpoint:
-        keys = sorted(checkpoint) if isinstance(checkpoint, dict) else type(checkpoint).__name__
-        raise FormatError(
-            f"{path} is not a medusa_like training checkpoint: expected 'state_dict' and {key!r}, got {keys}"
-        )
-    return checkpoint
+        return read_training_checkpoint(path, ("state_dict", key))
+    except CheckpointError as err:
+        raise FormatError(str(err)) from err
 
 
 def read_config(directory: Path) -> dict:

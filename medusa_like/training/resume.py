@@ -30,7 +30,6 @@ whose checkpoint already reached its limits stops with one error line before it 
 import functools
 import json
 import logging
-import pickle
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
@@ -44,7 +43,7 @@ from torch.optim.lr_scheduler import LambdaLR
 
 from medusa_like.config_checks import one_line_errors
 from medusa_like.drafters.base import CHECKPOINT_KEY
-from medusa_like.io import write_json
+from medusa_like.io import read_training_checkpoint, write_json
 from medusa_like.training.target_cache import vocab_digest
 
 log = logging.getLogger(__name__)
@@ -214,16 +213,8 @@ def show(settings: dict, key: str) -> str:
 
 
 def read_checkpoint(path: str) -> dict:
-    """The Lightning training checkpoint at `path` (memory-mapped); a file that is none, or is cut short, is one
-    `ValueError` naming it."""
-    try:
-        checkpoint = torch.load(path, map_location="cpu", weights_only=False, mmap=True)
-    except (RuntimeError, EOFError, OSError, ValueError, pickle.UnpicklingError) as err:
-        first = str(err).splitlines()[0] if str(err) else type(err).__name__
-        raise ValueError(f"ckpt_path={path} is not a readable training checkpoint (cut short?): {first}") from err
-    if not isinstance(checkpoint, dict) or "global_step" not in checkpoint or "state_dict" not in checkpoint:
-        raise ValueError(f"ckpt_path={path} is no Lightning training checkpoint (no global_step or state_dict)")
-    return checkpoint
+    """The run's own Lightning checkpoint at `path`, named as `ckpt_path` in its errors."""
+    return read_training_checkpoint(path, ("global_step", "state_dict"), name=f"ckpt_path={path}", trusted=True)
 
 
 def checkpoint_step(path: str) -> int:
