@@ -50,9 +50,9 @@ CACHE_VERSION = 3  # part of the key: raised when what is cached here changes me
 RECOMPILE_LIMIT = 64
 PROFILER_NAME = "medusa_like compiled step"  # how a profiler names a call of the compiled package (CPUs)
 PROGRESS_SECONDS = 30.0  # how often a long compile logs that it is still at work
-# the memory a CPU package takes beyond the loaded model, in multiples of the model's weight bytes: the package holds the
-# frozen weights beside their packed copies, and loading it copies both out of its library; set a little above the
-# peaks measured on the default target (docs/cpu-kernels.md, "What it costs")
+# the memory a CPU package takes beyond the loaded model, in multiples of the model's weight bytes: a build holds the
+# frozen weights beside their packed copies, and loading copies the package's constants out of its library; set a little
+# above the peaks measured on the default target (docs/cpu-kernels.md, "What it costs")
 BUILD_MEMORY, LOAD_MEMORY = 7.0, 4.0
 
 
