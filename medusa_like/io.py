@@ -170,7 +170,7 @@ def read_training_checkpoint(path: str | Path, required: Sequence[str], name: st
     none, is cut short, or lacks a key is one `CheckpointError` that names it as `name` (default: the path).
 
     Tensors and plain containers are read with `weights_only`; a checkpoint whose hyper-parameters need full
-    unpickling is read fully after a warning, or at once where it is `trusted` (the run's own checkpoint)."""
+    unpickling is read fully after a warning, or at once where it is `trusted` (one this run wrote, or resumes)."""
     name = name or str(path)
 
     def load(weights_only: bool) -> object:

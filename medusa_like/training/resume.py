@@ -213,7 +213,8 @@ def show(settings: dict, key: str) -> str:
 
 
 def read_checkpoint(path: str) -> dict:
-    """The run's own Lightning checkpoint at `path`, named as `ckpt_path` in its errors."""
+    """The Lightning checkpoint a run resumes (`ckpt_path`, which Lightning unpickles fully in any case), named as
+    `ckpt_path` in its errors."""
     return read_training_checkpoint(path, ("global_step", "state_dict"), name=f"ckpt_path={path}", trusted=True)
 
 
