@@ -38,6 +38,7 @@ from torch._inductor import config as inductor_config
 from medusa_like.io import user_cache_dir, write_json
 from medusa_like.targets import weights_fingerprint
 
+from .cpu import tree_attention
 from .cpu.machine import machine_identity
 
 log = logging.getLogger(__name__)
@@ -65,9 +66,10 @@ def cache_key(step) -> dict:
     `compiled_draft.CompiledLevel` or `CompiledHeads`): what it computes (`step.graph_key()`: the model's class,
     config, weights, dtype and device), the code around it, the compiler's settings, the sizes it is compiled for, the
     libraries and the machine."""
+    graph = step.graph_key()
     return {
         "version": CACHE_VERSION,
-        **step.graph_key(),
+        **graph,
         "step_code": _digest(Path(inspect.getfile(type(step))).read_text(encoding="utf-8")),
         "options": {key: step.options[key] for key in sorted(step.options)},
         "rows": [step.min_rows, step.max_rows],  # the node counts the graph is compiled for
@@ -75,7 +77,15 @@ def cache_key(step) -> dict:
         "transformers": transformers.__version__,
         "python": platform.python_version(),
         "machine": machine_identity(),
+        "attention": attention_key(graph["device"]),
     }
+
+
+def attention_key(device: str) -> str:
+    """How a graph on `device` attends: the row-invariant kernel's build (CPUs where it builds) or SDPA."""
+    if device != "cpu" or tree_attention.unavailable() is not None:
+        return "sdpa"
+    return f"tree_attention-{tree_attention.build_key()}"
 
 
 def failure(err: Exception) -> str:
@@ -195,6 +205,7 @@ class Package:
         start = time.perf_counter()
         if path.is_file():
             check_memory(graph, LOAD_MEMORY, f"loading {step.what} compiled")
+            tree_attention.unavailable()  # the package calls the attention kernel where its key says so: loaded first
             try:
                 self.run = torch._inductor.aoti_load_package(str(path))
                 log.info("loaded %s compiled from %s in %.1f s", step.what, path, time.perf_counter() - start)

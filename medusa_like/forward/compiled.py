@@ -40,6 +40,7 @@ from medusa_like.decoding.step import TargetStep
 from medusa_like.targets import cache_keyword, output_logits
 
 from . import compile_cache
+from .cpu import tree_attention
 
 log = logging.getLogger(__name__)
 
@@ -162,9 +163,14 @@ def window_mask(visible: torch.Tensor, q_pos: torch.Tensor, k_pos: torch.Tensor,
 
 
 def static_attention(module, query, key, value, attention_mask, scaling=None, sliding_window=None, softcap=None, **_):
-    """transformers' attention-function signature over the step's [1, 2, T, S] mask (`window_mask`)."""
+    """transformers' attention-function signature over the step's [1, 2, T, S] mask (`window_mask`). A step's rows
+    on a CPU attend by the row-invariant kernel (`cpu/tree_attention.py`), so that a tree row gets the bits of its
+    one-node step; a prompt's prefill, and anything the kernel does not run, by SDPA."""
     visible = attention_mask[:, 1:2] if sliding_window else attention_mask[:, :1]  # [1, 1, T, S]
-    if softcap:  # scaled_dot_product_attention has no logit soft-capping
+    if query.shape[2] <= MAX_ROWS and tree_attention.supports(query, softcap):
+        scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+        out = torch.ops.medusa_like.tree_attention(query, key, value, visible, scale)  # [1, H, T, D]
+    elif softcap:  # scaled_dot_product_attention has no logit soft-capping
         scores = torch.matmul(query, key.repeat_interleave(query.shape[1] // key.shape[1], 1).transpose(-1, -2))
         scores = torch.tanh(scores * (scaling or query.shape[-1] ** -0.5) / softcap) * softcap
         probs = scores.masked_fill(~visible, float("-inf")).softmax(-1)
