@@ -25,6 +25,7 @@ from medusa_like.benchmarks.harness import Report, median_ms, show, table
 from medusa_like.decoding.tree import DynamicTreeSpec
 from medusa_like.drafters.lookup_sources import OutputStore
 from medusa_like.forward import PROFILER_NAME
+from medusa_like.forward.cpu import tree_attention
 from medusa_like.model import MedusaLikeModel
 from medusa_like.tiny import tiny_chat_target
 
@@ -203,14 +204,6 @@ def test_the_int8_way_streams_a_quarter_of_the_bytes_and_computes_the_int8_produ
     assert 0 < (eager - full).abs().max() < 0.05 * full.abs().max()
 
 
-def test_the_row_invariant_attention_computes_attention_over_what_each_row_sees():
-    """Eager, it equals SDPA over the step's mask up to fp32 rounding, on a branching tree after committed keys."""
-    query, key, value, visible, _ = attention.tree_inputs([-1, 0, 0, 1, 2, 2], 70, 4, 2, 16, torch.float32)
-    expected = attention.sdpa_attention(query, key, value, visible, 0.25)
-    got = attention.row_invariant_attention(query, key, value, visible, 0.25)
-    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
-
-
 def test_the_drift_check_counts_rows_that_change_with_the_rows_beside_them():
     """A row that depends on the step's row count drifts in every row: the check can fail."""
 
@@ -222,14 +215,15 @@ def test_the_drift_check_counts_rows_that_change_with_the_rows_beside_them():
 
 
 @pytest.mark.slow
-def test_the_row_invariant_attention_compiled_gives_tree_rows_the_bits_of_one_node_steps():
+@pytest.mark.skipif(tree_attention.unavailable() is not None, reason=f"{tree_attention.unavailable()}")
+def test_the_attention_benchmark_reports_no_drifting_row_for_the_steps_kernel():
     """Compiled over dynamic shapes (one graph, as the step's), in bf16, every row of every tree shape equals the same
     node's one-node step bit for bit, after each checked committed length; the report says so."""
     report = attention.run(nodes=(2,), committed=(40,), dtypes=("bfloat16",), heads=4, kv_heads=2, head_dim=16,
                            repeats=1, out=None)  # fmt: skip
-    drift = report.result["drifting_rows"]["row-invariant, bfloat16"]
+    drift = report.result["drifting_rows"]["kernel, bfloat16"]
     assert drift == dict.fromkeys(attention.TREES, 0)
-    assert set(report.result["ms"]) == {"sdpa, bfloat16", "row-invariant, bfloat16"}
+    assert set(report.result["ms"]) == {"sdpa, bfloat16", "kernel, bfloat16"}
     assert all(ms[0] > 0 for by_keys in report.result["ms"].values() for ms in by_keys.values())
 
 

@@ -158,6 +158,32 @@ def test_compiled_greedy_equals_eager_greedy_and_every_drafter_is_lossless_on_it
     assert heads.compiled_logits(None).compiled is not None and heads.compiled_logits(None).failed is None
 
 
+@needs_compile
+def test_a_bf16_target_is_lossless_on_its_compiled_step():
+    """bf16 rounds every activation, so a node verified as one row of a tree must get the very bits it gets in a
+    one-node step, or tree methods drift from greedy decoding at near-ties; the step's attention kernel gives them
+    (its own contract: tests/test_tree_attention.py). On a bf16 target with 64-wide heads over prompts of up to 120
+    tokens, lookup and Medusa trees of 1 to 12 nodes give greedy's tokens on the same compiled step."""
+    target = tiny_target("llama", hidden_size=256, num_attention_heads=4, num_key_value_heads=2, intermediate_size=256)
+    prepared = prepare_target(target.to(torch.bfloat16), tuned_layers=False, compile=True)
+    prepared.step.options = {**prepared.step.options, "max_autotune": False}
+    prompts = random_prompts(8, seed=5, min_len=20, max_len=120)
+    heads = random_heads(hidden=256)
+    plain = MedusaLikeModel(prepared, None, heads)
+    references = [
+        plain.generate(p, max_new_tokens=40, tree="none", eos_token_id=[]).new_tokens.tolist() for p in prompts
+    ]
+    accepted = 0
+    for drafter, tree in [(LookupDrafter(), BudgetedTreeSpec(None, 12, 8)), (heads, "medusa"), (heads, "chain")]:
+        model = MedusaLikeModel(prepared, None, drafter)
+        for prompt, reference in zip(prompts, references, strict=True):
+            out = model.generate(prompt, max_new_tokens=40, tree=tree, eos_token_id=[], remember=False)
+            assert out.new_tokens.tolist() == reference, (drafter.kind, tree)
+            accepted += sum(out.stats.accepted_draft)
+    assert accepted > 0
+    assert prepared.step.failed is None and prepared.step is prepared.compiled
+
+
 def draft_twice(proposer, prompt, features, spec) -> list:
     """The trees `proposer` drafts after `prompt` (with `features` [P, F]): a first one (the prompt's rows committed
     at once), then a second after accepting the root and its first child (two rows committed); and the second's

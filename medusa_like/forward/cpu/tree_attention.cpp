@@ -29,12 +29,14 @@ inline vfloat splat(float x) { return vfloat{} + x; }
 // `n` (up to 16) consecutive values as floats, the lanes past them 0
 inline vfloat load(const float* p, int n = kLanes) {
   vfloat v{};
-  std::memcpy(&v, p, n * sizeof(float));
+  if (n == kLanes) std::memcpy(&v, p, sizeof(v));  // a constant size: one vector load
+  else std::memcpy(&v, p, n * sizeof(float));
   return v;
 }
 inline vfloat load(const c10::BFloat16* p, int n = kLanes) {
   vhalf h{};
-  std::memcpy(&h, p, n * sizeof(uint16_t));
+  if (n == kLanes) std::memcpy(&h, p, sizeof(h));
+  else std::memcpy(&h, p, n * sizeof(uint16_t));
   vuint wide = __builtin_convertvector(h, vuint) << 16;  // a bf16 is the top half of the float it rounds
   vfloat v;
   std::memcpy(&v, &wide, sizeof(v));
@@ -85,55 +87,60 @@ void attend(const T* q, const T* k, const T* v, const bool* visible, T* out, int
             int64_t rows, int64_t keys, int64_t D, float scale) {
   const int tail = static_cast<int>(D - (C - 1) * kLanes);  // the last vector's width, 1..16
   const int64_t group = heads / kv_heads;
-  const int64_t padded = (keys + kLanes - 1) / kLanes * kLanes;
+  const int64_t padded = (keys + kLanes - 1) / kLanes * kLanes;  // room for a row's scores, whole vectors
   at::parallel_for(0, kv_heads * rows, 1, [&](int64_t begin, int64_t end) {
-    std::vector<vfloat> query(group * C), acc(group * C);
-    std::vector<float> scores(group * padded), top(group), total(group);
+    std::vector<int64_t> seen_keys(keys);
+    std::vector<float> scores(padded);
     for (int64_t item = begin; item < end; ++item) {
       const int64_t kvh = item / rows, t = item % rows;
-      const bool* seen = visible + t * keys;
       const T* kh = k + kvh * keys * D;
       const T* vh = v + kvh * keys * D;
-      for (int64_t g = 0; g < group; ++g) {
+      int64_t n = 0;  // the keys row t sees, in slot order: its ancestors' and the committed ones, in position order
+      for (int64_t j = 0; j < keys; ++j)
+        if (visible[t * keys + j]) seen_keys[n++] = j;
+      const int64_t n_padded = (n + kLanes - 1) / kLanes * kLanes;
+      for (int64_t g = 0; g < group; ++g) {  // the group's heads one after another, over the same keys
         const T* row = q + ((kvh * group + g) * rows + t) * D;
-        for (int c = 0; c < C; ++c) query[g * C + c] = load(row + c * kLanes, c == C - 1 ? tail : kLanes);
-      }
-      std::fill(scores.begin(), scores.end(), -std::numeric_limits<float>::infinity());
-      std::fill(top.begin(), top.end(), -std::numeric_limits<float>::infinity());
-      for (int64_t j = 0; j < keys; ++j) {  // each visible key's score (its D products in one order) and the maximum
-        if (!seen[j]) continue;
-        vfloat key[C];
-        for (int c = 0; c < C; ++c) key[c] = load(kh + j * D + c * kLanes, c == C - 1 ? tail : kLanes);
-        for (int64_t g = 0; g < group; ++g) {
-          vfloat prod = query[g * C] * key[0];
-          for (int c = 1; c < C; ++c) prod = prod + query[g * C + c] * key[c];
-          const float s = lane_sum(prod) * scale;
-          scores[g * padded + j] = s;
-          top[g] = s > top[g] ? s : top[g];
+        vfloat query[C];
+        for (int c = 0; c < C; ++c) query[c] = load(row + c * kLanes, c == C - 1 ? tail : kLanes);
+        float top = -std::numeric_limits<float>::infinity();
+        for (int64_t i = 0; i < n; ++i) {  // each seen key's score (its D products in one order), and the maximum
+          const T* key = kh + seen_keys[i] * D;
+          vfloat prod = query[0] * load(key, C == 1 ? tail : kLanes);
+          for (int c = 1; c < C; ++c) prod = prod + query[c] * load(key + c * kLanes, c == C - 1 ? tail : kLanes);
+          const float score = lane_sum(prod) * scale;
+          scores[i] = score;
+          top = score > top ? score : top;
         }
-      }
-      for (int64_t g = 0; g < group; ++g)  // the weights, 16 at a time (masked keys: exactly 0)
-        for (int64_t j = 0; j < padded; j += kLanes) {
-          vfloat s = load(&scores[g * padded + j]);
-          s = exp_nonpositive(s - top[g]);
-          std::memcpy(&scores[g * padded + j], &s, sizeof(s));
+        for (int64_t i = n; i < n_padded; ++i) scores[i] = -std::numeric_limits<float>::infinity();
+        for (int64_t i = 0; i < n_padded; i += kLanes) {  // the weights, 16 at a time (the padding's: exactly 0)
+          const vfloat weight = exp_nonpositive(load(&scores[i]) - top);
+          std::memcpy(&scores[i], &weight, sizeof(weight));
         }
-      std::fill(acc.begin(), acc.end(), splat(0.0f));
-      std::fill(total.begin(), total.end(), 0.0f);
-      for (int64_t j = 0; j < keys; ++j) {  // the weights' sums and the weighted values, key after key
-        if (!seen[j]) continue;
-        vfloat value[C];
-        for (int c = 0; c < C; ++c) value[c] = load(vh + j * D + c * kLanes, c == C - 1 ? tail : kLanes);
-        for (int64_t g = 0; g < group; ++g) {
-          const float p = scores[g * padded + j];
-          total[g] = total[g] + p;
-          for (int c = 0; c < C; ++c) acc[g * C + c] = acc[g * C + c] + p * value[c];
+        // the weights' sum and the weighted values: two running sums, the seen keys alternating between them by
+        // rank (the same ranks in a tree as in a one-node step), so that consecutive keys' additions overlap
+        vfloat even[C] = {}, odd[C] = {};
+        float even_total = 0.0f, odd_total = 0.0f;
+        int64_t i = 0;
+        for (; i + 1 < n; i += 2) {
+          const T* v0 = vh + seen_keys[i] * D;
+          const T* v1 = vh + seen_keys[i + 1] * D;
+          const float p0 = scores[i], p1 = scores[i + 1];
+          even_total = even_total + p0;
+          odd_total = odd_total + p1;
+          for (int c = 0; c < C; ++c) {
+            even[c] = even[c] + p0 * load(v0 + c * kLanes, c == C - 1 ? tail : kLanes);
+            odd[c] = odd[c] + p1 * load(v1 + c * kLanes, c == C - 1 ? tail : kLanes);
+          }
         }
-      }
-      for (int64_t g = 0; g < group; ++g) {
-        T* row = out + ((kvh * group + g) * rows + t) * D;
-        const float inv = 1.0f / total[g];  // total >= 1: the maximum's own weight
-        for (int c = 0; c < C; ++c) store(row + c * kLanes, acc[g * C + c] * inv, c == C - 1 ? tail : kLanes);
+        if (i < n) {
+          const T* v0 = vh + seen_keys[i] * D;
+          even_total = even_total + scores[i];
+          for (int c = 0; c < C; ++c) even[c] = even[c] + scores[i] * load(v0 + c * kLanes, c == C - 1 ? tail : kLanes);
+        }
+        T* out_row = out + ((kvh * group + g) * rows + t) * D;
+        const float inv = 1.0f / (even_total + odd_total);  // >= 1: the maximum's own weight
+        for (int c = 0; c < C; ++c) store(out_row + c * kLanes, (even[c] + odd[c]) * inv, c == C - 1 ? tail : kLanes);
       }
     }
   });

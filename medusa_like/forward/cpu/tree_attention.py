@@ -26,6 +26,8 @@ built (no compiler, no ninja), `unavailable()` says why and the step attends by 
 import functools
 import hashlib
 import logging
+import os
+import shutil
 from pathlib import Path
 
 import torch
@@ -39,7 +41,8 @@ log = logging.getLogger(__name__)
 SOURCE = Path(__file__).with_suffix(".cpp")
 # -ffp-contract=off: a multiply and an add stay two roundings in wide and narrow registers alike (no fused
 # multiply-add in one and not the other), so the same source gives the same bits however the compiler vectorizes it
-FLAGS = ("-O3", "-march=native", "-ffp-contract=off")
+# -fopenmp: ATen's parallel_for splits the rows over torch's threads (without it, it runs them on one)
+FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fopenmp")
 OP = "medusa_like::tree_attention"
 
 
@@ -57,12 +60,14 @@ def unavailable() -> str | None:
 
     directory = user_cache_dir() / "kernels" / f"tree_attention-{build_key()}"
     try:
+        _find_ninja()
         directory.mkdir(parents=True, exist_ok=True)
         # the builder takes a lock in `directory`: two processes building at once build it once
         cpp_extension.load(
             name="medusa_like_tree_attention",
             sources=[str(SOURCE)],
             extra_cflags=list(FLAGS),
+            extra_ldflags=["-fopenmp"],
             build_directory=str(directory),
             is_python_module=False,
         )
@@ -73,6 +78,17 @@ def unavailable() -> str | None:
         return why
     torch.library.register_fake(OP)(_shape)
     return None
+
+
+def _find_ninja() -> None:
+    """Put the `ninja` package's binary on PATH where no other is (torch's builder runs `ninja` by name, and a
+    virtual environment's scripts are on PATH only when it is activated)."""
+    if shutil.which("ninja") is None:
+        try:
+            import ninja
+        except ImportError:
+            return  # the builder's own error says what is missing
+        os.environ["PATH"] = os.pathsep.join([ninja.BIN_DIR, os.environ.get("PATH", "")])
 
 
 def _shape(query, key, value, visible, scale):
