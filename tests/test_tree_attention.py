@@ -2,6 +2,10 @@
 rounding, the bits of a node's one-node step in any tree (fp32 and bf16, head sizes from 8 to 256, grouped heads, any
 committed length), and clear errors for inputs it does not take."""
 
+import logging
+import os
+import time
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -92,6 +96,18 @@ def test_the_build_is_kept_under_its_key_in_the_user_cache():
 
     built = list((user_cache_dir() / "kernels" / f"tree_attention-{tree_attention.build_key()}").glob("*.so"))
     assert len(built) == 1
+
+
+def test_a_lock_left_by_a_killed_build_is_removed_and_a_live_one_kept(tmp_path, caplog):
+    lock = tmp_path / "lock"
+    lock.touch()
+    assert not tree_attention.clear_stale_lock(tmp_path) and lock.exists()  # a build at work: waited for
+    old = time.time() - tree_attention.STALE_LOCK_SECONDS - 1
+    os.utime(lock, (old, old))
+    with caplog.at_level(logging.WARNING):
+        assert tree_attention.clear_stale_lock(tmp_path)
+    assert not lock.exists() and "did not finish" in caplog.text
+    assert not tree_attention.clear_stale_lock(tmp_path)  # nothing left to remove
 
 
 @pytest.mark.parametrize(

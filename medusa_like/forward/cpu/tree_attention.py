@@ -28,6 +28,7 @@ import hashlib
 import logging
 import os
 import shutil
+import time
 from pathlib import Path
 
 import torch
@@ -44,6 +45,9 @@ SOURCE = Path(__file__).with_suffix(".cpp")
 # -fopenmp: ATen's parallel_for splits the rows over torch's threads (without it, it runs them on one)
 FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fopenmp")
 OP = "medusa_like::tree_attention"
+# torch's builder waits for the lock file of a build in progress for as long as it exists, and a build killed midway
+# leaves it behind: one older than this (a build takes seconds) is a dead build's, and is removed
+STALE_LOCK_SECONDS = 600
 
 
 def build_key() -> str:
@@ -62,6 +66,7 @@ def unavailable() -> str | None:
     try:
         _find_ninja()
         directory.mkdir(parents=True, exist_ok=True)
+        clear_stale_lock(directory)
         # the builder takes a lock in `directory`: two processes building at once build it once
         cpp_extension.load(
             name="medusa_like_tree_attention",
@@ -74,10 +79,25 @@ def unavailable() -> str | None:
     except Exception as err:  # no compiler, no ninja, a failed build: each raises its own type
         text = str(err).strip().splitlines()
         why = f"the tree attention kernel could not be built ({type(err).__name__}: {text[-1] if text else ''})"
-        log.warning("%s: the compiled step attends by SDPA, exact in fp32 only", why)
+        log.warning("%s: the compiled step attends by SDPA, whose tree rows may round apart from one-node steps", why)
         return why
     torch.library.register_fake(OP)(_shape)
     return None
+
+
+def clear_stale_lock(directory: Path) -> bool:
+    """Remove the build lock in `directory` if a killed build left it (older than `STALE_LOCK_SECONDS`), with a log
+    line; whether it did."""
+    lock = directory / "lock"
+    try:
+        age = time.time() - lock.stat().st_mtime
+    except FileNotFoundError:
+        return False
+    if age < STALE_LOCK_SECONDS:
+        return False
+    log.warning("removing %s, left %.0f s ago by a build that did not finish", lock, age)
+    lock.unlink(missing_ok=True)
+    return True
 
 
 def _find_ninja() -> None:
