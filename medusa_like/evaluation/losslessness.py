@@ -19,7 +19,8 @@ TIE_ULPS = 4  # a lower precision's rounding: (g)'s margin within this many of i
 LOSSLESSNESS = (
     "share of prompts whose speculative tokens equal (a)'s, greedy on the same forward: "
     "same length, equal token for token; lossless: every method of this project equals (a), and (g) wherever (g) ran, "
-    "on every prompt (what the exit status follows)"
+    "on every prompt (what the exit status follows); in a lower precision than fp32, (g)'s differences that its "
+    "rounding explains are set aside (`set_aside`)"
 )
 
 

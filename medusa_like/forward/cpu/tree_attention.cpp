@@ -55,7 +55,7 @@ inline float lane_sum(vfloat v) {
 }
 
 // exp(x) lane by lane for x <= 0 (-inf included, giving 0), in plain float arithmetic: Cody-Waite reduction
-// x = n ln2 + r, then a degree-6 polynomial of r (relative error about 2e-7); 0 below -87
+// x = n ln2 + r, then Cephes' expf polynomial of r (a few units in the last place); 0 below -87
 inline vfloat exp_nonpositive(vfloat x) {
   const vint live = x > -87.0f;
   x = live ? x : splat(-87.0f);

@@ -10,9 +10,10 @@ fp32 the difference is a few units of the last place, and no greedy token measur
 activation is rounded, the differences grow into flipped near-ties, and a bf16 target was not lossless
 (docs/cpu-kernels.md). This kernel (`tree_attention.cpp`) computes each row alone: its visible keys in slot order
 (which is position order, in a one-node step as in a tree), each score a fixed sequence of float operations over the
-head's dimensions, a softmax in fp32, the weighted values summed key after key. Nothing it does for a row depends on
-the other rows or on the masked keys, so a node's output is the same in any tree, and a step is exact against greedy
-decoding on the same step, in bf16 as in fp32.
+head's dimensions, a softmax in fp32, the weighted values summed key after key into two running sums that alternate
+by the key's rank among those the row sees. Nothing it does for a row depends on the other rows or on the masked
+keys, so a node's output is the same in any tree, and a step is exact against greedy decoding on the same step, in
+bf16 as in fp32.
 
 Contract (as `scaled_dot_product_attention` with a boolean mask and grouped-query heads): query [1, H, T, D], key and
 value [1, H_kv, S, D], visible [1, 1, T, S] bool (every row sees at least one key), float32 or bfloat16 alike, D up to
