@@ -30,7 +30,7 @@ from medusa_like.forward import platform as forward_platform
 from medusa_like.forward.compile_cache import progress
 from medusa_like.forward.compiled import CompiledStep
 from medusa_like.forward.compiled_draft import CompiledLevel, DraftCompiler
-from medusa_like.forward.cpu import few_row_linear
+from medusa_like.forward.cpu import bf16_linear, few_row_linear
 from medusa_like.forward.cpu.few_row_linear import ANY_ROWS, ONEDNN, FewRowLinear, onednn_packs_available
 from medusa_like.forward.platform import CompileUnsupported, compile_settings
 from medusa_like.model import MedusaLikeModel
@@ -182,6 +182,29 @@ def test_a_bf16_target_is_lossless_on_its_compiled_step():
             accepted += sum(out.stats.accepted_draft)
     assert accepted > 0
     assert prepared.step.failed is None and prepared.step is prepared.compiled
+    # where the CPU has a bf16 dot product, the step's products ran this project's kernel (row-invariant too)
+    assert ("bf16 dot-product kernel" in prepared.step.label) == (bf16_linear.unavailable() is None)
+
+
+
+@needs_compile
+@pytest.mark.skipif(bf16_linear.unavailable() is not None, reason=f"{bf16_linear.unavailable()}")
+def test_the_compiler_traces_bf16_layers_on_the_kernel_and_the_cache_tells_the_builds_apart():
+    """The compiled graph traces a copy sharing the weights: fp32 few-row layers back as `nn.Linear`s (Inductor's
+    template computes them), bf16 ones as the dot-product kernel's `PackedLinear`s; a package of one is never loaded
+    for the other."""
+    fp32 = prepare_target(tiny_target("llama"), tuned_layers=True).target
+    assert any(isinstance(m, FewRowLinear) for m in fp32.modules())
+    traced = forward_platform.traced_layers(fp32, tuned=True)
+    assert not any(isinstance(m, (FewRowLinear, bf16_linear.PackedLinear)) for m in traced.modules())
+    bf16 = tiny_target("llama").to(torch.bfloat16)
+    packed = forward_platform.traced_layers(bf16, tuned=False)
+    swapped = [m for m in packed.modules() if isinstance(m, bf16_linear.PackedLinear)]
+    assert swapped and not any(type(m) is torch.nn.Linear for m in packed.modules())
+    assert {id(m.weight) for m in swapped} <= {id(p) for p in bf16.parameters()}  # no weight copied
+    keys = [compile_cache.cache_key(CompiledStep(m, *compile_settings(m))) for m in (fp32, bf16)]
+    assert keys[0]["products"] == "inductor"
+    assert keys[1]["products"] == f"bf16_linear-{bf16_linear.KERNEL.build_key()}"
 
 
 def draft_twice(proposer, prompt, features, spec) -> list:

@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from medusa_like.benchmarks.attention import TREES, drifting_rows, tree_inputs
-from medusa_like.forward.cpu import tree_attention
+from medusa_like.forward.cpu import extension, tree_attention
 
 pytestmark = pytest.mark.skipif(tree_attention.unavailable() is not None, reason=f"{tree_attention.unavailable()}")
 
@@ -61,20 +61,21 @@ def test_a_row_does_not_depend_on_the_thread_count():
 def test_the_build_is_kept_under_its_key_in_the_user_cache():
     from medusa_like.io import user_cache_dir
 
-    built = list((user_cache_dir() / "kernels" / f"tree_attention-{tree_attention.build_key()}").glob("*.so"))
-    assert len(built) == 1
+    directory = tree_attention.KERNEL.directory()
+    assert directory.parent == user_cache_dir() / "kernels" and directory.name.startswith("tree_attention-")
+    assert len(list(directory.glob("*.so"))) == 1
 
 
 def test_a_lock_left_by_a_killed_build_is_removed_and_a_live_one_kept(tmp_path, caplog):
     lock = tmp_path / "lock"
     lock.touch()
-    assert not tree_attention.clear_stale_lock(tmp_path) and lock.exists()  # a build at work: waited for
-    old = time.time() - tree_attention.STALE_LOCK_SECONDS - 1
+    assert not extension.clear_stale_lock(tmp_path) and lock.exists()  # a build at work: waited for
+    old = time.time() - extension.STALE_LOCK_SECONDS - 1
     os.utime(lock, (old, old))
     with caplog.at_level(logging.WARNING):
-        assert tree_attention.clear_stale_lock(tmp_path)
+        assert extension.clear_stale_lock(tmp_path)
     assert not lock.exists() and "did not finish" in caplog.text
-    assert not tree_attention.clear_stale_lock(tmp_path)  # nothing left to remove
+    assert not extension.clear_stale_lock(tmp_path)  # nothing left to remove
 
 
 @pytest.mark.parametrize(

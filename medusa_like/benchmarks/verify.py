@@ -15,7 +15,8 @@ single token's forward.
 
 With `--compile` the step is the compiled one: the products, norms, rotary and activations run inside one generated
 graph whose time the profiler reports as one block ("compiled": the package's call on CPUs, Inductor's graph on GPUs),
-so only the operators called out of it are told apart. `--dtype bfloat16` runs the target in bf16 (fast only where
+so only the operators called out of it are told apart: on CPUs, this project's kernels (`forward/cpu/`: attention, and
+bf16 products where the CPU has a bf16 dot product). `--dtype bfloat16` runs the target in bf16 (fast only where
 the CPU computes bf16 natively).
 """
 
@@ -23,15 +24,13 @@ from typing import Annotated
 
 import torch
 
-from medusa_like.forward import PROFILED_PRODUCTS, PROFILER_NAME
+from medusa_like.forward import PROFILED_ATTENTION, PROFILED_PRODUCTS, PROFILER_NAME
 from medusa_like.forward.cost_measure import PREFIX, Forwards
 from medusa_like.model import MedusaLikeModel
 from medusa_like.targets import DEFAULT_TARGET
 
 from .harness import Report, median_ms, table, use_threads
 
-PRODUCTS = PROFILED_PRODUCTS  # the operators the eager step's products run, as the profiler names them
-ATTENTION = "scaled_dot_product"
 COMPILED = ("CompiledFxGraph", PROFILER_NAME)  # the profiler's names for a call of compiled code (in-process, package)
 MAX_NODES = 32  # the largest size a cost model measures
 
@@ -41,9 +40,9 @@ def split(events, forwards: int) -> dict[str, float]:
     generated graph's own time: fused products and elementwise work), the rest and their total."""
     parts = {"products": 0.0, "attention": 0.0, "compiled": 0.0, "rest": 0.0}
     for event in events:
-        if event.key in PRODUCTS:
+        if event.key in PROFILED_PRODUCTS:
             part = "products"
-        elif ATTENTION in event.key:
+        elif any(name in event.key for name in PROFILED_ATTENTION):
             part = "attention"
         else:
             part = "compiled" if any(name in event.key for name in COMPILED) else "rest"

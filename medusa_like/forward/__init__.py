@@ -12,12 +12,18 @@ model as plain data (`decoding/cost_model.py`) and never imports this package.
 """
 
 from .compile_cache import PROFILER_NAME
-from .cpu.few_row_linear import PROFILED_PRODUCTS, check_read_kernel, use_read_kernel
+from .cpu import bf16_linear, tree_attention
+from .cpu.few_row_linear import PROFILED_PRODUCTS as FEW_ROW_PRODUCTS
+from .cpu.few_row_linear import check_read_kernel, use_read_kernel
 from .platform import CompileUnsupported
 from .prepared import PreparedTarget, prepare_target
 
-# use_read_kernel / check_read_kernel: how training's frozen target reads many rows at once (and its config check);
-# PROFILED_PRODUCTS / PROFILER_NAME: how a profile names the products and the compiled step (benchmarks/verify.py)
+# how a profile names the operators of the products (the few-row layers' kernels, the compiled step's bf16 kernel),
+# of attention (SDPA, the compiled step's kernel) and the compiled step itself (benchmarks/verify.py)
+PROFILED_PRODUCTS = (*FEW_ROW_PRODUCTS, bf16_linear.OP)
+PROFILED_ATTENTION = ("scaled_dot_product", tree_attention.OP)
+
+# use_read_kernel / check_read_kernel: how training's frozen target reads many rows at once (and its config check)
 __all__ = [
     "PreparedTarget",
     "prepare_target",
@@ -25,5 +31,6 @@ __all__ = [
     "use_read_kernel",
     "check_read_kernel",
     "PROFILED_PRODUCTS",
+    "PROFILED_ATTENTION",
     "PROFILER_NAME",
 ]

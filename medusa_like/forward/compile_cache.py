@@ -38,7 +38,7 @@ from torch._inductor import config as inductor_config
 from medusa_like.io import user_cache_dir, write_json
 from medusa_like.targets import weights_fingerprint
 
-from .cpu import tree_attention
+from .cpu import bf16_linear, tree_attention
 from .cpu.machine import machine_identity
 
 log = logging.getLogger(__name__)
@@ -78,6 +78,7 @@ def cache_key(step) -> dict:
         "python": platform.python_version(),
         "machine": machine_identity(),
         "attention": attention_key(graph["device"]),
+        "products": products_key(graph["device"], graph["dtype"]),
     }
 
 
@@ -85,7 +86,15 @@ def attention_key(device: str) -> str:
     """How a graph on `device` attends: the row-invariant kernel's build (CPUs where it builds) or SDPA."""
     if device != "cpu" or tree_attention.unavailable() is not None:
         return "sdpa"
-    return f"tree_attention-{tree_attention.build_key()}"
+    return f"tree_attention-{tree_attention.KERNEL.build_key()}"
+
+
+def products_key(device: str, dtype: str) -> str:
+    """How a graph of `dtype` on `device` computes its products: the bf16 dot-product kernel's build (bf16 on CPUs
+    where it runs: `cpu/bf16_linear.py`) or Inductor's own (the C++ GEMM template on CPUs)."""
+    if device != "cpu" or dtype != str(torch.bfloat16) or bf16_linear.unavailable() is not None:
+        return "inductor"
+    return f"bf16_linear-{bf16_linear.KERNEL.build_key()}"
 
 
 def failure(err: Exception) -> str:
@@ -205,7 +214,7 @@ class Package:
         start = time.perf_counter()
         if path.is_file():
             check_memory(graph, LOAD_MEMORY, f"loading {step.what} compiled")
-            tree_attention.unavailable()  # the package calls the attention kernel where its key says so: loaded first
+            # the package calls the kernels its key names (`attention`, `products`): `cache_key` loaded them
             try:
                 self.run = torch._inductor.aoti_load_package(str(path))
                 log.info("loaded %s compiled from %s in %.1f s", step.what, path, time.perf_counter() - start)
@@ -234,8 +243,13 @@ class Package:
             )
         log.info("  traced its graph in %.1f s; generating and compiling its kernels", time.perf_counter() - start)
         partial = path.with_name(f"{path.stem}.partial-{os.getpid()}{path.suffix}")  # AOTInductor wants .pt2
-        try:
-            with compile_cache(step), inductor_config.patch(step.options), progress("generating and compiling"):
+        try:  # without gradients, as the graph was traced: freezing folds what the weights alone give into constants
+            with (
+                torch.no_grad(),
+                compile_cache(step),
+                inductor_config.patch(step.options),
+                progress("generating and compiling"),
+            ):
                 torch._inductor.aoti_compile_and_package(
                     program, package_path=str(partial), inductor_configs=dict(step.options)
                 )

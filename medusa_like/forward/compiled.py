@@ -21,9 +21,10 @@ would be specialised). A prompt's prefill runs the target's forward eagerly over
 over hundreds of rows are compute-bound: compiling them buys little and would double the compile). The attention
 sees a [1, 2, T, S] boolean mask over the live cache (the full-attention layers' visibility, then the sliding-window
 layers'), built here from the loop's tree mask and the nodes' positions, so sliding-window families compile too. On
-CPUs it runs `cpu/tree_attention.py`'s kernel, which computes each row alone: with the products (the GEMM template
-gives a row the same bits at any row count), a node gets the same bits in a one-node step as in any tree, so tree
-methods equal greedy decoding on the step in bf16 too, where SDPA's rounding differences flipped near-ties.
+CPUs it runs `cpu/tree_attention.py`'s kernel, which computes each row alone: with the products (the GEMM template,
+and bf16's dot-product kernel `cpu/bf16_linear.py`, give a row the same bits at any row count), a node gets the same
+bits in a one-node step as in any tree, so tree methods equal greedy decoding on the step in bf16 too, where SDPA's
+rounding differences flipped near-ties.
 
 The output is what this compiled forward computes, which rounds differently from the eager one: greedy decoding on the
 same step is the reference every method is compared with (`tree="none"`), as it is for any other kernel.

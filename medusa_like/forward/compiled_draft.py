@@ -8,7 +8,7 @@ frozen weights, Inductor's C++ GEMM template on CPUs, one graph whose row count 
 a level streams the weights near the memory's speed. The package is cached on disk by `compile_cache`, keyed by the
 drafter's weights, dtype, code and the machine, so a later process loads it in about a second.
 
-    compiler = DraftCompiler(target, options, label, stock)   # what `Drafter.compile_drafting` is handed
+    compiler = DraftCompiler(target, options, label, traced)  # what `Drafter.compile_drafting` is handed
     level = compiler.level(drafter)                   # compiles on first use (logged), or loads an earlier package
     cache = level.new_cache(capacity)                 # [1, 2, 1, heads_kv, capacity, head_dim]
     state, logits = level(feature, embeds, positions, visible, cache)   # the drafter's `level` interface
@@ -47,19 +47,20 @@ log = logging.getLogger(__name__)
 
 class DraftCompiler:
     """What the forward room compiles for a drafter, with the target's compiled step's settings: handed to
-    `Drafter.compile_drafting`, which asks for what its kind drafts with. `stock` gives a module with transformers'
-    own layers (a copy sharing every weight, where the layers are few-row ones): what the compiler traces."""
+    `Drafter.compile_drafting`, which asks for what its kind drafts with. `traced` gives the module the compiler traces
+    for a drafter (`platform.traced_layers`: a copy sharing every weight, its layers transformers' own or the bf16
+    kernel's)."""
 
-    def __init__(self, target, options: dict, label: str, stock):
-        self.target, self.options, self.label, self.stock = target, dict(options), label, stock
+    def __init__(self, target, options: dict, label: str, traced):
+        self.target, self.options, self.label, self.traced = target, dict(options), label, traced
 
     def level(self, drafter) -> "CompiledLevel":
         """An EAGLE-3-style drafter's level (`CompiledLevel`)."""
-        return CompiledLevel(self.stock(drafter), self.options, self.label)
+        return CompiledLevel(self.traced(drafter), self.options, self.label)
 
     def heads(self, heads, rows: torch.Tensor | None) -> "CompiledHeads":
         """Medusa-style heads over the target's projection, restricted to `rows` (token ids) or not."""
-        return CompiledHeads(self.stock(heads), self.target, rows, self.options, self.label)
+        return CompiledHeads(self.traced(heads), self.target, rows, self.options, self.label)
 
 
 class CompiledLevel:

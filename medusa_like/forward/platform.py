@@ -1,6 +1,7 @@
 """What this machine can run fast: the compiler settings each device gets, native bf16, and why not where it can't.
 
     options, label = compile_settings(target)      # Inductor's config for this device, or CompileUnsupported(why)
+    traced = traced_layers(module, tuned)           # the copy of a target or drafter the compiler traces
     native_bf16(device)                             # bf16 computed natively: CUDA, or a CPU with AMX / AVX512-BF16
 
 On CPUs the compiled step freezes the weights and lets Inductor's C++ GEMM template compute the products
@@ -10,8 +11,10 @@ calls (`eval.bench products`; the figures in docs/cpu-kernels.md). With one choi
 autotuning timed each product with its weight in cache, picked the template for every product of the default target,
 and made the compile longer. Where torch's kernels run AVX512, the products of one input are
 concatenated into one (`AVX512_OPTIONS`), and on every CPU the template's micro-kernels are declared noexcept
-(`micro_kernels_noexcept`: the compiler then keeps their accumulators in registers). On CUDA the same graph runs under
-CUDA graphs, which needs static shapes.
+(`micro_kernels_noexcept`: the compiler then keeps their accumulators in registers). bf16 products on a CPU with a bf16
+dot product (AVX512-BF16) run this project's kernel instead (`cpu/bf16_linear.py`): the template's bf16 products
+multiply in fp32 and cost more than fp32's from five rows on. On CUDA the same graph runs under CUDA graphs, which
+needs static shapes.
 """
 
 import functools
@@ -19,8 +22,10 @@ import importlib.util
 import platform
 
 import torch
+from torch import nn
 
-from .cpu.few_row_linear import onednn_bf16_packs_available
+from .cpu import bf16_linear
+from .cpu.few_row_linear import onednn_bf16_packs_available, with_stock_linears
 
 
 class CompileUnsupported(RuntimeError):
@@ -108,6 +113,8 @@ def compile_settings(target) -> tuple[dict, str]:
         problem = _cpp_compiler()
         if problem:
             raise CompileUnsupported(problem)
+        if target.dtype == torch.bfloat16 and bf16_linear.unavailable() is None:
+            return dict(CPU_OPTIONS), "inductor, bf16 dot-product kernel"
         if torch.backends.cpu.get_cpu_capability().startswith("AVX512"):
             return {**CPU_OPTIONS, **AVX512_OPTIONS}, "inductor, C++ GEMM template, concatenated products"
         return dict(CPU_OPTIONS), "inductor, C++ GEMM template"
@@ -116,3 +123,13 @@ def compile_settings(target) -> tuple[dict, str]:
             raise CompileUnsupported("Inductor needs triton on CUDA, which is not installed")
         return {"freezing": True, "triton.cudagraphs": True}, "inductor, CUDA graphs"
     raise CompileUnsupported(f"no compiled step for device {device.type!r}")
+
+
+def traced_layers(module: nn.Module, tuned: bool) -> nn.Module:
+    """What the compiler traces for `module` (a target, or a drafter beside it; `tuned`: its linear layers are this
+    project's few-row ones): transformers' own layers (a copy sharing every weight, where few-row layers replaced
+    them), and of those, the bf16 ones on a CPU that runs the dot-product kernel as `PackedLinear`s."""
+    traced = with_stock_linears(module) if tuned else module
+    if any(bf16_linear.runs_packed(child) for child in traced.modules()) and bf16_linear.unavailable() is None:
+        return bf16_linear.with_packed_linears(traced)
+    return traced

@@ -11,10 +11,11 @@ drafter computes with beside it.
 Eager, on CPUs (fp32, and bf16 where oneDNN's bf16 packs run), the target's and the drafter's `nn.Linear` layers are
 replaced in place by few-row layers sharing their parameters (`cpu/few_row_linear.py`), their kernels set by the
 cost model measured for this machine. Compiled (`compiled.py`), the target keeps its own layers and Inductor computes
-them; where the compiled step cannot run, the eager one does, and the log says why. Either rounds differently from
+them (bf16 ones this project's dot-product kernel, where the CPU has one: `cpu/bf16_linear.py`); where the compiled step cannot run, the eager one does, and the log says why. Either rounds differently from
 transformers as it ships: the reference of every comparison is greedy decoding on the same step.
 """
 
+import functools
 import logging
 import weakref
 
@@ -43,7 +44,7 @@ from .cpu.few_row_linear import (
 )
 from .cpu.kernel_choice import KernelMismatchError, KernelRecordError, apply_kernels, check_kernels, validate_record
 from .cpu.machine import machine_identity
-from .platform import CompileUnsupported, compile_settings, native_bf16
+from .platform import CompileUnsupported, compile_settings, native_bf16, traced_layers
 
 log = logging.getLogger(__name__)
 
@@ -85,12 +86,15 @@ class PreparedTarget:
         except CompileUnsupported as why:
             log.log(logging.WARNING if compile is True else logging.INFO, "compile: %s; the eager step runs", why)
             return
-        # the compiled graph traces transformers' own layers: a copy of the target with them, sharing every weight;
-        # prompts are read eagerly on the few-row layers, on oneDNN's pack from two rows where it runs and fits
-        model = with_stock_linears(self.target) if self.tuned else self.target
+        # the compiled graph traces a copy of the target sharing every weight (`traced_layers`: transformers' own
+        # layers, bf16 ones on this project's kernel where it runs); prompts are read eagerly on the few-row layers,
+        # on oneDNN's pack from two rows where it runs and fits
+        model = traced_layers(self.target, self.tuned)
         if self.tuned:
             use_read_kernel(self.target, "auto", from_rows=2)
-        self.compiled = CompiledStep(model, options, label, eager_target=self.target if self.tuned else None)
+        self.compiled = CompiledStep(
+            model, options, label, eager_target=self.target if model is not self.target else None
+        )
         self.active = None  # a cost model of the eager step does not hold for the compiled one
 
     def describe(self) -> str:
@@ -146,8 +150,8 @@ class PreparedTarget:
         """Where the target's step is compiled, `drafter` drafts compiled too (its kind decides what it asks the
         `DraftCompiler` for, if anything: `Drafter.compile_drafting`)."""
         if self.compiled is not None:
-            stock = with_stock_linears if self.tuned else (lambda module: module)
-            drafter.compile_drafting(DraftCompiler(self.target, self.compiled.options, self.compiled.label, stock))
+            traced = functools.partial(traced_layers, tuned=self.tuned)
+            drafter.compile_drafting(DraftCompiler(self.target, self.compiled.options, self.compiled.label, traced))
 
     def tune_layers(self, *modules) -> None:
         """Measure the row plans of the target's and `modules`' few-row layers this machine's cache lacks (once per

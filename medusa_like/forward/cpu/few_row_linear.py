@@ -376,15 +376,28 @@ def linear_kernel(model: nn.Module) -> str:
     return "few_row" if any(isinstance(m, FewRowLinear) for m in model.modules()) else "nn.Linear"
 
 
+def copy_replacing(model: nn.Module, replace) -> nn.Module:
+    """A copy of `model` sharing every parameter and buffer with it (no weight is copied; `model` is unchanged), each
+    child module for which `replace(child)` gives a module replaced by that."""
+    shared = {id(t): t for t in (*model.parameters(), *model.buffers())}
+    copied = copy.deepcopy(model, memo=shared)
+    for parent in list(copied.modules()):
+        for name, child in list(parent.named_children()):
+            replacement = replace(child)
+            if replacement is not None:
+                parent.register_module(name, replacement)
+    return copied
+
+
 def with_stock_linears(model: nn.Module) -> nn.Module:
     """A copy of `model` whose `FewRowLinear`s are `nn.Linear`s again, sharing every parameter and buffer with `model`
     (no weight is copied; `model` is unchanged): transformers as it ships, for a speed baseline."""
-    shared = {id(t): t for t in (*model.parameters(), *model.buffers())}
-    stock = copy.deepcopy(model, memo=shared)
-    for parent in list(stock.modules()):
-        for name, child in list(parent.named_children()):
-            if isinstance(child, FewRowLinear):
-                linear = nn.Linear(child.in_features, child.out_features, bias=False, device="meta")
-                linear.weight, linear.bias = child.weight, child.bias
-                parent.register_module(name, linear)
-    return stock
+
+    def stock(child):
+        if isinstance(child, FewRowLinear):
+            linear = nn.Linear(child.in_features, child.out_features, bias=False, device="meta")
+            linear.weight, linear.bias = child.weight, child.bias
+            return linear
+        return None
+
+    return copy_replacing(model, stock)

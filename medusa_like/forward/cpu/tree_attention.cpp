@@ -191,7 +191,7 @@ at::Tensor tree_attention(const at::Tensor& query, const at::Tensor& key, const 
 
 }  // namespace
 
-TORCH_LIBRARY(medusa_like, m) {
+TORCH_LIBRARY_FRAGMENT(medusa_like, m) {
   m.def("tree_attention(Tensor query, Tensor key, Tensor value, Tensor visible, float scale) -> Tensor");
 }
 

@@ -1,0 +1,103 @@
+"""This project's C++ kernels, built on first use by torch's extension builder and loaded once per process.
+
+    kernel = Extension("tree_attention", fakes={op: shape_fn})   # tree_attention.cpp beside this file
+    why = kernel.load()                                          # None once loaded; else why it cannot be built here
+    kernel.build_key()                                  # what the build depends on: source, flags, torch, machine
+
+A kernel is built (a few seconds) into the user cache, in a directory named by its build key, so a later process of
+the same source, flags, torch and machine loads the built library, and a changed one builds anew. Each kernel
+registers its operators in the `medusa_like` namespace (`torch.ops.medusa_like.<op>`) and gives their shapes for
+tracing (`fakes`).
+"""
+
+import hashlib
+import logging
+import os
+import shutil
+import time
+from pathlib import Path
+
+import torch
+
+from medusa_like.io import user_cache_dir
+
+from .machine import machine_identity
+
+log = logging.getLogger(__name__)
+
+# -ffp-contract=off: a multiply and an add stay two roundings in wide and narrow registers alike (no fused
+# multiply-add in one and not the other), so the same source gives the same bits however the compiler vectorizes it
+# -fopenmp: ATen's parallel_for splits the work over torch's threads (without it, it runs on one)
+FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fopenmp")
+# torch's builder waits for the lock file of a build in progress for as long as it exists, and a build killed midway
+# leaves it behind: one older than this (a build takes seconds) is a dead build's, and is removed
+STALE_LOCK_SECONDS = 600
+
+
+class Extension:
+    """The kernel `<name>.cpp` beside this file, built with `FLAGS`; `fakes` maps each operator it defines
+    ("medusa_like::<op>") to the function that gives its output's shape and dtype for tracing."""
+
+    def __init__(self, name: str, fakes: dict):
+        self.name, self.fakes = name, fakes
+        self.source = Path(__file__).with_name(f"{name}.cpp")
+
+    def build_key(self) -> str:
+        """What a build depends on: the kernel's source, the flags, torch's version and the machine (digest)."""
+        text = "\n".join([self.source.read_text(encoding="utf-8"), *FLAGS, torch.__version__, machine_identity()])
+        return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+    def directory(self) -> Path:
+        return user_cache_dir() / "kernels" / f"{self.name}-{self.build_key()}"
+
+    def load(self) -> str | None:
+        """Build (or reuse) and load the kernel: None when its operators run, else why not. Called once per process
+        (by its module's cached `unavailable()`)."""
+        from torch.utils import cpp_extension
+
+        directory = self.directory()
+        try:
+            _find_ninja()
+            directory.mkdir(parents=True, exist_ok=True)
+            clear_stale_lock(directory)
+            # the builder takes a lock in `directory`: two processes building at once build it once
+            cpp_extension.load(
+                name=f"medusa_like_{self.name}",
+                sources=[str(self.source)],
+                extra_cflags=list(FLAGS),
+                extra_ldflags=["-fopenmp"],
+                build_directory=str(directory),
+                is_python_module=False,
+            )
+        except Exception as err:  # no compiler, no ninja, a failed build: each raises its own type
+            text = str(err).strip().splitlines()
+            return f"the {self.name} kernel could not be built ({type(err).__name__}: {text[-1] if text else ''})"
+        for op, fake in self.fakes.items():
+            torch.library.register_fake(op)(fake)
+        return None
+
+
+def clear_stale_lock(directory: Path) -> bool:
+    """Remove the build lock in `directory` if a killed build left it (older than `STALE_LOCK_SECONDS`), with a log
+    line; whether it did."""
+    lock = directory / "lock"
+    try:
+        age = time.time() - lock.stat().st_mtime
+    except FileNotFoundError:
+        return False
+    if age < STALE_LOCK_SECONDS:
+        return False
+    log.warning("removing %s, left %.0f s ago by a build that did not finish", lock, age)
+    lock.unlink(missing_ok=True)
+    return True
+
+
+def _find_ninja() -> None:
+    """Put the `ninja` package's binary on PATH where no other is (torch's builder runs `ninja` by name, and a
+    virtual environment's scripts are on PATH only when it is activated)."""
+    if shutil.which("ninja") is None:
+        try:
+            import ninja
+        except ImportError:
+            return  # the builder's own error says what is missing
+        os.environ["PATH"] = os.pathsep.join([ninja.BIN_DIR, os.environ.get("PATH", "")])
