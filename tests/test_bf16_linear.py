@@ -112,4 +112,3 @@ def test_the_build_is_kept_under_its_key_in_the_user_cache():
     directory = bf16_linear.KERNEL.directory()
     assert directory.parent == user_cache_dir() / "kernels" and directory.name.startswith("bf16_linear-")
     assert len(list(directory.glob("*.so"))) == 1
-

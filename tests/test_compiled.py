@@ -186,7 +186,6 @@ def test_a_bf16_target_is_lossless_on_its_compiled_step():
     assert ("bf16 dot-product kernel" in prepared.step.label) == (bf16_linear.unavailable() is None)
 
 
-
 @needs_compile
 @pytest.mark.skipif(bf16_linear.unavailable() is not None, reason=f"{bf16_linear.unavailable()}")
 def test_the_compiler_traces_bf16_layers_on_the_kernel_and_the_cache_tells_the_builds_apart():
@@ -205,6 +204,13 @@ def test_the_compiler_traces_bf16_layers_on_the_kernel_and_the_cache_tells_the_b
     keys = [compile_cache.cache_key(CompiledStep(m, *compile_settings(m))) for m in (fp32, bf16)]
     assert keys[0]["products"] == "inductor"
     assert keys[1]["products"] == f"bf16_linear-{bf16_linear.KERNEL.build_key()}"
+    # a bf16 drafter beside the fp32 target: its level traced on the kernel, and its log says so
+    drafter = EAGLE3.fresh(fp32).to(dtype=torch.bfloat16)
+    options, label = compile_settings(fp32)
+    traced = DraftCompiler(fp32, options, label, lambda m: forward_platform.traced_layers(m, tuned=False))
+    level = traced.level(drafter)
+    assert any(isinstance(m, bf16_linear.PackedLinear) for m in level.drafter.modules())
+    assert level.label == f"{label}; bf16 layers on the bf16 dot-product kernel"
 
 
 def draft_twice(proposer, prompt, features, spec) -> list:

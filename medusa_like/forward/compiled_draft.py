@@ -41,6 +41,7 @@ from medusa_like.targets import logit_softcap, softcap, weights_fingerprint
 
 from . import compile_cache
 from .compiled import MAX_CONTEXT, MAX_ROWS, MIN_ROWS, LiveCache, StaticTreeCache, attention_traced
+from .cpu import bf16_linear
 
 log = logging.getLogger(__name__)
 
@@ -56,11 +57,22 @@ class DraftCompiler:
 
     def level(self, drafter) -> "CompiledLevel":
         """An EAGLE-3-style drafter's level (`CompiledLevel`)."""
-        return CompiledLevel(self.traced(drafter), self.options, self.label)
+        traced = self.traced(drafter)
+        return CompiledLevel(traced, self.options, products_label(traced, self.label))
 
     def heads(self, heads, rows: torch.Tensor | None) -> "CompiledHeads":
         """Medusa-style heads over the target's projection, restricted to `rows` (token ids) or not."""
-        return CompiledHeads(self.traced(heads), self.target, rows, self.options, self.label)
+        traced = self.traced(heads)
+        return CompiledHeads(traced, self.target, rows, self.options, products_label(traced, self.label))
+
+
+def products_label(module, label: str) -> str:
+    """The compiled step's `label`, naming the bf16 kernel where `module`'s traced layers run it (a bf16 drafter
+    beside an fp32 target)."""
+    kernel = "bf16 dot-product kernel"
+    if kernel in label or not any(isinstance(m, bf16_linear.PackedLinear) for m in module.modules()):
+        return label
+    return f"{label}; bf16 layers on the {kernel}"
 
 
 class CompiledLevel:
