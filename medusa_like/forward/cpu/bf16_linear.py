@@ -9,14 +9,15 @@ Inductor's C++ GEMM template computes bf16 products by turning each weight it lo
 at one to four rows it streams the weights near the memory's speed, but from five rows on a bf16 step costs more than
 an fp32 one (docs/cpu-kernels.md), so a bf16 target's trees stayed small. oneDNN's packed bf16 product multiplies in
 bf16, but costs half as much again at one to four rows. This kernel (`bf16_linear.cpp`) multiplies bf16 pairs with
-`vdpbf16ps` over a weight packed in blocks of 32 outputs (`pack`), and streams it at least as fast as either at every
-row count from 1 to 64. Each output is one fp32 sum over the weight's k-pairs in order, whatever the row count or
+`vdpbf16ps` over a weight packed in blocks of 32 outputs (`pack`): the whole step costs what the template's does at
+one to four nodes and a third of it at 32 (docs/cpu-kernels.md). Each output is one fp32 sum over the weight's k-pairs in order, whatever the row count or
 the thread, so a tree row gets the bits of its one-node step, as the attention kernel does (`tree_attention.py`):
 the step stays exact against greedy decoding on the same step.
 
 In a compiled graph the pack is a function of a frozen weight, so the compiler folds it into a constant once; run
 eagerly (a prompt's prefill through the same copy), a `PackedLinear` computes `F.linear` instead of packing at every
-call. Accuracy: the products are exact in fp32 and summed in fp32, like oneDNN's (correctly rounded outputs alike).
+call. Accuracy: the products are exact in fp32 and summed in fp32, like oneDNN's: its outputs are within one bf16 unit,
+as often correctly rounded as oneDNN's.
 """
 
 import functools
@@ -44,7 +45,7 @@ KERNEL = Extension("bf16_linear", fakes={OP: _shape})
 def unavailable() -> str | None:
     """None where the kernel runs (built and loaded once per process), else why not: this CPU has no bf16 dot
     product, or the kernel could not be built."""
-    if not torch.cpu._is_avx512_bf16_supported():
+    if not getattr(torch.cpu, "_is_avx512_bf16_supported", lambda: False)():
         return "this CPU has no AVX512-BF16 dot product"
     return KERNEL.load()
 
