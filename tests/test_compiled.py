@@ -159,12 +159,14 @@ def test_compiled_greedy_equals_eager_greedy_and_every_drafter_is_lossless_on_it
 
 
 @needs_compile
-def test_a_bf16_target_is_lossless_on_its_compiled_step():
+@pytest.mark.parametrize("family", ["llama", "qwen2"])  # qwen2: biased q, k and v products
+def test_a_bf16_target_is_lossless_on_its_compiled_step(family):
     """bf16 rounds every activation, so a node verified as one row of a tree must get the very bits it gets in a
-    one-node step, or tree methods drift from greedy decoding at near-ties; the step's attention kernel gives them
-    (its own contract: tests/test_tree_attention.py). On a bf16 target with 64-wide heads over prompts of up to 120
-    tokens, lookup and Medusa trees of 1 to 12 nodes give greedy's tokens on the same compiled step."""
-    target = tiny_target("llama", hidden_size=256, num_attention_heads=4, num_key_value_heads=2, intermediate_size=256)
+    one-node step, or tree methods drift from greedy decoding at near-ties; the step's attention kernel and (where the
+    CPU has a bf16 dot product) its products' kernel give them (their own contracts: tests/test_tree_attention.py,
+    tests/test_bf16_linear.py). On bf16 targets with 64-wide heads over prompts of up to 120 tokens, lookup and Medusa
+    trees of 1 to 12 nodes give greedy's tokens on the same compiled step."""
+    target = tiny_target(family, hidden_size=256, num_attention_heads=4, num_key_value_heads=2, intermediate_size=256)
     prepared = prepare_target(target.to(torch.bfloat16), tuned_layers=False, compile=True)
     prepared.step.options = {**prepared.step.options, "max_autotune": False}
     prompts = random_prompts(8, seed=5, min_len=20, max_len=120)
