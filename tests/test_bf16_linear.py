@@ -2,6 +2,8 @@
 bf16 unit, the same bits for a row at any row count and thread count, the layer swap sharing the weights, and clear
 errors for inputs it does not take. Skipped where the CPU has no AVX512-BF16."""
 
+import zipfile
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -87,6 +89,9 @@ def test_a_compiled_layer_runs_the_kernel_on_a_folded_pack(tmp_path):
         path = torch._inductor.aoti_compile_and_package(
             program, package_path=str(tmp_path / "layer.pt2"), inductor_configs={"freezing": True}
         )
+    with zipfile.ZipFile(path) as package:  # the generated code: no padding or permuting of the weight left in it
+        code = "".join(package.read(n).decode() for n in package.namelist() if n.endswith(".cpp"))
+    assert "bf16_linear" in code and "permute" not in code and "constant_pad_nd" not in code
     run = torch._inductor.aoti_load_package(path)
     assert torch.equal(run(x), product(x, layer.weight, layer.bias))
     assert torch.equal(run(x[:2]), run(x)[:2])

@@ -10,9 +10,9 @@ at one to four rows it streams the weights near the memory's speed, but from fiv
 an fp32 one (docs/cpu-kernels.md), so a bf16 target's trees stayed small. oneDNN's packed bf16 product multiplies in
 bf16, but costs half as much again at one to four rows. This kernel (`bf16_linear.cpp`) multiplies bf16 pairs with
 `vdpbf16ps` over a weight packed in blocks of 32 outputs (`pack`): the whole step costs what the template's does at
-one to four nodes and a third of it at 32 (docs/cpu-kernels.md). Each output is one fp32 sum over the weight's k-pairs in order, whatever the row count or
-the thread, so a tree row gets the bits of its one-node step, as the attention kernel does (`tree_attention.py`):
-the step stays exact against greedy decoding on the same step.
+one to four nodes and a third of it at 32 (docs/cpu-kernels.md). Each output is one fp32 sum over the weight's
+k-pairs in order, whatever the row count or the thread, so a tree row gets the bits of its one-node step, as the
+attention kernel does (`tree_attention.py`): the step stays exact against greedy decoding on the same step.
 
 In a compiled graph the pack is a function of a frozen weight, so the compiler folds it into a constant once; run
 eagerly (a prompt's prefill through the same copy), a `PackedLinear` computes `F.linear` instead of packing at every
@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .extension import Extension
-from .few_row_linear import copy_replacing
+from .layer_swap import copy_replacing
 
 OP = "medusa_like::bf16_linear"
 BLOCK = 32  # outputs of a packed block (bf16_linear.cpp's kBlockN)

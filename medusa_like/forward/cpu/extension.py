@@ -2,7 +2,7 @@
 
     kernel = Extension("tree_attention", fakes={op: shape_fn})   # tree_attention.cpp beside this file
     why = kernel.load()                                          # None once loaded; else why it cannot be built here
-    kernel.build_key()                                  # what the build depends on: source, flags, torch, machine
+    kernel.build_key()                                           # a build's source, flags, torch, machine
 
 A kernel is built (a few seconds) into the user cache, in a directory named by its build key, so a later process of
 the same source, flags, torch and machine loads the built library, and a changed one builds anew. Each kernel

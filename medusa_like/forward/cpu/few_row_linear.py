@@ -27,7 +27,6 @@ The swap shares the original parameters (no copy, same state-dict keys) and chan
 row count or kernel would: the target's greedy decoding stays the reference, computed with the same layers.
 """
 
-import copy
 import functools
 import logging
 import os
@@ -36,6 +35,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .layer_swap import copy_replacing
 from .row_plans import PLANNED_ROWS, cached_row_plan, row_plan
 
 log = logging.getLogger(__name__)
@@ -374,19 +374,6 @@ def measure_row_plans(model: nn.Module) -> None:
 def linear_kernel(model: nn.Module) -> str:
     """What computes `model`'s linear layers ("few_row" or "nn.Linear"): a cost model is only valid for the same."""
     return "few_row" if any(isinstance(m, FewRowLinear) for m in model.modules()) else "nn.Linear"
-
-
-def copy_replacing(model: nn.Module, replace) -> nn.Module:
-    """A copy of `model` sharing every parameter and buffer with it (no weight is copied; `model` is unchanged), each
-    child module for which `replace(child)` gives a module replaced by that."""
-    shared = {id(t): t for t in (*model.parameters(), *model.buffers())}
-    copied = copy.deepcopy(model, memo=shared)
-    for parent in list(copied.modules()):
-        for name, child in list(parent.named_children()):
-            replacement = replace(child)
-            if replacement is not None:
-                parent.register_module(name, replacement)
-    return copied
 
 
 def with_stock_linears(model: nn.Module) -> nn.Module:
