@@ -19,6 +19,7 @@ from medusa_like.forward.cost_measure import measure_cost_model
 from medusa_like.forward.cpu import few_row_linear, row_plans
 from medusa_like.forward.cpu.few_row_linear import (
     ANY_ROWS,
+    DOT,
     KERNEL_ROWS,
     MAX_ROWS,
     ONEDNN,
@@ -26,11 +27,11 @@ from medusa_like.forward.cpu.few_row_linear import (
     ROW_KERNELS,
     FewRowLinear,
     WeightPacks,
+    bf16_pack,
     few_row_product,
     kernel_rows,
     linear_kernel,
     mkl_packs_available,
-    onednn_bf16_packs_available,
     onednn_packs_available,
     set_prefill_kernel,
     set_row_kernel,
@@ -168,33 +169,42 @@ def test_a_onednn_row_kernel_runs_one_pack_for_every_row_count_it_is_set_for():
         set_prefill_kernel(target, "packed")
 
 
-@pytest.mark.skipif(
-    not onednn_bf16_packs_available(), reason="no AMX or AVX512-BF16: bf16 layers keep nn.Linear's kernel"
-)
-def test_bf16_layers_run_on_one_onednn_pack_for_every_row_count():
+BF16_PACK = bf16_pack(torch.zeros(1, dtype=torch.bfloat16))  # what bf16 layers run on here: DOT, ANY_ROWS or None
+
+
+@pytest.mark.skipif(BF16_PACK is None, reason="no AVX512-BF16 or AMX: bf16 layers keep nn.Linear's kernel")
+def test_bf16_layers_run_on_one_pack_for_every_row_count_and_a_row_gets_the_same_bits_in_any():
+    """One pack a layer (the dot-product kernel's where the CPU has AVX512-BF16, else oneDNN's), made at the swap,
+    serves every row count; on the kernel's a row's product does not depend on the rows beside it (oneDNN's bf16 pack
+    gave a row of a 4-row down projection other bits than alone)."""
     target = tiny_target("llama", tie_word_embeddings=False).to(torch.bfloat16)
     assert worth_swapping(target)
     use_few_row_linears(target)
     layer = target.model.layers[0].mlp.up_proj
-    assert layer.plan == () and set(layer.packs.packs) == {ANY_ROWS}  # made at the swap; fp32's row plans not needed
+    assert layer.plan == () and set(layer.packs.packs) == {BF16_PACK}  # fp32's row plans not needed
     for rows in (1, 3, 16, MAX_ROWS + 1):
         x = torch.randn(1, rows, layer.in_features, dtype=torch.bfloat16)  # [B, T, H]
         torch.testing.assert_close(layer(x), F.linear(x, layer.weight), rtol=1.6e-2, atol=1e-2)
+        if BF16_PACK == DOT:
+            assert torch.equal(torch.cat([layer(x[:, i : i + 1]) for i in range(rows)], 1), layer(x))
     with torch.no_grad():
         layer.weight.mul_(2)  # a pack of the old weight would give half the product
     torch.testing.assert_close(layer(x), F.linear(x, layer.weight), rtol=1.6e-2, atol=1e-2)
     sync_packs(target)  # bf16 layers keep their pack, and need no other
-    assert set(layer.packs.packs) == {ANY_ROWS}
+    assert set(layer.packs.packs) == {BF16_PACK}
     assert linear_kernel(target) == "few_row" and linear_kernel(with_stock_linears(target)) == "nn.Linear"
 
 
-def test_bf16_layers_are_swapped_only_where_onednn_packs_run(monkeypatch):
+def test_bf16_layers_are_swapped_only_where_a_bf16_pack_runs(monkeypatch):
     target = tiny_target("llama")
     assert worth_swapping(target)  # fp32 on a CPU: always
+    monkeypatch.setattr(few_row_linear.bf16_linear, "unavailable", lambda: "no AVX512-BF16")
     monkeypatch.setattr(few_row_linear, "onednn_bf16_packs_available", lambda: False)
-    assert not worth_swapping(target.to(torch.bfloat16))
-    monkeypatch.setattr(few_row_linear, "onednn_bf16_packs_available", lambda: True)
-    assert worth_swapping(target)
+    assert not worth_swapping(target.to(torch.bfloat16)) and bf16_pack(target.lm_head.weight) is None
+    monkeypatch.setattr(few_row_linear, "onednn_bf16_packs_available", lambda: True)  # AMX without AVX512-BF16
+    assert worth_swapping(target) and bf16_pack(target.lm_head.weight) == ANY_ROWS
+    monkeypatch.setattr(few_row_linear.bf16_linear, "unavailable", lambda: None)
+    assert worth_swapping(target) and bf16_pack(target.lm_head.weight) == DOT
     monkeypatch.setattr(few_row_linear, "PACK_MEMORY_SHARE", 0.0)  # a pack of every weight would not fit
     assert not worth_swapping(target)
 
@@ -329,17 +339,15 @@ def test_decoding_with_few_row_linears_equals_the_targets_greedy(family, drafter
         assert accepted > 0
 
 
-@pytest.mark.skipif(
-    not onednn_bf16_packs_available(), reason="no AMX or AVX512-BF16: bf16 layers keep nn.Linear's kernel"
-)
+@pytest.mark.skipif(BF16_PACK is None, reason="no AVX512-BF16 or AMX: bf16 layers keep nn.Linear's kernel")
 @pytest.mark.parametrize("family", ["llama", "qwen2"])
 @pytest.mark.parametrize("drafter", ["eagle3", "lookup"])
-def test_bf16_decoding_on_onednn_packs_equals_the_targets_greedy(family, drafter):
+def test_bf16_decoding_on_bf16_packs_equals_the_targets_greedy(family, drafter):
     """In bf16 the tree's rows and greedy's single row run on the same packs (the target's own bf16 greedy decoding
-    with the same layers is the reference, as in fp32)."""
+    with the same layers is the reference, as in fp32), and attend by the row-invariant kernel where it builds."""
     target = tiny_target(family).to(torch.bfloat16)
-    model = MedusaLikeModel(target, None, kind_named(drafter).fresh(target), backend="sdpa")
-    assert set(model.target.model.layers[0].mlp.up_proj.packs.packs) == {ANY_ROWS}
+    model = MedusaLikeModel(target, None, kind_named(drafter).fresh(target))
+    assert set(model.target.model.layers[0].mlp.up_proj.packs.packs) == {BF16_PACK}
     for ids in random_prompts(3, seed=5):
         expected = greedy_reference(model.target, ids, 24)
         out = model.generate(ids, max_new_tokens=24, tree="dynamic", eos_token_id=[])

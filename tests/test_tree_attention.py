@@ -1,6 +1,7 @@
 """The row-invariant attention kernel of the compiled CPU step (forward/cpu/tree_attention.py): SDPA's result to
 rounding, the bits of a node's one-node step in any tree (fp32 and bf16, head sizes from 8 to 256, grouped heads, any
-committed length), and clear errors for inputs it does not take."""
+committed length), and clear errors for inputs it does not take; and the eager step's `rows` backend over it, the
+default of bf16 CPU targets, lossless where SDPA was not."""
 
 import logging
 import os
@@ -11,7 +12,15 @@ import torch
 import torch.nn.functional as F
 
 from medusa_like.benchmarks.attention import TREES, drifting_rows, tree_inputs
+from medusa_like.decoding.step import EagerStep
+from medusa_like.decoding.tree import BudgetedTreeSpec
+from medusa_like.decoding.tree_files import resolve_tree
+from medusa_like.drafters.lookup import LookupDrafter
+from medusa_like.forward import prepare_target
 from medusa_like.forward.cpu import extension, tree_attention
+from medusa_like.model import MedusaLikeModel
+
+from .conftest import VOCAB, random_heads, random_prompts, tiny_target
 
 pytestmark = pytest.mark.skipif(tree_attention.unavailable() is not None, reason=f"{tree_attention.unavailable()}")
 
@@ -96,3 +105,69 @@ def test_inputs_it_does_not_take_are_refused_with_what_is_wrong(change, message)
                                               dtype=torch.float32)  # fmt: skip
     with pytest.raises(RuntimeError, match=message):
         attend(*change(query, key, value, visible), 0.125)
+
+
+@pytest.mark.parametrize("family", ["llama", "mistral"])  # mistral: a sliding window shorter than the prompt
+def test_the_rows_backend_gives_sdpas_logits_to_rounding_and_each_row_its_one_node_bits(family):
+    """The eager step of a bf16 target with attention `rows`: a tree step's logits are SDPA's to bf16 rounding (tree
+    mask, positions and sliding window as decoding/attention.py's contract says), and each node's are bit for bit
+    those of the node run alone after its ancestors (what greedy decoding computes)."""
+    overrides = {"sliding_window": 8} if family == "mistral" else {}
+    target = tiny_target(family, **overrides).to(torch.bfloat16)
+    tree = resolve_tree("small", 4)
+    g = torch.Generator().manual_seed(4)
+    prompt = torch.randint(0, VOCAB, (1, 13), generator=g)
+    tokens = torch.randint(0, VOCAB, (tree.num_nodes,), generator=g)
+
+    def tree_step(backend):
+        step = EagerStep(target, backend)
+        cache = step.new_cache(13 + tree.num_nodes)
+        with torch.inference_mode():
+            step.forward(prompt, torch.arange(13)[None], None, cache, last=True)
+            cache.commit_all(13)
+            logits, _ = step.forward(tokens[None], (13 + tree.depth)[None], tree.attention_mask[None, None], cache)
+        return logits, step, cache
+
+    rows, step, cache = tree_step(tree_attention.BACKEND)
+    torch.testing.assert_close(rows.float(), tree_step("sdpa")[0].float(), atol=0.05, rtol=0.05)
+    with torch.inference_mode():
+        for node in range(tree.num_nodes):  # the node after its ancestors, one token a step, as greedy decoding
+            cache.rewind(13)
+            ancestors = tree.attention_mask[node].nonzero().flatten().tolist()  # root to node
+            for depth, index in enumerate(ancestors):
+                alone, _ = step.forward(tokens[index].view(1, 1), torch.tensor([[13 + depth]]),
+                                        torch.ones(1, 1, 1, 1, dtype=torch.bool), cache)  # fmt: skip
+                cache.commit_all(1)
+            assert torch.equal(alone[0], rows[node]), node
+
+
+def test_an_eager_bf16_target_attends_by_rows_and_its_trees_give_greedys_tokens(monkeypatch):
+    """A bf16 CPU target's eager step (the Python API's default) attends by the kernel, so a tree row gets its
+    one-node step's bits and tree methods equal greedy decoding on the same step: with SDPA, tree rows rounded apart
+    and these trees left greedy's tokens (the same prompts, `backend="sdpa"`: the last assertion). An fp32 target
+    keeps SDPA, as does a bf16 one where the kernel cannot be built, and a backend asked for is the one used."""
+    target = tiny_target("llama", hidden_size=256, num_attention_heads=4, num_key_value_heads=2, intermediate_size=256)
+    target = target.to(torch.bfloat16)
+    prepared = prepare_target(target, compile=False)
+    assert prepared.backend == tree_attention.BACKEND and prepared.step is prepared.eager
+    prompts = random_prompts(8, seed=5, min_len=20, max_len=120)
+    heads = random_heads(hidden=256)
+
+    def mismatches(backend) -> int:
+        prepare_target(target, backend=backend)
+        plain = MedusaLikeModel(prepared, None, heads)
+        references = [plain.generate(p, max_new_tokens=40, tree="none", eos_token_id=[]).new_tokens for p in prompts]
+        differ = 0
+        for drafter, tree in [(LookupDrafter(), BudgetedTreeSpec(None, 12, 8)), (heads, "medusa"), (heads, "chain")]:
+            model = MedusaLikeModel(prepared, None, drafter)
+            for prompt, reference in zip(prompts, references, strict=True):
+                out = model.generate(prompt, max_new_tokens=40, tree=tree, eos_token_id=[], remember=False)
+                differ += not torch.equal(out.new_tokens, reference)
+        return differ
+
+    assert mismatches("auto") == 0
+    assert prepared.backend == tree_attention.BACKEND
+    assert mismatches("sdpa") > 0 and prepared.backend == "sdpa"  # the check can fail: SDPA's rows drift
+    assert prepare_target(tiny_target("llama"), compile=False).backend == "sdpa"
+    monkeypatch.setattr(tree_attention, "unavailable", lambda: "not built")  # where it cannot be built: SDPA
+    assert prepare_target(tiny_target("llama").to(torch.bfloat16), compile=False).backend == "sdpa"

@@ -7,7 +7,7 @@ Greedy decoding on the compiled step (the reference of every method) computes ea
 step computes the same token as one row of many. `scaled_dot_product_attention` sums a row's keys in an order that
 depends on the rows beside it, the key count and where the masked keys sit, so a bf16 target's tree steps drifted
 from its greedy steps and flipped near-ties; the step now attends by `forward/cpu/tree_attention.py`'s kernel, which
-computes every row alone (docs/cpu-kernels.md, "The compiled step on an AVX512-BF16 EPYC").
+computes every row alone (docs/cpu-kernels.md, "The attention kernel").
 
 For each dtype, every row of each tree in TREES after each committed length in CHECKED_PREFIXES is compared bit for
 bit with the same node computed as a one-node step (its ancestors committed in consecutive slots, a masked dummy row

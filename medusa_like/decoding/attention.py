@@ -14,6 +14,9 @@ Backends:
            tree tokens, and an exact merge of the two partial softmaxes. flash-attn takes no arbitrary mask, hence the
            split. Without CUDA the kernel is replaced by `reference_flash_attn_with_kvcache`, a plain-torch
            implementation of the same contract, so the split-and-merge is tested everywhere.
+
+A backend that needs a machine's own kernel is added by the room that owns the kernel (`register_backend`: the
+`rows` backend of `medusa_like.forward`, a row-invariant attention for bf16 CPU targets); this module never names one.
 """
 
 import importlib.util
@@ -22,8 +25,6 @@ from contextlib import contextmanager
 import torch
 import torch.nn.functional as F
 from transformers import AttentionInterface
-
-BACKENDS = ("eager", "sdpa", "flash")
 
 
 def flash_available() -> bool:
@@ -34,8 +35,8 @@ def pick_backend(backend: str, device: torch.device) -> str:
     """'auto' -> flash when usable on `device`, else sdpa. A forced backend is checked."""
     if backend == "auto":
         return "flash" if device.type == "cuda" and flash_available() else "sdpa"
-    if backend not in BACKENDS:
-        raise ValueError(f"unknown attention backend {backend!r}; choose from {('auto', *BACKENDS)}")
+    if backend not in _FUNCTIONS:
+        raise ValueError(f"unknown attention backend {backend!r}; choose from {('auto', *_FUNCTIONS)}")
     return backend
 
 
@@ -59,7 +60,8 @@ def visible_keys(tree_mask: torch.Tensor | None, q_len: int, kv_len: int, slidin
     return visible
 
 
-def _tree_block(attention_mask: torch.Tensor | None) -> torch.Tensor | None:
+def tree_block(attention_mask: torch.Tensor | None) -> torch.Tensor | None:
+    """The [T, T] tree mask a backend gets as `attention_mask` ([1, 1, T, T] bool), or None (a causal block)."""
     if attention_mask is None:
         return None
     if attention_mask.dim() != 4 or attention_mask.dtype != torch.bool or attention_mask.shape[0] != 1:
@@ -162,7 +164,7 @@ def eager_tree_attention(
     module, query, key, value, attention_mask, scaling=None, sliding_window=None, softcap=None, **kwargs
 ):
     scaling = scaling if scaling is not None else query.shape[-1] ** -0.5
-    visible = visible_keys(_tree_block(attention_mask), query.shape[2], key.shape[2], sliding_window)
+    visible = visible_keys(tree_block(attention_mask), query.shape[2], key.shape[2], sliding_window)
     out, _ = attention_with_lse(query, key, value, visible.to(query.device), scaling, softcap)
     return out, None
 
@@ -173,7 +175,7 @@ def sdpa_tree_attention(
     if softcap:  # sdpa has no logit soft-capping
         return eager_tree_attention(module, query, key, value, attention_mask, scaling, sliding_window, softcap)
     q_len, kv_len = query.shape[2], key.shape[2]
-    block = _tree_block(attention_mask)
+    block = tree_block(attention_mask)
     gqa = query.shape[1] != key.shape[1]
     if block is None and not sliding_window and q_len == kv_len:
         out = F.scaled_dot_product_attention(query, key, value, is_causal=True, scale=scaling, enable_gqa=gqa)
@@ -191,7 +193,7 @@ def flash_tree_attention(
     q_len, kv_len = query.shape[2], key.shape[2]
     q = query.transpose(1, 2)  # [B, T, H, D]
     k_all, v_all = key.transpose(1, 2), value.transpose(1, 2)  # [B, S, H_kv, D]
-    block = _tree_block(attention_mask)
+    block = tree_block(attention_mask)
     if block is None:  # causal block at the end of the cache: the kernel does it alone
         window = (sliding_window - 1, 0) if sliding_window else (-1, -1)
         out = kernel(
@@ -234,9 +236,18 @@ def flash_tree_attention(
     return out, None
 
 
-_FUNCTIONS = {"eager": eager_tree_attention, "sdpa": sdpa_tree_attention, "flash": flash_tree_attention}
-for _name, _fn in _FUNCTIONS.items():
-    AttentionInterface.register(f"medusa_like_{_name}", _fn)
+_FUNCTIONS = {}
+
+
+def register_backend(name: str, function) -> None:
+    """Make `function` (transformers' attention-function signature, this module's mask contract) the backend `name`,
+    for `pick_backend`, `tree_attention` and `EagerStep`."""
+    _FUNCTIONS[name] = function
+    AttentionInterface.register(f"medusa_like_{name}", function)
+
+
+for _name, _fn in {"eager": eager_tree_attention, "sdpa": sdpa_tree_attention, "flash": flash_tree_attention}.items():
+    register_backend(_name, _fn)
 
 
 @contextmanager

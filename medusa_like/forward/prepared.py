@@ -35,6 +35,7 @@ from medusa_like.targets import floating_dtype, weights_fingerprint
 from . import cost_cache
 from .compiled import CompiledStep
 from .compiled_draft import DraftCompiler
+from .cpu import tree_attention
 from .cpu.few_row_linear import (
     measure_row_plans,
     use_few_row_linears,
@@ -57,7 +58,7 @@ class PreparedTarget:
     """One target on this machine (see the module docstring); made by `prepare_target`."""
 
     def __init__(self, target, backend: str, tuned_layers: bool | None):
-        self.target, self.backend = target, pick_backend(backend, target.device)
+        self.target, self.backend = target, eager_backend(backend, target)
         swap = worth_swapping(target) if tuned_layers is None else tuned_layers
         self.tuned = bool(swap) and target.device.type == "cpu"
         if self.tuned:
@@ -255,6 +256,16 @@ def _announce(count: int, what: str) -> None:
         _announced.append(True)
 
 
+def eager_backend(backend: str, target) -> str:
+    """The eager step's attention backend for `backend` ("auto" or a name, `decoding/attention.py`): "auto" on a
+    bf16 CPU target is the row-invariant kernel's (`cpu/tree_attention.py`), where it builds: SDPA's rounding moves
+    with a step's row count, and in bf16 that flips near-ties between a tree row and greedy decoding's one-node step."""
+    if backend == "auto" and target.device.type == "cpu" and target.dtype == torch.bfloat16:
+        if tree_attention.unavailable() is None:  # else it logged why, and SDPA attends
+            return tree_attention.BACKEND
+    return pick_backend(backend, target.device)
+
+
 def prepare_target(
     target, backend: str = "auto", tuned_layers: bool | None = None, compile: bool | str = False
 ) -> PreparedTarget:
@@ -264,8 +275,8 @@ def prepare_target(
     prepared = _PREPARED.get(target)
     if prepared is None:
         prepared = _PREPARED[target] = PreparedTarget(target, backend, tuned_layers)
-    elif pick_backend(backend, target.device) != prepared.backend:  # another attention backend; the layers stay
-        prepared.backend = pick_backend(backend, target.device)
+    elif eager_backend(backend, target) != prepared.backend:  # another attention backend; the layers stay
+        prepared.backend = eager_backend(backend, target)
         prepared.eager = EagerStep(target, prepared.backend)
     prepared.use_compiled(compile)
     return prepared

@@ -1,5 +1,5 @@
-"""bf16 products of a compiled step's few rows by the CPU's bf16 dot product (AVX512-BF16), the same bits at any row
-count.
+"""bf16 products of a step's few rows by the CPU's bf16 dot product (AVX512-BF16), the same bits at any row count:
+the compiled step's, and the eager few-row layers' of a bf16 model.
 
     reason = bf16_linear.unavailable()          # None where the kernel runs (an AVX512-BF16 CPU, the kernel built)
     traced = with_packed_linears(model)         # a copy whose bf16 linear layers run the kernel in compiled graphs
@@ -16,7 +16,9 @@ attention kernel does (`tree_attention.py`): the step stays exact against greedy
 
 In a compiled graph the pack is a function of a frozen weight, so the compiler folds it into a constant once; run
 eagerly (a prompt's prefill through the same copy), a `PackedLinear` computes `F.linear` instead of packing at every
-call. Accuracy: the products are exact in fp32 and summed in fp32, like oneDNN's: its outputs are within one bf16 unit,
+call. The eager step's few-row layers keep a pack of their own and compute every bf16 product on it
+(`few_row_linear.bf16_pack`): oneDNN's bf16 pack, which they ran before, gave a row of a 4-row product other bits than
+the row alone, and tree methods left greedy decoding on the eager bf16 step. Accuracy: the products are exact in fp32 and summed in fp32, like oneDNN's: its outputs are within one bf16 unit,
 as often correctly rounded as oneDNN's.
 """
 

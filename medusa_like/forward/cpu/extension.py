@@ -60,6 +60,10 @@ class Extension:
             _find_ninja()
             directory.mkdir(parents=True, exist_ok=True)
             clear_stale_lock(directory)
+            if not any(directory.glob("*.so")):
+                log.info(
+                    "building the %s kernel into %s: once for this machine and torch (seconds)", self.name, directory
+                )
             # the builder takes a lock in `directory`: two processes building at once build it once
             cpp_extension.load(
                 name=f"medusa_like_{self.name}",

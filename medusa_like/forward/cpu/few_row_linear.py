@@ -19,9 +19,11 @@ oneDNN lays a weight out once for every row count (`torch.ops.mkldnn._reorder_li
 for frozen bf16 CPU linears) and runs its own JIT kernels for the CPU's instruction set, whoever made the CPU; MKL
 takes slower paths on some vendors' CPUs. So oneDNN's pack is a row kernel too (plan entry ONEDNN), picked per tree
 size the same way, and a prompt's products over MAX_ROWS rows run on it where the measurement found that faster than
-F.linear (`FewRowLinear.prefill`; `python -m eval.bench prefill`). In bf16 on a CPU with AMX or AVX512-BF16 every product runs
-on it, whatever the plan (`F.linear` in bf16 reorders the weight at every call). Row plans are fp32's: bf16 layers
-carry none.
+F.linear (`FewRowLinear.prefill`; `python -m eval.bench prefill`). bf16 layers carry no row plans: on a CPU with
+AVX512-BF16 every bf16 product runs this project's dot-product kernel over its pack (`bf16_linear.py`), which gives a
+row the same bits at any row count, so that tree steps round as one-node steps do (oneDNN's bf16 pack did not: a
+row of a 4-row down projection came out otherwise than alone); on one with AMX alone, oneDNN's pack (`F.linear` in
+bf16 reorders the weight at every call).
 
 The swap shares the original parameters (no copy, same state-dict keys) and changes only fp32 rounding, as any other
 row count or kernel would: the target's greedy decoding stays the reference, computed with the same layers.
@@ -35,6 +37,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from . import bf16_linear
 from .layer_swap import copy_replacing
 from .row_plans import PLANNED_ROWS, cached_row_plan, row_plan
 
@@ -84,13 +87,19 @@ def onednn_bf16_packs_available() -> bool:
 # the operators `few_row_product`'s kernels run, as torch's profiler names them (what a benchmark counts as products)
 PROFILED_PRODUCTS = ("aten::mm", "aten::addmm", "mkldnn::_linear_pointwise", "mkl::_mkl_linear")
 ANY_ROWS = 0  # the key of a oneDNN pack: one layout serves every row count
+DOT = "dot"  # the key of a bf16 pack for the dot-product kernel (`bf16_linear.pack`): every row count too
 # what a layer runs until its weight's plan is measured: F.linear for one row, weight-first over 2..MAX_ROWS rows
 UNMEASURED_PLAN = (0, *range(2, PLANNED_ROWS + 1))
 
 
-def runs_onednn_bf16(weight: torch.Tensor) -> bool:
-    """Whether a layer of this weight computes on oneDNN's bf16 pack (whatever its plan)."""
-    return weight.dtype == torch.bfloat16 and weight.device.type == "cpu" and onednn_bf16_packs_available()
+def bf16_pack(weight: torch.Tensor) -> int | str | None:
+    """The pack every product of a layer of this weight runs on, whatever its plan: for bf16 on a CPU, the
+    dot-product kernel's (DOT) where it runs, else oneDNN's (ANY_ROWS) where those run; None for other weights."""
+    if weight.dtype != torch.bfloat16 or weight.device.type != "cpu":
+        return None
+    if bf16_linear.unavailable() is None:
+        return DOT
+    return ANY_ROWS if onednn_bf16_packs_available() else None
 
 
 class WeightPacks:
@@ -99,14 +108,16 @@ class WeightPacks:
     in the state dict, and not copied with the layer."""
 
     def __init__(self):
-        self.packs: dict[int, tuple[tuple, torch.Tensor]] = {}  # rows -> ((weight version, address), pack)
+        self.packs: dict[int | str, tuple[tuple, torch.Tensor]] = {}  # rows -> ((weight version, address), pack)
 
     def get(self, weight: torch.Tensor, rows: int) -> torch.Tensor:
         stamp = weight_stamp(weight)
         found = self.packs.get(rows)
         if found is None or found[0] != stamp:
             with torch.no_grad():
-                if rows == ANY_ROWS:
+                if rows == DOT:
+                    pack = bf16_linear.pack(weight.detach())
+                elif rows == ANY_ROWS:
                     pack = torch.ops.mkldnn._reorder_linear_weight(weight.detach())
                 else:
                     pack = torch.ops.mkl._mkl_reorder_linear_weight(weight.detach(), rows)
@@ -114,7 +125,7 @@ class WeightPacks:
             self.packs[rows] = found
         return found[1]
 
-    def keep(self, rows: set[int]) -> None:
+    def keep(self, rows: set[int | str]) -> None:
         self.packs = {m: pack for m, pack in self.packs.items() if m in rows}
 
     def __len__(self) -> int:
@@ -140,11 +151,14 @@ def few_row_product(
     """`F.linear(x, weight, bias)` by the kernel `plan` names for x's row count (`row_plans.py`): 0 -> F.linear,
     m -> weight-first over the rows padded with zero rows to m, -m -> MKL's packed sgemm over them padded to m,
     ONEDNN -> oneDNN's packed product (both need `packs`). Row counts the plan does not cover: weight-first for
-    2..MAX_ROWS; over MAX_ROWS (a prefill) the entry `prefill`, 0 or ONEDNN. bf16 with `packs` where oneDNN's bf16
-    packs run: oneDNN for any row count, whatever the plan."""
+    2..MAX_ROWS; over MAX_ROWS (a prefill) the entry `prefill`, 0 or ONEDNN. bf16 with `packs`: the kernel of
+    `bf16_pack` for any row count, whatever the plan."""
     if weight.device.type != "cpu":  # CPU kernels: a layer moved to another device (a trainer's GPU) runs F.linear
         return F.linear(x, weight, bias)
-    if packs is not None and runs_onednn_bf16(weight):
+    shared = bf16_pack(weight) if packs is not None else None
+    if shared == DOT:
+        return torch.ops.medusa_like.bf16_linear(x, packs.get(weight, DOT), bias, weight.shape[0])
+    if shared == ANY_ROWS:
         return onednn_product(x, packs, weight, bias)
     rows = x.numel() // x.shape[-1]
     if rows > MAX_ROWS:
@@ -236,11 +250,12 @@ def usable_row_kernels(model: nn.Module) -> tuple[str, ...]:
     return tuple(k for k in ROW_KERNELS if usable.get(k, True))
 
 
-def wanted_packs(module: FewRowLinear) -> set[int]:
-    """The packs a layer runs: its oneDNN pack (key ANY_ROWS) for bf16 where those run or where its plan or prefill
+def wanted_packs(module: FewRowLinear) -> set[int | str]:
+    """The packs a layer runs: for bf16 its `bf16_pack`; else its oneDNN pack (key ANY_ROWS) where its plan or prefill
     names ONEDNN, and an MKL pack for each row count -m its plan names."""
-    if runs_onednn_bf16(module.weight):
-        return {ANY_ROWS}
+    shared = bf16_pack(module.weight)
+    if shared is not None:
+        return {shared}
     entries = (*module.plan, module.prefill)
     return {ANY_ROWS if entry == ONEDNN else -entry for entry in entries if entry < 0}
 
@@ -280,12 +295,12 @@ def has_row_plans(model: nn.Module) -> bool:
 
 
 def worth_swapping(module: nn.Module) -> bool:
-    """Measured on x86 CPUs: fp32, and bf16 where oneDNN's bf16 packs run and one pack of every weight fits in memory;
-    other devices and dtypes keep their own kernels."""
+    """Measured on x86 CPUs: fp32, and bf16 where a bf16 pack runs (`bf16_pack`) and one of every weight fits in
+    memory; other devices and dtypes keep their own kernels."""
     weight = next(module.parameters(), None)
     if weight is None or weight.device.type != "cpu":
         return False
-    return weight.dtype == torch.float32 or (runs_onednn_bf16(weight) and packs_fit(module, 1))
+    return weight.dtype == torch.float32 or (bf16_pack(weight) is not None and packs_fit(module, 1))
 
 
 def use_few_row_linears(model, plans: bool | str = True) -> int:
@@ -293,7 +308,7 @@ def use_few_row_linears(model, plans: bool | str = True) -> int:
     `FewRowLinear` sharing its parameters; returns how many were replaced. fp32 layers get their weight's row plan:
     `plans=True` measures the missing ones (`row_plans.row_plan`), "cached" takes those this machine's cache holds and
     gives the others UNMEASURED_PLAN until `measure_row_plans` (nothing is measured: what a model's construction
-    uses), False none. bf16 layers get their oneDNN pack now instead, where it runs. Idempotent: a layer keeps a
+    uses), False none. bf16 layers get their bf16 pack now instead (`bf16_pack`), where one runs. Idempotent: a layer keeps a
     measured plan, and the kernels set in it, when called again."""
     swapped = 0
     for parent in list(model.modules()):
@@ -302,7 +317,7 @@ def use_few_row_linears(model, plans: bool | str = True) -> int:
                 parent.register_module(name, FewRowLinear.sharing(child))
                 swapped += 1
     if plans:
-        layers = [m for m in model.modules() if isinstance(m, FewRowLinear) and not runs_onednn_bf16(m.weight)]
+        layers = [m for m in model.modules() if isinstance(m, FewRowLinear) and bf16_pack(m.weight) is None]
         _give_plans(layers, measure=plans is True)
     sync_packs(model)  # bf16 packs made now, not in the first timed step
     return swapped

@@ -22,12 +22,18 @@ value [1, H_kv, S, D], visible [1, 1, T, S] bool (every row sees at least one ke
 It is built on first use with torch's C++ extension builder (a few seconds), into the user cache, keyed by its source,
 the compiler flags, torch's version and the machine; a later process loads the built library. Where it cannot be
 built (no compiler, no ninja), `unavailable()` says why and the step attends by SDPA, as before.
+
+The eager step of a bf16 target attends through it too (`rows_attention`, the attention backend `rows`:
+`decoding/attention.py`'s contract), for the same reason: with SDPA (and oneDNN's bf16 products, which the few-row
+layers no longer run there) tree methods left bf16 greedy decoding on 17 of 24 MT-Bench prompts (docs/decoding.md).
 """
 
 import functools
 import logging
 
 import torch
+
+from medusa_like.decoding import attention
 
 from .extension import Extension
 
@@ -50,7 +56,11 @@ def unavailable() -> str | None:
     else why it cannot here (the caller attends by SDPA)."""
     why = KERNEL.load()
     if why:
-        log.warning("%s: the compiled step attends by SDPA, whose tree rows may round apart from one-node steps", why)
+        log.warning(
+            "%s: the compiled step (and an eager bf16 one) attends by SDPA, whose tree rows may round apart from "
+            "one-node steps",
+            why,
+        )
     return why
 
 
@@ -65,3 +75,24 @@ def supports(query: torch.Tensor, softcap) -> bool:
         and not softcap
         and unavailable() is None
     )
+
+
+BACKEND = "rows"  # the eager step's attention backend over this kernel
+
+
+def rows_attention(module, query, key, value, attention_mask, scaling=None, sliding_window=None, softcap=None, **kw):
+    """The eager step's attention backend `rows` (`decoding/attention.py`'s contract: a [1, 1, T, T] tree mask, or
+    None for a causal block, over the live cache): a step's rows attend by the kernel, each alone; a whole sequence
+    (a prompt's prefill, as in the compiled step) and what the kernel does not take (`supports`) by SDPA."""
+    rows, keys = query.shape[2], key.shape[2]
+    if rows == keys or not supports(query, softcap):
+        return attention.sdpa_tree_attention(
+            module, query, key, value, attention_mask, scaling, sliding_window, softcap
+        )
+    visible = attention.visible_keys(attention.tree_block(attention_mask), rows, keys, sliding_window)  # [T, S]
+    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    out = torch.ops.medusa_like.tree_attention(query, key, value, visible[None, None].to(query.device), scale)
+    return out.transpose(1, 2), None  # [1, T, H, D]
+
+
+attention.register_backend(BACKEND, rows_attention)
