@@ -8,11 +8,13 @@ drafter computes with beside it.
     prepared.adopt(drafter, "auto")  # a drafter cast to its drafting dtype, its layers this machine's (or compiled)
     prepared.stock()                 # the target as transformers ships it, sharing every weight (a baseline)
 
-Eager, on CPUs (fp32, and bf16 where oneDNN's bf16 packs run), the target's and the drafter's `nn.Linear` layers are
-replaced in place by few-row layers sharing their parameters (`cpu/few_row_linear.py`), their kernels set by the
-cost model measured for this machine. Compiled (`compiled.py`), the target keeps its own layers and Inductor computes
-them (bf16 ones this project's dot-product kernel, where the CPU has one: `cpu/bf16_linear.py`); where the compiled step cannot run, the eager one does, and the log says why. Either rounds differently from
-transformers as it ships: the reference of every comparison is greedy decoding on the same step.
+Eager, on CPUs (fp32, and bf16 where the CPU computes bf16), the target's and the drafter's `nn.Linear` layers are
+replaced in place by few-row layers sharing their parameters (`cpu/few_row_linear.py`), their kernels set by the cost
+model measured for this machine (bf16 ones on this project's dot-product kernel, `cpu/bf16_linear.py`); a bf16 target
+attends by the row-invariant kernel (`eager_backend`), so that its tree rows round as its one-node steps do. Compiled
+(`compiled.py`), the target keeps its own layers and Inductor computes them (bf16 ones on the dot-product kernel, where
+the CPU has one); where the compiled step cannot run, the eager one does, and the log says why. Either rounds
+differently from transformers as it ships: the reference of every comparison is greedy decoding on the same step.
 """
 
 import functools

@@ -18,8 +18,8 @@ In a compiled graph the pack is a function of a frozen weight, so the compiler f
 eagerly (a prompt's prefill through the same copy), a `PackedLinear` computes `F.linear` instead of packing at every
 call. The eager step's few-row layers keep a pack of their own and compute every bf16 product on it
 (`few_row_linear.bf16_pack`): oneDNN's bf16 pack, which they ran before, gave a row of a 4-row product other bits than
-the row alone, and tree methods left greedy decoding on the eager bf16 step. Accuracy: the products are exact in fp32 and summed in fp32, like oneDNN's: its outputs are within one bf16 unit,
-as often correctly rounded as oneDNN's.
+the row alone, and tree methods left greedy decoding on the eager bf16 step. Accuracy: the products are exact in fp32
+and summed in fp32, like oneDNN's: its outputs are within one bf16 unit, as often correctly rounded as oneDNN's.
 """
 
 import functools

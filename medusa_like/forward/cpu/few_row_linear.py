@@ -307,8 +307,8 @@ def use_few_row_linears(model, plans: bool | str = True) -> int:
     """Replace every `nn.Linear` inside `model` (a module, or a drafter: anything with `.modules()`), in place, by a
     `FewRowLinear` sharing its parameters; returns how many were replaced. fp32 layers get their weight's row plan:
     `plans=True` measures the missing ones (`row_plans.row_plan`), "cached" takes those this machine's cache holds and
-    gives the others UNMEASURED_PLAN until `measure_row_plans` (nothing is measured: what a model's construction
-    uses), False none. bf16 layers get their bf16 pack now instead (`bf16_pack`), where one runs. Idempotent: a layer keeps a
+    gives the others UNMEASURED_PLAN until `measure_row_plans` (nothing is measured: what a model's construction uses),
+    False none. bf16 layers get their bf16 pack now instead (`bf16_pack`), where one runs. Idempotent: a layer keeps a
     measured plan, and the kernels set in it, when called again."""
     swapped = 0
     for parent in list(model.modules()):
