@@ -362,6 +362,25 @@ def test_wandb_offline_run_holds_the_per_head_metrics(tmp_path, data_dir, monkey
         assert f"val/acc_top1_head{k}".encode() in blob and f"val/acc_top5_head{k}".encode() in blob
 
 
+@pytest.mark.slow
+def test_a_run_that_raises_leaves_no_wandb_run_open(tmp_path, data_dir, monkeypatch):
+    """train() closes its W&B run however it ends: an open one would take the next run's logs in this process."""
+    import wandb
+
+    from medusa_like.apps import train as train_app
+
+    def fail(*args):
+        assert wandb.run is not None  # the run was open when training ended
+        raise RuntimeError("stopped after fitting")
+
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    monkeypatch.setattr(train_app, "check_trained", fail)
+    cfg = compose_train(tmp_path, data_dir, "logger=wandb", "trainer.max_epochs=1", "export_drafter=false")
+    with pytest.raises(RuntimeError, match="stopped after fitting"):
+        train(cfg)
+    assert wandb.run is None
+
+
 class SaveHeadsPerRank(Callback):
     """Each rank writes its own copy of the heads at the end of fit (for the DDP test)."""
 

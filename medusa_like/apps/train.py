@@ -46,7 +46,15 @@ def instantiate_all(group: DictConfig | None) -> list:
 
 def train(cfg: DictConfig) -> dict[str, float]:
     """Build the data if needed, fit, export; returns the final metrics (also written to <run dir>/metrics.json).
-    A resumed run (`ckpt_path`) is checked against its checkpoint's settings first (`training/resume.py`)."""
+    A resumed run (`ckpt_path`) is checked against its checkpoint's settings first (`training/resume.py`). The W&B
+    run is closed however it ends, so that a run that raised leaves none open for the next one in this process."""
+    try:
+        return _train(cfg)
+    finally:
+        _finish_wandb()
+
+
+def _train(cfg: DictConfig) -> dict[str, float]:
     check_config(cfg, TRAIN_CHECKS)
     L.seed_everything(cfg.seed, workers=True)
     out_dir = Path(cfg.paths.output_dir)
@@ -91,7 +99,6 @@ def train(cfg: DictConfig) -> dict[str, float]:
             log.info("drafter exported to %s", path)
         write_json(out_dir / "metrics.json", dict(sorted(metrics.items())))
         log.info("validation: %s", {k: round(v, 4) for k, v in sorted(metrics.items()) if k.startswith("val/acc")})
-    _finish_wandb()
     return metrics
 
 
