@@ -16,7 +16,7 @@ from medusa_like.decoding.projection import VocabProjection
 from medusa_like.formats.registry import kind_named
 from medusa_like.forward import prepare_target
 from medusa_like.forward.cost_measure import measure_cost_model
-from medusa_like.forward.cpu import few_row_linear, row_plans
+from medusa_like.forward.cpu import few_row_linear, read_kernel, row_plans
 from medusa_like.forward.cpu.few_row_linear import (
     ANY_ROWS,
     DOT,
@@ -525,9 +525,9 @@ def test_training_reads_the_target_on_onednn_with_the_same_hidden_states():
     ids = torch.randint(0, target.config.vocab_size, (3, 40), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         expected = target.base_model(input_ids=ids, output_hidden_states=True).hidden_states
-    assert not few_row_linear.use_read_kernel(target.base_model, "linear")
+    assert not read_kernel.use_read_kernel(target.base_model, "linear")
     assert linear_kernel(target) == "nn.Linear"
-    assert few_row_linear.use_read_kernel(target.base_model, "auto")
+    assert read_kernel.use_read_kernel(target.base_model, "auto")
     layers = [m for m in target.base_model.modules() if isinstance(m, FewRowLinear)]
     assert layers and all(m.prefill == ONEDNN and ANY_ROWS in m.packs.packs for m in layers)
     assert type(target.get_output_embeddings()) is nn.Linear
@@ -536,7 +536,7 @@ def test_training_reads_the_target_on_onednn_with_the_same_hidden_states():
     for a, b in zip(got, expected, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
     with pytest.raises(ValueError, match=r"expected one of \['auto', 'onednn', 'linear'\], got 'mkl'"):
-        few_row_linear.use_read_kernel(target.base_model, "mkl")
+        read_kernel.use_read_kernel(target.base_model, "mkl")
 
 
 @needs_onednn
@@ -547,12 +547,12 @@ def test_a_read_whose_pack_would_not_fit_in_memory_keeps_f_linear_or_is_refused(
     target = tiny_target("llama")
     monkeypatch.setattr(few_row_linear, "PACK_MEMORY_SHARE", 0.0)
     with caplog.at_level(logging.INFO):
-        assert not few_row_linear.use_read_kernel(target.base_model, "auto")
+        assert not read_kernel.use_read_kernel(target.base_model, "auto")
     assert "would not fit in memory: the model's many-row reads keep F.linear" in caplog.text
-    assert not few_row_linear.use_read_kernel(target.base_model, "auto", from_rows=2)
+    assert not read_kernel.use_read_kernel(target.base_model, "auto", from_rows=2)
     assert linear_kernel(target) == "nn.Linear"
     with pytest.raises(ValueError, match="second copy of every weight.*use read_kernel=linear"):
-        few_row_linear.use_read_kernel(target.base_model, "onednn")
+        read_kernel.use_read_kernel(target.base_model, "onednn")
     assert linear_kernel(target) == "nn.Linear"
 
 
@@ -561,10 +561,10 @@ def test_a_target_that_trains_on_another_device_keeps_its_own_kernels():
     device leaves nn.Linear (auto) or refuses (onednn), and a few-row layer that was moved anyway computes F.linear
     there, making no CPU pack (the meta device stands in for the GPU: no kernel of the CPU's runs on it)."""
     target = tiny_target("llama")
-    assert not few_row_linear.use_read_kernel(target.base_model, "auto", device="cuda")
+    assert not read_kernel.use_read_kernel(target.base_model, "auto", device="cuda")
     assert linear_kernel(target) == "nn.Linear"
     with pytest.raises(ValueError, match="needs an fp32 model on a CPU"):
-        few_row_linear.use_read_kernel(target.base_model, "onednn", device="cuda")
+        read_kernel.use_read_kernel(target.base_model, "onednn", device="cuda")
     layer = FewRowLinear.sharing(nn.Linear(48, 32)).to("meta")
     layer.plan, layer.prefill = (ONEDNN,) * PLANNED_ROWS, ONEDNN
     for rows in (1, 3, PLANNED_ROWS + 5):

@@ -32,8 +32,8 @@ from medusa_like.forward.cpu.few_row_linear import (
     sync_packs,
     usable_row_kernels,
     use_few_row_linears,
-    use_read_kernel,
 )
+from medusa_like.forward.cpu.read_kernel import use_read_kernel
 from medusa_like.targets import DEFAULT_TARGET
 
 from .harness import Report, load, timed

@@ -14,7 +14,7 @@ model as plain data (`decoding/cost_model.py`) and never imports this package.
 from .compile_cache import PROFILER_NAME
 from .cpu import bf16_linear, tree_attention
 from .cpu.few_row_linear import PROFILED_PRODUCTS as FEW_ROW_PRODUCTS
-from .cpu.few_row_linear import check_read_kernel, use_read_kernel
+from .cpu.read_kernel import check_read_kernel, use_read_kernel
 from .platform import CompileUnsupported
 from .prepared import PreparedTarget, prepare_target
 

@@ -69,10 +69,9 @@ class DraftCompiler:
 def products_label(module, label: str) -> str:
     """The compiled step's `label`, naming the bf16 kernel where `module`'s traced layers run it (a bf16 drafter
     beside an fp32 target)."""
-    kernel = "bf16 dot-product kernel"
-    if kernel in label or not any(isinstance(m, bf16_linear.PackedLinear) for m in module.modules()):
+    if bf16_linear.LABEL in label or not any(isinstance(m, bf16_linear.PackedLinear) for m in module.modules()):
         return label
-    return f"{label}; bf16 layers on the {kernel}"
+    return f"{label}; bf16 layers on the {bf16_linear.LABEL}"
 
 
 class CompiledLevel:

@@ -114,7 +114,7 @@ def compile_settings(target) -> tuple[dict, str]:
         if problem:
             raise CompileUnsupported(problem)
         if target.dtype == torch.bfloat16 and bf16_linear.unavailable() is None:
-            return dict(CPU_OPTIONS), "inductor, bf16 dot-product kernel"
+            return dict(CPU_OPTIONS), f"inductor, {bf16_linear.LABEL}"
         if torch.backends.cpu.get_cpu_capability().startswith("AVX512"):
             return {**CPU_OPTIONS, **AVX512_OPTIONS}, "inductor, C++ GEMM template, concatenated products"
         return dict(CPU_OPTIONS), "inductor, C++ GEMM template"

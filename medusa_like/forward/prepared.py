@@ -41,12 +41,12 @@ from .cpu import tree_attention
 from .cpu.few_row_linear import (
     measure_row_plans,
     use_few_row_linears,
-    use_read_kernel,
     with_stock_linears,
     worth_swapping,
 )
 from .cpu.kernel_choice import KernelMismatchError, KernelRecordError, apply_kernels, check_kernels, validate_record
 from .cpu.machine import machine_identity
+from .cpu.read_kernel import use_read_kernel
 from .platform import CompileUnsupported, compile_settings, native_bf16, traced_layers
 
 log = logging.getLogger(__name__)
@@ -277,8 +277,7 @@ def prepare_target(
     prepared = _PREPARED.get(target)
     if prepared is None:
         prepared = _PREPARED[target] = PreparedTarget(target, backend, tuned_layers)
-    elif eager_backend(backend, target) != prepared.backend:  # another attention backend; the layers stay
-        prepared.backend = eager_backend(backend, target)
-        prepared.eager = EagerStep(target, prepared.backend)
+    elif (chosen := eager_backend(backend, target)) != prepared.backend:  # another attention backend; layers stay
+        prepared.backend, prepared.eager = chosen, EagerStep(target, chosen)
     prepared.use_compiled(compile)
     return prepared

@@ -32,6 +32,7 @@ from .extension import Extension
 from .layer_swap import copy_replacing
 
 OP = "medusa_like::bf16_linear"
+LABEL = "bf16 dot-product kernel"  # how logs and compiled steps' labels name it
 BLOCK = 32  # outputs of a packed block (bf16_linear.cpp's kBlockN)
 
 

@@ -30,7 +30,6 @@ row count or kernel would: the target's greedy decoding stays the reference, com
 """
 
 import functools
-import logging
 import os
 
 import torch
@@ -40,8 +39,6 @@ from torch import nn
 from . import bf16_linear
 from .layer_swap import copy_replacing
 from .row_plans import PLANNED_ROWS, cached_row_plan, row_plan
-
-log = logging.getLogger(__name__)
 
 MAX_ROWS = PLANNED_ROWS  # above this (64) a product is a prefill: F.linear, or oneDNN's pack (`prefill`)
 PACK_ROWS = (4, 8, 16, 32)  # the row counts MKL packs are made for; a plan entry -m runs a pack for m rows
@@ -321,51 +318,6 @@ def use_few_row_linears(model, plans: bool | str = True) -> int:
         _give_plans(layers, measure=plans is True)
     sync_packs(model)  # bf16 packs made now, not in the first timed step
     return swapped
-
-
-READ_KERNELS = ("auto", "onednn", "linear")  # what reads a frozen target's many rows in training
-
-
-def check_read_kernel(kernel) -> str:
-    if kernel not in READ_KERNELS:
-        raise ValueError(f"expected one of {list(READ_KERNELS)}, got {kernel!r}")
-    return kernel
-
-
-def use_read_kernel(
-    model: nn.Module, kernel: str = "auto", device: torch.device | str | None = None, from_rows: int = MAX_ROWS + 1
-) -> bool:
-    """Let a frozen model that is read many rows at a time compute every product of `from_rows` rows or more on
-    oneDNN's pack (`onednn`; `auto`: where the model is fp32 on a CPU that runs the packs), or keep F.linear and its
-    plans (`linear`). `from_rows`: over MAX_ROWS by default (training's teacher-forced reads); 2 where the layers read
-    prompts alone (a compiled step's prefill: 8-64 tokens took 13-27% less than on nn.Linear, `eval.bench prefill`).
-    `device`: where the model will run, if not where its weights are now (a trainer moves it to its accelerator).
-    The pack is a second copy of every weight: `auto` keeps F.linear where it would not fit in PACK_MEMORY_SHARE of
-    this machine's memory, `onednn` refuses. Only fp32 rounding changes. Returns whether oneDNN now reads it."""
-    check_read_kernel(kernel)
-    weight = next(model.parameters())
-    on_cpu = torch.device(device or weight.device).type == "cpu"
-    usable = on_cpu and weight.device.type == "cpu" and weight.dtype == torch.float32 and onednn_packs_available()
-    fits = usable and packs_fit(model, 1)
-    if kernel == "linear" or (kernel == "auto" and not fits):
-        if kernel == "auto" and usable:
-            log.info("a pack of every weight would not fit in memory: the model's many-row reads keep F.linear")
-        return False
-    if not usable:
-        raise ValueError("read_kernel=onednn needs an fp32 model on a CPU whose torch runs oneDNN's packs")
-    if not fits:
-        raise ValueError(
-            f"read_kernel=onednn lays out a second copy of every weight, which would take more than "
-            f"{PACK_MEMORY_SHARE:.0%} of this machine's memory: use read_kernel=linear (or auto, which then keeps it)"
-        )
-    use_few_row_linears(model, plans="cached")  # products under `from_rows` rows keep their plans
-    for module in model.modules():
-        if isinstance(module, FewRowLinear):
-            module.prefill = ONEDNN
-            if module.plan and from_rows <= len(module.plan):
-                module.plan = (*module.plan[: from_rows - 1], *(ONEDNN,) * (len(module.plan) - from_rows + 1))
-    sync_packs(model)
-    return True
 
 
 def _give_plans(layers: list[FewRowLinear], measure: bool) -> None:
