@@ -1,6 +1,5 @@
 """Shared fixtures: tiny random targets of several families, built from configs (nothing downloaded)."""
 
-import atexit
 import os
 import shutil
 import tempfile
@@ -34,10 +33,16 @@ torch.set_num_threads(1)
 # Row plans and cost models measured by the tests stay out of the user's cache (one directory, `io.user_cache_dir`);
 # the default target converted there already is linked in, not converted again.
 _USER_CACHE = user_cache_dir()
-os.environ["MEDUSA_LIKE_CACHE_DIR"] = tempfile.mkdtemp(prefix="medusa_like_test_cache_")
-atexit.register(shutil.rmtree, os.environ["MEDUSA_LIKE_CACHE_DIR"], ignore_errors=True)
+_TEST_CACHE = Path(tempfile.mkdtemp(prefix="medusa_like_test_cache_"))
+os.environ["MEDUSA_LIKE_CACHE_DIR"] = str(_TEST_CACHE)
 if (_USER_CACHE / DEFAULT_TARGET / "config.json").is_file():
-    (Path(os.environ["MEDUSA_LIKE_CACHE_DIR"]) / DEFAULT_TARGET).symlink_to(_USER_CACHE / DEFAULT_TARGET)
+    (_TEST_CACHE / DEFAULT_TARGET).symlink_to(_USER_CACHE / DEFAULT_TARGET)
+
+
+def pytest_unconfigure(config):
+    """The tests' cache directory goes with the session, in every process: pytest-xdist's workers end without running
+    atexit handlers (a directory per worker was left in the temporary folder by each run)."""
+    shutil.rmtree(_TEST_CACHE, ignore_errors=True)
 
 
 def flat_cost(target, per_node_ms: float = 0.0, nodes=(1, 2, 4, 8, 16, 32, 64)) -> CostModel:
