@@ -54,7 +54,7 @@ class MedusaLikeModel:
         disk by later processes; eager otherwise, with a log line saying why); `tuned_layers` (None: where measured
         faster) computes an eager step's few rows by this CPU's fastest kernels. That changes the model you pass: its `nn.Linear` layers,
         and the drafter's, are replaced in place by layers that share their parameters (same state dict, no copy) and
-        differ from `nn.Linear` only in fp32 rounding; the log says so. Pass False to keep them.
+        differ from `nn.Linear` only in rounding; the log says so. Pass False to keep them.
 
         `drafter_dtype`: what a learned drafter computes in (`PreparedTarget.drafting_dtype`; "auto": bf16 where that
         is cheaper and the drafter allows it, else the target's dtype). The drafter you pass is cast in place."""

@@ -250,7 +250,7 @@ def _announce(count: int, what: str) -> None:
         log.log(
             logging.INFO if _announced else logging.WARNING,
             "replaced %d nn.Linear layers of the %s, in place, by few-row layers sharing their parameters (this CPU's "
-            "fastest kernels for a tree step's few rows; results may differ from nn.Linear's in fp32 rounding); "
+            "fastest kernels for a tree step's few rows; results may differ from nn.Linear's in rounding); "
             "tuned_layers=False keeps them",
             count,
             what,

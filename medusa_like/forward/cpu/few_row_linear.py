@@ -25,7 +25,7 @@ row the same bits at any row count, so that tree steps round as one-node steps d
 row of a 4-row down projection came out otherwise than alone); on one with AMX alone, oneDNN's pack (`F.linear` in
 bf16 reorders the weight at every call).
 
-The swap shares the original parameters (no copy, same state-dict keys) and changes only fp32 rounding, as any other
+The swap shares the original parameters (no copy, same state-dict keys) and changes only rounding (fp32 or bf16), as any other
 row count or kernel would: the target's greedy decoding stays the reference, computed with the same layers.
 """
 
