@@ -16,6 +16,7 @@ from medusa_like.decoding.cost_model import CostModel
 from medusa_like.decoding.draft_tree import DraftTree, grow_dynamic, grow_static
 from medusa_like.decoding.tree import DynamicTreeSpec
 from medusa_like.drafters.medusa import HeadsConfig, MedusaHeads
+from medusa_like.forward.cpu import fp32_linear, tree_attention
 from medusa_like.forward.cpu.machine import machine_identity
 from medusa_like.io import user_cache_dir
 from medusa_like.targets import DEFAULT_TARGET, weights_fingerprint
@@ -39,6 +40,16 @@ if (_USER_CACHE / DEFAULT_TARGET / "config.json").is_file():
     (_TEST_CACHE / DEFAULT_TARGET).symlink_to(_USER_CACHE / DEFAULT_TARGET)
 
 
+def pytest_configure(config):
+    """The fp32 and attention kernels built now, where the CPU runs the first, in each process that runs tests (the
+    library builds them in the background on first use, for later processes: a test process would run without)."""
+    if getattr(config.option, "numprocesses", None) and not hasattr(config, "workerinput"):
+        return  # pytest-xdist's controller runs no test
+    if torch.backends.cpu.get_cpu_capability().startswith("AVX512"):
+        fp32_linear.KERNEL.load()
+        tree_attention.KERNEL.load()
+
+
 def pytest_unconfigure(config):
     """The tests' cache directory goes with the session, in every process: pytest-xdist's workers end without running
     atexit handlers (a directory per worker was left in the temporary folder by each run)."""
@@ -50,6 +61,13 @@ def flat_cost(target, per_node_ms: float = 0.0, nodes=(1, 2, 4, 8, 16, 32, 64)) 
     times = [10.0 + per_node_ms * n for n in nodes]
     identity = dict(machine=machine_identity(), step="eager")
     return CostModel(list(nodes), times, weights_fingerprint(target), str(target.dtype), target.device.type, **identity)
+
+
+@pytest.fixture
+def fp32_row_plans(monkeypatch):
+    """fp32 few-row layers on their row plans and SDPA, as on CPUs without AVX512 (where the fp32 kernel does not run,
+    `fp32_linear.py`): what the tests of the plans, the kernel choice per tree size and their cost models exercise."""
+    monkeypatch.setattr(fp32_linear, "unavailable", lambda: "the fp32 kernel is switched off by the test")
 
 
 def tiny_target(family: str, seed: int = 0, **overrides):

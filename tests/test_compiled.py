@@ -402,7 +402,8 @@ def test_a_failing_compile_falls_back_to_eager_with_a_log_line_never_a_wrong_tok
 def test_the_compiled_steps_prefill_runs_on_the_few_row_layers_onednn_pack_with_the_targets_logits(length):
     """A compiled fp32 target's prompt, long or short, is read eagerly on its few-row layers with oneDNN's pack
     (the compiled graph's stock layers would run F.linear, slower over a prompt's rows; a short prompt would run the
-    unmeasured plans' weight-first products) and gives the target's own logits; nothing is compiled for it."""
+    unmeasured plans' weight-first products, or the eager step's fp32 kernel) and gives the target's own logits;
+    nothing is compiled for it."""
     target = tiny_target("llama")
     prompt = torch.randint(0, VOCAB, (1, length), generator=torch.Generator().manual_seed(5))
     with torch.inference_mode():

@@ -30,6 +30,9 @@ from medusa_like.targets import DEFAULT_TARGET
 
 from .conftest import greedy_reference, random_prompts, tiny_target
 
+# the tests of row plans and the kernel choice per size: fp32 layers run them where the fp32 kernel does not
+pytestmark = pytest.mark.usefixtures("fp32_row_plans")
+
 
 @pytest.fixture
 def cache_dir(tmp_path, monkeypatch):

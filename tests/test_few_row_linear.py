@@ -47,6 +47,9 @@ from medusa_like.forward.cpu.row_plans import PLANNED_ROWS, measure_row_plan, ro
 from medusa_like.model import MedusaLikeModel
 from tests.conftest import greedy_reference, random_heads, random_prompts, tiny_target
 
+# the tests of row plans and the kernel choice per size: fp32 layers run them where the fp32 kernel does not
+pytestmark = pytest.mark.usefixtures("fp32_row_plans")
+
 
 @pytest.mark.parametrize("rows", [1, 2, 3, 7, MAX_ROWS, MAX_ROWS + 1, 200])
 @pytest.mark.parametrize("bias", [False, True])

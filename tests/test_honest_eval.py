@@ -226,6 +226,7 @@ def test_a_report_without_stock_greedy_says_so(tmp_path, eval_cfg):
 
 
 @pytest.mark.slow
+@pytest.mark.usefixtures("fp32_row_plans")  # kernels chosen per tree size: fp32 layers' where the fp32 kernel is off
 @pytest.mark.parametrize("tree", ["file", "preset"])
 def test_every_method_runs_the_kernels_the_cost_model_chose(tmp_path, eval_cfg, monkeypatch, tree):
     """A combined drafter's evaluation, through `evaluate`, watched around every call of every method (warm-up

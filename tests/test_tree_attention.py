@@ -17,7 +17,7 @@ from medusa_like.decoding.tree import BudgetedTreeSpec
 from medusa_like.decoding.tree_files import resolve_tree
 from medusa_like.drafters.lookup import LookupDrafter
 from medusa_like.forward import prepare_target
-from medusa_like.forward.cpu import extension, tree_attention
+from medusa_like.forward.cpu import extension, fp32_linear, tree_attention
 from medusa_like.forward.cpu.few_row_linear import DOT, bf16_pack
 from medusa_like.model import MedusaLikeModel
 
@@ -27,8 +27,10 @@ pytestmark = pytest.mark.skipif(tree_attention.unavailable() is not None, reason
 
 
 # bf16 products give a row the same bits at any row count on the dot-product kernel, which the few-row layers run where
-# the CPU has AVX512-BF16: there the eager bf16 step is exact; elsewhere only its attention is row-invariant
+# the CPU has AVX512-BF16, and fp32 ones on the fp32 kernel (AVX512): there the eager step is exact; elsewhere only
+# its attention is row-invariant
 ROW_INVARIANT_BF16 = bf16_pack(torch.zeros(1, dtype=torch.bfloat16)) == DOT
+ROW_INVARIANT = {torch.bfloat16: ROW_INVARIANT_BF16, torch.float32: fp32_linear.unavailable() is None}
 
 
 def attend(query, key, value, visible, scale):
@@ -113,41 +115,57 @@ def test_inputs_it_does_not_take_are_refused_with_what_is_wrong(change, message)
         attend(*change(query, key, value, visible), 0.125)
 
 
-@pytest.mark.parametrize("family", ["llama", "mistral"])  # mistral: a sliding window shorter than the prompt
-def test_the_rows_backend_gives_sdpas_logits_to_rounding_and_each_row_its_one_node_bits(family):
-    """The eager step of a bf16 target (this machine's layers) with attention `rows`: a tree step's logits are SDPA's
-    to bf16 rounding (tree mask, positions and sliding window as decoding/attention.py's contract says), and, where
-    the products are row-invariant too, each node's are bit for bit those of the node run alone after its ancestors
-    (what greedy decoding computes)."""
-    overrides = {"sliding_window": 8} if family == "mistral" else {}
-    target = prepare_target(tiny_target(family, **overrides).to(torch.bfloat16), compile=False).target
+def tree_and_alone(target, backend):
+    """A small tree's step over a 13-token prompt on `target`'s eager step with attention `backend`: its logits
+    [T, V], and the nodes whose logits are not bit for bit those of the node run alone after its ancestors, one token
+    a step (what greedy decoding computes)."""
     tree = resolve_tree("small", 4)
     g = torch.Generator().manual_seed(4)
     prompt = torch.randint(0, VOCAB, (1, 13), generator=g)
     tokens = torch.randint(0, VOCAB, (tree.num_nodes,), generator=g)
-
-    def tree_step(backend):
-        step = EagerStep(target, backend)
-        cache = step.new_cache(13 + tree.num_nodes)
-        with torch.inference_mode():
-            step.forward(prompt, torch.arange(13)[None], None, cache, last=True)
-            cache.commit_all(13)
-            logits, _ = step.forward(tokens[None], (13 + tree.depth)[None], tree.attention_mask[None, None], cache)
-        return logits, step, cache
-
-    rows, step, cache = tree_step(tree_attention.BACKEND)
-    torch.testing.assert_close(rows.float(), tree_step("sdpa")[0].float(), atol=0.05, rtol=0.05)
-    if not ROW_INVARIANT_BF16:
-        return
+    step = EagerStep(target, backend)
+    cache = step.new_cache(13 + tree.num_nodes)
+    differ = []
     with torch.inference_mode():
-        for node in range(tree.num_nodes):  # the node after its ancestors, one token a step, as greedy decoding
+        step.forward(prompt, torch.arange(13)[None], None, cache, last=True)
+        cache.commit_all(13)
+        rows, _ = step.forward(tokens[None], (13 + tree.depth)[None], tree.attention_mask[None, None], cache)
+        for node in range(tree.num_nodes):
             cache.rewind(13)
             ancestors = tree.attention_mask[node].nonzero().flatten().tolist()  # root to node
             for depth, index in enumerate(ancestors):
                 alone, _ = step.forward(tokens[index].view(1, 1), torch.tensor([[13 + depth]]),
                                         torch.ones(1, 1, 1, 1, dtype=torch.bool), cache)  # fmt: skip
                 cache.commit_all(1)
-            assert torch.equal(alone[0], rows[node]), node
+            if not torch.equal(alone[0], rows[node]):
+                differ.append(node)
+    return rows, differ
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("family", ["llama", "mistral"])  # mistral: a sliding window shorter than the prompt
+def test_the_rows_backend_gives_sdpas_logits_to_rounding_and_each_row_its_one_node_bits(family, dtype):
+    """The eager step of a bf16 or fp32 target (this machine's layers) with attention `rows`: a tree step's logits are
+    SDPA's to rounding (tree mask, positions and sliding window as decoding/attention.py's contract says), and, where
+    the products are row-invariant too (the bf16 or fp32 kernel runs), each node's are bit for bit those of the node
+    run alone after its ancestors (what greedy decoding computes)."""
+    overrides = {"sliding_window": 8} if family == "mistral" else {}
+    target = prepare_target(tiny_target(family, **overrides).to(dtype), compile=False).target
+    rows, differ = tree_and_alone(target, tree_attention.BACKEND)
+    tolerance = 0.05 if dtype == torch.bfloat16 else 1e-5
+    torch.testing.assert_close(rows.float(), tree_and_alone(target, "sdpa")[0].float(), atol=tolerance, rtol=tolerance)
+    if ROW_INVARIANT[dtype]:
+        assert differ == []
+
+
+@pytest.mark.usefixtures("fp32_row_plans")
+def test_on_row_plans_and_sdpa_an_fp32_tree_row_rounds_apart_from_its_one_node_step():
+    """What the fp32 kernel and `rows` fix (the test above can fail): with the fp32 layers' per-size kernels and SDPA,
+    as where the fp32 kernel does not run, some tree rows get other bits than their one-node steps."""
+    target = prepare_target(tiny_target("llama", hidden_size=256, intermediate_size=512), compile=False).target
+    assert not any(getattr(m, "row_invariant", False) for m in target.modules())
+    _, differ = tree_and_alone(target, "sdpa")
+    assert differ
 
 
 @pytest.mark.skipif(not ROW_INVARIANT_BF16, reason="bf16 products on the dot-product kernel need AVX512-BF16")
@@ -155,7 +173,8 @@ def test_an_eager_bf16_target_attends_by_rows_and_its_trees_give_greedys_tokens(
     """A bf16 CPU target's eager step (the Python API's default) attends by the kernel, so a tree row gets its
     one-node step's bits and tree methods equal greedy decoding on the same step: with SDPA, tree rows rounded apart
     and these trees left greedy's tokens (the same prompts, `backend="sdpa"`: the last assertion). An fp32 target
-    keeps SDPA, as does a bf16 one where the kernel cannot be built, and a backend asked for is the one used."""
+    attends by the kernel too where the fp32 kernel runs (else SDPA), a bf16 one keeps SDPA where the kernel cannot be
+    built, and a backend asked for is the one used."""
     target = tiny_target("llama", hidden_size=256, num_attention_heads=4, num_key_value_heads=2, intermediate_size=256)
     target = target.to(torch.bfloat16)
     prepared = prepare_target(target, compile=False)
@@ -178,6 +197,7 @@ def test_an_eager_bf16_target_attends_by_rows_and_its_trees_give_greedys_tokens(
     assert mismatches("auto") == 0
     assert prepared.backend == tree_attention.BACKEND
     assert mismatches("sdpa") > 0 and prepared.backend == "sdpa"  # the check can fail: SDPA's rows drift
-    assert prepare_target(tiny_target("llama"), compile=False).backend == "sdpa"
+    fp32_backend = tree_attention.BACKEND if fp32_linear.unavailable() is None else "sdpa"  # rows with the fp32 kernel
+    assert prepare_target(tiny_target("llama"), compile=False).backend == fp32_backend
     monkeypatch.setattr(tree_attention, "unavailable", lambda: "not built")  # where it cannot be built: SDPA
     assert prepare_target(tiny_target("llama").to(torch.bfloat16), compile=False).backend == "sdpa"

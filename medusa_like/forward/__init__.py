@@ -12,15 +12,15 @@ model as plain data (`decoding/cost_model.py`) and never imports this package.
 """
 
 from .compile_cache import PROFILER_NAME
-from .cpu import bf16_linear, tree_attention
+from .cpu import bf16_linear, fp32_linear, tree_attention
 from .cpu.few_row_linear import PROFILED_PRODUCTS as FEW_ROW_PRODUCTS
 from .cpu.read_kernel import check_read_kernel, use_read_kernel
 from .platform import CompileUnsupported
 from .prepared import PreparedTarget, prepare_target
 
-# how a profile names the operators of the products (the few-row layers' kernels, the compiled step's bf16 kernel),
+# how a profile names the operators of the products (the few-row layers' kernels, the bf16 and fp32 kernels),
 # of attention (SDPA, the compiled step's kernel) and the compiled step itself (benchmarks/verify.py)
-PROFILED_PRODUCTS = (*FEW_ROW_PRODUCTS, bf16_linear.OP)
+PROFILED_PRODUCTS = (*FEW_ROW_PRODUCTS, bf16_linear.OP, fp32_linear.OP)
 PROFILED_ATTENTION = ("scaled_dot_product", tree_attention.OP)
 
 # use_read_kernel / check_read_kernel: how training's frozen target reads many rows at once (and its config check)

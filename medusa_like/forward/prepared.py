@@ -59,12 +59,13 @@ _announced = []  # a layer swap was announced in this process: the first is a wa
 class PreparedTarget:
     """One target on this machine (see the module docstring); made by `prepare_target`."""
 
-    def __init__(self, target, backend: str, tuned_layers: bool | None):
-        self.target, self.backend = target, eager_backend(backend, target)
+    def __init__(self, target, backend: str, tuned_layers: bool | None, row_invariant: bool = True):
+        self.target = target
         swap = worth_swapping(target) if tuned_layers is None else tuned_layers
         self.tuned = bool(swap) and target.device.type == "cpu"
-        if self.tuned:
-            _announce(use_few_row_linears(target, plans="cached"), "target")
+        if self.tuned:  # `row_invariant`: fp32 layers on the fp32 kernel, where the eager step decodes
+            _announce(use_few_row_linears(target, plans="cached", row_invariant=row_invariant), "target")
+        self.backend = eager_backend(backend, target)
         self.eager = EagerStep(target, self.backend)
         self.compiled: CompiledStep | None = None
         self.active: CostModel | None = None  # the cost model whose kernels the layers run now
@@ -260,9 +261,11 @@ def _announce(count: int, what: str) -> None:
 
 def eager_backend(backend: str, target) -> str:
     """The eager step's attention backend for `backend` ("auto" or a name, `decoding/attention.py`): "auto" on a
-    bf16 CPU target is the row-invariant kernel's (`cpu/tree_attention.py`), where it builds: SDPA's rounding moves
-    with a step's row count, and in bf16 that flips near-ties between a tree row and greedy decoding's one-node step."""
-    if backend == "auto" and target.device.type == "cpu" and target.dtype == torch.bfloat16:
+    bf16 CPU target, or an fp32 one whose few-row layers run the fp32 kernel, is the row-invariant kernel's
+    (`cpu/tree_attention.py`), where it builds: SDPA's rounding moves with a step's row count, which can flip a near-tie
+    between a tree row and greedy decoding's one-node step (in bf16 it did)."""
+    row_invariant = target.dtype == torch.bfloat16 or any(getattr(m, "row_invariant", False) for m in target.modules())
+    if backend == "auto" and target.device.type == "cpu" and row_invariant:
         if tree_attention.unavailable() is None:  # else it logged why, and SDPA attends
             return tree_attention.BACKEND
     return pick_backend(backend, target.device)
@@ -276,7 +279,8 @@ def prepare_target(
     prepared. A model you pass is changed in place where its layers are swapped: the log says so."""
     prepared = _PREPARED.get(target)
     if prepared is None:
-        prepared = _PREPARED[target] = PreparedTarget(target, backend, tuned_layers)
+        # a compiled step decodes on its own kernels: its eager layers read prompts, and need no fp32 kernel
+        prepared = _PREPARED[target] = PreparedTarget(target, backend, tuned_layers, row_invariant=compile is False)
     elif (chosen := eager_backend(backend, target)) != prepared.backend:  # another attention backend; layers stay
         prepared.backend, prepared.eager = chosen, EagerStep(target, chosen)
     prepared.use_compiled(compile)

@@ -3,6 +3,7 @@
     kernel = Extension("tree_attention", fakes={op: shape_fn})   # tree_attention.cpp beside this file
     why = kernel.load()                                          # None once loaded; else why it cannot be built here
     kernel.build_key()                                           # a build's source, flags, torch, machine
+    kernel.built(); build_in_background(kernel, ...)            # kernels the first call should not wait for
 
 A kernel is built (a few seconds) into the user cache, in a directory named by its build key, so a later process of
 the same source, flags, torch and machine loads the built library, and a changed one builds anew. Each kernel
@@ -14,6 +15,8 @@ import hashlib
 import logging
 import os
 import shutil
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -32,6 +35,7 @@ FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fopenmp")
 # torch's builder waits for the lock file of a build in progress for as long as it exists, and a build killed midway
 # leaves it behind: one older than this (a build takes seconds) is a dead build's, and is removed
 STALE_LOCK_SECONDS = 600
+BUILD_FAILED = "build_failed.txt"  # why a background build failed, in its build directory
 
 
 class Extension:
@@ -78,7 +82,45 @@ class Extension:
             return f"the {self.name} kernel could not be built ({type(err).__name__}: {text[-1] if text else ''})"
         for op, fake in self.fakes.items():
             torch.library.register_fake(op)(fake)
+        (directory / BUILD_FAILED).unlink(missing_ok=True)  # an earlier failure no longer holds
         return None
+
+    def built(self) -> bool:
+        """Whether this machine's cache holds the built library (a later process loads it in milliseconds)."""
+        return any(self.directory().glob("*.so"))
+
+    def build_failure(self) -> str | None:
+        """Why a background build failed here (its last line), or None."""
+        failed = self.directory() / BUILD_FAILED
+        if not failed.is_file():
+            return None
+        return failed.read_text(encoding="utf-8").strip() or "failed"
+
+
+def build_in_background(*kernels: Extension) -> None:
+    """Build `kernels` one after the other in a detached process at the lowest priority, for later processes (logged):
+    this one does not wait. A failure is kept in its kernel's build directory (`build_failure`), not tried again."""
+    for kernel in kernels:
+        kernel.directory().mkdir(parents=True, exist_ok=True)
+        log.info(
+            "building the %s kernel into %s in the background, for later processes (this one runs without it)",
+            kernel.name,
+            kernel.directory(),
+        )
+    code = (
+        "import sys; from medusa_like.forward.cpu.extension import BUILD_FAILED, Extension\n"
+        "for name, directory in zip(sys.argv[1::2], sys.argv[2::2]):\n"
+        "    why = Extension(name, {}).load()\n"
+        "    why and open(directory + '/' + BUILD_FAILED, 'w').write(why)\n"
+    )
+    subprocess.Popen(
+        [sys.executable, "-c", code, *(part for k in kernels for part in (k.name, str(k.directory())))],
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,  # outlives this process; a Ctrl-C here does not cut it
+        preexec_fn=lambda: os.nice(19),
+    )
 
 
 def clear_stale_lock(directory: Path) -> bool:

@@ -25,8 +25,13 @@ row the same bits at any row count, so that tree steps round as one-node steps d
 row of a 4-row down projection came out otherwise than alone); on one with AMX alone, oneDNN's pack (`F.linear` in
 bf16 reorders the weight at every call).
 
-The swap shares the original parameters (no copy, same state-dict keys) and changes only rounding (fp32 or bf16), as any other
-row count or kernel would: the target's greedy decoding stays the reference, computed with the same layers.
+fp32 layers on a CPU where torch runs AVX512 carry no row plans either: every product of 1..MAX_ROWS rows runs this
+project's fp32 kernel over a pack they keep (`fp32_linear.py`, `row_invariant_fp32`), which gives a row the same bits
+at any row count, and a prompt's rows oneDNN's pack; the plans, MKL's packs and the kernel choice per tree size are
+what fp32 layers run elsewhere (and where the packs do not fit in memory).
+
+The swap shares the original parameters (no copy, same state-dict keys) and changes only rounding (fp32 or bf16), as
+any other row count or kernel would: the target's greedy decoding stays the reference, computed with the same layers.
 """
 
 import functools
@@ -36,7 +41,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from . import bf16_linear
+from . import bf16_linear, fp32_linear
 from .layer_swap import copy_replacing
 from .row_plans import PLANNED_ROWS, cached_row_plan, row_plan
 
@@ -85,6 +90,7 @@ def onednn_bf16_packs_available() -> bool:
 PROFILED_PRODUCTS = ("aten::mm", "aten::addmm", "mkldnn::_linear_pointwise", "mkl::_mkl_linear")
 ANY_ROWS = 0  # the key of a oneDNN pack: one layout serves every row count
 DOT = "dot"  # the key of a bf16 pack for the dot-product kernel (`bf16_linear.pack`): every row count too
+FP32_DOT = "dot32"  # the key of an fp32 pack for the fp32 kernel (`fp32_linear.pack`): every few-row count
 # what a layer runs until its weight's plan is measured: F.linear for one row, weight-first over 2..MAX_ROWS rows
 UNMEASURED_PLAN = (0, *range(2, PLANNED_ROWS + 1))
 
@@ -114,6 +120,8 @@ class WeightPacks:
             with torch.no_grad():
                 if rows == DOT:
                     pack = bf16_linear.pack(weight.detach())
+                elif rows == FP32_DOT:
+                    pack = fp32_linear.pack(weight.detach())
                 elif rows == ANY_ROWS:
                     pack = torch.ops.mkldnn._reorder_linear_weight(weight.detach())
                 else:
@@ -186,6 +194,8 @@ class FewRowLinear(nn.Linear):
     plan: tuple[int, ...] = ()
     plan_measured: bool = False  # whether `plan` derives from its weight's measured plan (else UNMEASURED_PLAN's)
     prefill: int = 0
+    # fp32: every product of 1..MAX_ROWS rows by the fp32 kernel, whatever the plan (it has none): `use_few_row_linears`
+    row_invariant: bool = False
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
@@ -198,7 +208,12 @@ class FewRowLinear(nn.Linear):
         return layer
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return few_row_product(x, self.weight, self.bias, self.plan, self.packs, self.prefill)
+        weight = self.weight
+        if self.row_invariant and weight.dtype == torch.float32 and weight.device.type == "cpu":
+            if x.numel() <= MAX_ROWS * x.shape[-1]:
+                pack = self.packs.get(weight, FP32_DOT)
+                return torch.ops.medusa_like.fp32_linear(x, pack, self.bias, self.out_features)
+        return few_row_product(x, weight, self.bias, self.plan, self.packs, self.prefill)
 
 
 # What computes n rows in every layer at once, chosen per row count by timing whole forwards (`kernel_choice.py`):
@@ -253,6 +268,8 @@ def wanted_packs(module: FewRowLinear) -> set[int | str]:
     shared = bf16_pack(module.weight)
     if shared is not None:
         return {shared}
+    if module.row_invariant:
+        return {FP32_DOT, *([ANY_ROWS] if module.prefill == ONEDNN else [])}
     entries = (*module.plan, module.prefill)
     return {ANY_ROWS if entry == ONEDNN else -entry for entry in entries if entry < 0}
 
@@ -300,21 +317,35 @@ def worth_swapping(module: nn.Module) -> bool:
     return weight.dtype == torch.float32 or (bf16_pack(weight) is not None and packs_fit(module, 1))
 
 
-def use_few_row_linears(model, plans: bool | str = True) -> int:
+def use_few_row_linears(model, plans: bool | str = True, row_invariant: bool = False) -> int:
     """Replace every `nn.Linear` inside `model` (a module, or a drafter: anything with `.modules()`), in place, by a
     `FewRowLinear` sharing its parameters; returns how many were replaced. fp32 layers get their weight's row plan:
     `plans=True` measures the missing ones (`row_plans.row_plan`), "cached" takes those this machine's cache holds and
     gives the others UNMEASURED_PLAN until `measure_row_plans` (nothing is measured: what a model's construction uses),
-    False none. bf16 layers get their bf16 pack now instead (`bf16_pack`), where one runs. Idempotent: a layer keeps a
-    measured plan, and the kernels set in it, when called again."""
+    False none. bf16 layers get their bf16 pack now instead (`bf16_pack`), where one runs, and with `row_invariant`
+    (a target whose eager step decodes: a tree row must get its one-node step's bits) fp32 layers the fp32 kernel's
+    where it runs (`row_invariant_fp32`: no plan, oneDNN for prompts). Idempotent: a layer keeps a measured plan, and
+    the kernels set in it, when called again."""
     swapped = 0
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
             if type(child) is nn.Linear:
                 parent.register_module(name, FewRowLinear.sharing(child))
                 swapped += 1
+    fp32 = [m for m in model.modules() if isinstance(m, FewRowLinear) and m.weight.dtype == torch.float32]
+    invariant = bool(fp32) and row_invariant and row_invariant_fp32(model)
+    for module in fp32:
+        if invariant:  # no plan: the fp32 kernel for every step, oneDNN (where it runs) for a prompt's rows
+            module.row_invariant, module.plan, module.plan_measured = True, (), False
+            module.prefill = ONEDNN if onednn_packs_available() else 0
+        elif module.row_invariant:  # back to row plans (given below), prompts on F.linear until a kernel is set
+            module.row_invariant, module.prefill = False, 0
     if plans:
-        layers = [m for m in model.modules() if isinstance(m, FewRowLinear) and bf16_pack(m.weight) is None]
+        layers = [
+            m
+            for m in model.modules()
+            if isinstance(m, FewRowLinear) and bf16_pack(m.weight) is None and not m.row_invariant
+        ]
         _give_plans(layers, measure=plans is True)
     sync_packs(model)  # bf16 packs made now, not in the first timed step
     return swapped
@@ -338,9 +369,19 @@ def measure_row_plans(model: nn.Module) -> None:
     _give_plans([m for m in model.modules() if isinstance(m, FewRowLinear) and m.plan], measure=True)
 
 
+def row_invariant_fp32(model: nn.Module) -> bool:
+    """Whether `model`'s fp32 few-row layers compute every step's products by the fp32 kernel (`fp32_linear.py`): where
+    it runs and its pack of every weight, with oneDNN's for prompts, fits in memory. Elsewhere they keep row plans."""
+    return fp32_linear.unavailable() is None and packs_fit(model, 1 + int(onednn_packs_available()))
+
+
 def linear_kernel(model: nn.Module) -> str:
-    """What computes `model`'s linear layers ("few_row" or "nn.Linear"): a cost model is only valid for the same."""
-    return "few_row" if any(isinstance(m, FewRowLinear) for m in model.modules()) else "nn.Linear"
+    """What computes `model`'s linear layers ("few_row", "few_row_fp32_kernel" or "nn.Linear"): a cost model is only
+    valid for the same."""
+    layers = [m for m in model.modules() if isinstance(m, FewRowLinear)]
+    if not layers:
+        return "nn.Linear"
+    return "few_row_fp32_kernel" if any(m.row_invariant for m in layers) else "few_row"
 
 
 def with_stock_linears(model: nn.Module) -> nn.Module:

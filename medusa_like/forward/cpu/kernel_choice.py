@@ -38,7 +38,7 @@ from .few_row_linear import (
 from .row_plans import cached_row_plan
 
 KERNEL_MARGIN = 1.03  # another row kernel replaces F.linear for a size only if over 3% faster
-LINEARS = ("few_row", "nn.Linear")
+LINEARS = ("few_row", "few_row_fp32_kernel", "nn.Linear")
 RECORD_FIELDS = ("linears", "rows", "prefill")
 
 

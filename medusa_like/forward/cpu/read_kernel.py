@@ -63,7 +63,7 @@ def use_read_kernel(
             f"read_kernel=onednn lays out a second copy of every weight, which would take more than "
             f"{few_row_linear.PACK_MEMORY_SHARE:.0%} of this machine's memory: use read_kernel=linear (or auto, which then keeps it)"
         )
-    use_few_row_linears(model, plans="cached")  # products under `from_rows` rows keep their plans
+    use_few_row_linears(model, plans="cached", row_invariant=False)  # products under `from_rows` rows keep their plans
     for module in model.modules():
         if isinstance(module, FewRowLinear):
             module.prefill = ONEDNN

@@ -1,0 +1,59 @@
+"""fp32 products of an eager step's few rows by fused multiply-adds (AVX512F), the same bits at any row count.
+
+    reason = fp32_linear.unavailable()          # None where the kernel runs (an AVX512 CPU, the kernel built)
+    y = torch.ops.medusa_like.fp32_linear(x, pack(weight), bias, out_features)   # x [..., K] -> [..., N], fp32
+
+The eager few-row layers picked a kernel per row count (`row_plans.py`, `kernel_choice.py`): F.linear for one row,
+oneDNN's pack for eight, and so on. Each rounds its sums in its own order, so a node of a tree step could get other
+bits than in a one-node step, and a near-tie could flip. This kernel (`fp32_linear.cpp`, the fp32 sibling of
+`bf16_linear.cpp`) computes each output as one fp32 sum over k in order, whatever the row count or the thread; with
+the row-invariant attention (`tree_attention.py`), a tree's node gets the bits of its one-node step, so the eager fp32
+step is exact against greedy decoding on it. Over a weight packed in blocks of 32 outputs it streams the weights at
+the memory's speed at one to four rows (docs/cpu-kernels.md). A prompt's products (over `MAX_ROWS` rows) stay on
+F.linear or oneDNN: every method prefills the same prompt the same way.
+"""
+
+import functools
+
+import torch
+import torch.nn.functional as F
+
+from . import tree_attention
+from .extension import Extension, build_in_background
+
+OP = "medusa_like::fp32_linear"
+LABEL = "fp32 dot-product kernel"  # how logs name it
+BLOCK = 32  # outputs of a packed block (fp32_linear.cpp's kBlockN)
+
+
+def _shape(x, packed, bias, out_features):
+    """The op's output for tracing: x's shape with `out_features` last, fp32, contiguous."""
+    return x.new_empty((*x.shape[:-1], out_features))
+
+
+KERNEL = Extension("fp32_linear", fakes={OP: _shape})
+
+
+@functools.cache
+def unavailable() -> str | None:
+    """None where the kernel runs (loaded once per process), else why not: this CPU has no AVX512, the kernel could
+    not be built, or it is not built yet. The eager fp32 step is row-invariant with it and the attention kernel, and
+    it is the Python API's default, so a process does not wait for their first builds (seconds each): it starts them
+    in the background, keeps the row kernels and SDPA, and a later process loads both."""
+    if not torch.backends.cpu.get_cpu_capability().startswith("AVX512"):
+        return "this CPU has no AVX512 fused multiply-add"
+    kernels = (KERNEL, tree_attention.KERNEL)
+    for kernel in kernels:
+        if (failure := kernel.build_failure()) is not None:
+            return f"the {kernel.name} kernel could not be built ({failure})"
+    if missing := [kernel for kernel in kernels if not kernel.built()]:
+        build_in_background(*missing)
+        return f"the {' and '.join(k.name for k in missing)} kernels are being built here, for later processes"
+    return KERNEL.load()
+
+
+def pack(weight: torch.Tensor) -> torch.Tensor:
+    """weight [N, K] -> [ceil(N / 32), K, 32]: blocks of 32 outputs (zero-padded), each k's 32 weights together."""
+    n, k = weight.shape
+    padded = F.pad(weight, (0, 0, 0, -n % BLOCK))  # [N', K]
+    return padded.reshape(-1, BLOCK, k).permute(0, 2, 1).contiguous()

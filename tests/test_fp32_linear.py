@@ -1,0 +1,153 @@
+"""The fp32 kernel of the eager few-row layers (forward/cpu/fp32_linear.py): fp32 products to rounding, the same
+bits for a row at any row count and thread count, the layers that run it (no row plans, oneDNN for prompts), and clear
+errors for inputs it does not take. Skipped where the CPU has no AVX512."""
+
+import time
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from medusa_like.forward import prepare_target
+from medusa_like.forward.cpu import extension, fp32_linear, tree_attention
+from medusa_like.forward.cpu.few_row_linear import (
+    ANY_ROWS,
+    FP32_DOT,
+    MAX_ROWS,
+    ONEDNN,
+    FewRowLinear,
+    linear_kernel,
+    onednn_packs_available,
+    use_few_row_linears,
+)
+from medusa_like.model import MedusaLikeModel
+
+from .conftest import random_prompts, tiny_target
+
+pytestmark = pytest.mark.skipif(fp32_linear.unavailable() is not None, reason=f"{fp32_linear.unavailable()}")
+
+SHAPES = [(96, 64), (45, 37), (576, 1536), (33, 576), (1, 2)]  # [N, K]: N off the 32-output blocks
+
+
+def product(x, weight, bias=None):
+    return torch.ops.medusa_like.fp32_linear(x, fp32_linear.pack(weight), bias, weight.shape[0])
+
+
+def operands(n, k, rows=70, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randn(rows, k, generator=gen), torch.randn(n, k, generator=gen) * 0.05, torch.randn(n, generator=gen)
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+def test_products_are_fp32_products_to_rounding(shape):
+    x, weight, bias = operands(*shape)
+    for b in (None, bias):
+        exact = x.double() @ weight.double().T + (0 if b is None else b.double())  # [M, N]
+        # what the sum's roundings scale with: K + 1 additions, each off by at most half a unit of the running sum
+        scale = x.double().abs() @ weight.double().abs().T + (0 if b is None else b.double().abs())
+        assert ((product(x, weight, b).double() - exact).abs() <= scale * (shape[1] + 1) * 2**-24).all()
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+def test_a_row_gets_the_same_bits_at_any_row_count(shape):
+    x, weight, bias = operands(*shape)
+    every = product(x, weight, bias)  # [70, N]
+    for rows in (1, 2, 3, 7, 8, 9, 16, 31, 64):
+        assert torch.equal(product(x[:rows], weight, bias), every[:rows])
+    assert torch.equal(product(x[5:6], weight, bias), every[5:6])  # a row alone, taken from the middle
+    assert torch.equal(product(x[None, :9], weight, bias)[0], every[:9])  # leading dims are rows too
+
+
+def test_the_thread_count_changes_no_bit():
+    x, weight, bias = operands(576, 1536)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = product(x, weight, bias)
+        torch.set_num_threads(2)
+        two = product(x, weight, bias)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(one, two)
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        (lambda x, p, b, n: (x.bfloat16(), p, b, n), "must be float32"),
+        (lambda x, p, b, n: (x, p[:, :-1].contiguous(), b, n), "is not of a"),
+        (lambda x, p, b, n: (x, p.transpose(1, 2), b, n), r"contiguous \[N / 32, K, 32\]"),
+        (lambda x, p, b, n: (x, p, b[:-1], n), "bias of"),
+        (lambda x, p, b, n: (x, p, b, n + 40), "is not of a"),
+    ],
+)  # fmt: skip
+def test_inputs_it_does_not_take_are_refused_with_what_is_wrong(change, message):
+    x, weight, bias = operands(45, 37, rows=3)
+    with pytest.raises(RuntimeError, match=message):
+        torch.ops.medusa_like.fp32_linear(*change(x, fp32_linear.pack(weight), bias, 45))
+
+
+def test_fp32_layers_run_it_for_a_steps_rows_and_onednn_or_f_linear_for_a_prompts():
+    """fp32 few-row layers carry no row plan (nothing to measure), keep the fp32 pack (and oneDNN's, for prompts,
+    where it runs), compute up to MAX_ROWS rows on the kernel and more on the prefill kernel, and say so in
+    `linear_kernel` (what a cost model is keyed by)."""
+    target = tiny_target("llama")
+    use_few_row_linears(target)  # by default (a drafter, a model read many rows at a time): row plans
+    assert all(not m.row_invariant for m in target.modules() if isinstance(m, FewRowLinear))
+    use_few_row_linears(target, row_invariant=True)  # a target whose eager step decodes
+    layers = [m for m in target.modules() if isinstance(m, FewRowLinear)]
+    assert layers and all(m.row_invariant and m.plan == () for m in layers)
+    prefill = ONEDNN if onednn_packs_available() else 0
+    assert all(m.prefill == prefill and set(m.packs.packs) == {FP32_DOT, *([ANY_ROWS] * bool(prefill))} for m in layers)
+    assert linear_kernel(target) == "few_row_fp32_kernel"
+    layer = layers[0]
+    for rows, op in [(1, "medusa_like::fp32_linear"), (MAX_ROWS, "medusa_like::fp32_linear"), (MAX_ROWS + 1, None)]:
+        x = torch.randn(rows, layer.in_features)
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profile:
+            y = layer(x)
+        ran = {event.key for event in profile.key_averages()}
+        assert (op in ran) if op else ("medusa_like::fp32_linear" not in ran)
+        torch.testing.assert_close(y, F.linear(x, layer.weight, layer.bias), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", ["llama", "qwen2", "mistral", "gemma3"])
+def test_eager_fp32_tree_decoding_on_it_equals_the_targets_greedy(family):
+    """The eager fp32 step (the Python API's default) on the kernel and `rows` attention: lookup, Medusa-style and
+    chain trees give greedy decoding's tokens on the same step, every prompt (exact at any row count, not only up to
+    near-ties; the bit-level check is tests/test_tree_attention.py's)."""
+    from medusa_like.decoding.tree import BudgetedTreeSpec
+    from medusa_like.drafters.lookup import LookupDrafter
+
+    from .conftest import random_heads
+
+    prepared = prepare_target(tiny_target(family), compile=False)
+    assert prepared.backend == "rows"
+    heads = random_heads()
+    plain = MedusaLikeModel(prepared, None, heads)
+    prompts = random_prompts(6, seed=3, min_len=10, max_len=80)
+    references = [plain.generate(p, max_new_tokens=30, tree="none", eos_token_id=[]).new_tokens for p in prompts]
+    for drafter, tree in [(LookupDrafter(), BudgetedTreeSpec(None, 12, 8)), (heads, "medusa"), (heads, "chain")]:
+        model = MedusaLikeModel(prepared, None, drafter)
+        for prompt, reference in zip(prompts, references, strict=True):
+            out = model.generate(prompt, max_new_tokens=30, tree=tree, eos_token_id=[], remember=False)
+            assert torch.equal(out.new_tokens, reference)
+
+
+@pytest.mark.slow
+def test_a_first_process_builds_it_in_the_background_and_a_failed_build_is_not_tried_again(tmp_path, monkeypatch):
+    """Where no build is cached, `unavailable` says so at once and starts one in a detached process (the Python API's
+    first call does not wait for it), which leaves the library for later processes; a build that failed is named by
+    later processes and not started again."""
+    monkeypatch.setenv("MEDUSA_LIKE_CACHE_DIR", str(tmp_path))
+    kernels = (fp32_linear.KERNEL, tree_attention.KERNEL)  # the products' and the attention's
+    assert not any(k.built() for k in kernels)
+    assert "being built" in fp32_linear.unavailable.__wrapped__()
+    deadline = time.monotonic() + 300
+    while not all(k.built() for k in kernels) and time.monotonic() < deadline:
+        time.sleep(1)
+    assert all(k.built() and k.build_failure() is None for k in kernels)
+    kernel = fp32_linear.KERNEL
+    (kernel.directory() / extension.BUILD_FAILED).write_text("a compiler error")
+    monkeypatch.setattr(extension.subprocess, "Popen", lambda *a, **k: pytest.fail("a failed build started again"))
+    assert fp32_linear.unavailable.__wrapped__() == "the fp32_linear kernel could not be built (a compiler error)"
