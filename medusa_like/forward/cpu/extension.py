@@ -107,8 +107,8 @@ def build_in_background(*kernels: Extension) -> None:
             kernel.name,
             kernel.directory(),
         )
-    code = (
-        "import sys; from medusa_like.forward.cpu.extension import BUILD_FAILED, Extension\n"
+    code = (  # at the lowest priority: the process that asked keeps the cores
+        "import os, sys; os.nice(19); from medusa_like.forward.cpu.extension import BUILD_FAILED, Extension\n"
         "for name, directory in zip(sys.argv[1::2], sys.argv[2::2]):\n"
         "    why = Extension(name, {}).load()\n"
         "    why and open(directory + '/' + BUILD_FAILED, 'w').write(why)\n"
@@ -119,7 +119,6 @@ def build_in_background(*kernels: Extension) -> None:
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
         start_new_session=True,  # outlives this process; a Ctrl-C here does not cut it
-        preexec_fn=lambda: os.nice(19),
     )
 
 
