@@ -70,6 +70,18 @@ def fp32_row_plans(monkeypatch):
     monkeypatch.setattr(fp32_linear, "unavailable", lambda: "the fp32 kernel is switched off by the test")
 
 
+def at_one_and_two_threads(fn, *args):
+    """`fn(*args)` computed with one torch thread, then with two (a kernel's output must not depend on the split)."""
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = fn(*args)
+        torch.set_num_threads(2)
+        return one, fn(*args)
+    finally:
+        torch.set_num_threads(threads)
+
+
 def tiny_target(family: str, seed: int = 0, **overrides):
     """A tiny random target of `family` with the tests' vocabulary and real sliding windows."""
     vocab_size = overrides.pop("vocab_size", VOCAB)

@@ -11,6 +11,8 @@ from torch import nn
 
 from medusa_like.forward.cpu import bf16_linear
 
+from .conftest import at_one_and_two_threads
+
 pytestmark = pytest.mark.skipif(bf16_linear.unavailable() is not None, reason=f"{bf16_linear.unavailable()}")
 
 SHAPES = [(96, 64), (45, 37), (576, 1536), (33, 576), (1, 2)]  # [N, K]: odd K, N off the 32-output blocks
@@ -49,15 +51,7 @@ def test_a_row_gets_the_same_bits_at_any_row_count(shape):
 
 
 def test_the_thread_count_changes_no_bit():
-    x, weight, bias = operands(576, 1536)
-    threads = torch.get_num_threads()
-    try:
-        torch.set_num_threads(1)
-        one = product(x, weight, bias)
-        torch.set_num_threads(2)
-        two = product(x, weight, bias)
-    finally:
-        torch.set_num_threads(threads)
+    one, two = at_one_and_two_threads(product, *operands(576, 1536))
     assert torch.equal(one, two)
 
 

@@ -22,7 +22,7 @@ from medusa_like.forward.cpu.few_row_linear import (
 )
 from medusa_like.model import MedusaLikeModel
 
-from .conftest import random_prompts, tiny_target
+from .conftest import at_one_and_two_threads, random_prompts, tiny_target
 
 pytestmark = pytest.mark.skipif(fp32_linear.unavailable() is not None, reason=f"{fp32_linear.unavailable()}")
 
@@ -59,15 +59,7 @@ def test_a_row_gets_the_same_bits_at_any_row_count(shape):
 
 
 def test_the_thread_count_changes_no_bit():
-    x, weight, bias = operands(576, 1536)
-    threads = torch.get_num_threads()
-    try:
-        torch.set_num_threads(1)
-        one = product(x, weight, bias)
-        torch.set_num_threads(2)
-        two = product(x, weight, bias)
-    finally:
-        torch.set_num_threads(threads)
+    one, two = at_one_and_two_threads(product, *operands(576, 1536))
     assert torch.equal(one, two)
 
 
