@@ -3,13 +3,13 @@
     reason = fp32_linear.unavailable()          # None where the kernel runs (an AVX512 CPU, the kernel built)
     y = torch.ops.medusa_like.fp32_linear(x, pack(weight), bias, out_features)   # x [..., K] -> [..., N], fp32
 
-The eager few-row layers picked a kernel per row count (`row_plans.py`, `kernel_choice.py`): F.linear for one row,
-oneDNN's pack for eight, and so on. Each rounds its sums in its own order, so a node of a tree step could get other
-bits than in a one-node step, and a near-tie could flip. This kernel (`fp32_linear.cpp`, the fp32 sibling of
+Elsewhere the eager few-row layers pick a kernel per row count (`row_plans.py`, `kernel_choice.py`): F.linear for
+one row, oneDNN's pack for eight, and so on. Each rounds its sums in its own order, so a node of a tree step can get
+other bits than in a one-node step (on the default target every node of a 16-node tree did), and a near-tie can flip. This kernel (`fp32_linear.cpp`, the fp32 sibling of
 `bf16_linear.cpp`) computes each output as one fp32 sum over k in order, whatever the row count or the thread; with
 the row-invariant attention (`tree_attention.py`), a tree's node gets the bits of its one-node step, so the eager fp32
 step is exact against greedy decoding on it. Over a weight packed in blocks of 32 outputs it streams the weights at
-the memory's speed at one to four rows (docs/cpu-kernels.md). A prompt's products (over `MAX_ROWS` rows) stay on
+the memory's speed at one to eight rows (docs/cpu-kernels.md). A prompt's products (over `MAX_ROWS` rows) stay on
 F.linear or oneDNN: every method prefills the same prompt the same way.
 """
 
@@ -22,7 +22,6 @@ from . import tree_attention
 from .extension import Extension, build_in_background
 
 OP = "medusa_like::fp32_linear"
-LABEL = "fp32 dot-product kernel"  # how logs name it
 BLOCK = 32  # outputs of a packed block (fp32_linear.cpp's kBlockN)
 
 
