@@ -33,11 +33,15 @@ torch.set_num_threads(1)
 
 # Row plans and cost models measured by the tests stay out of the user's cache (one directory, `io.user_cache_dir`);
 # the default target converted there already is linked in, not converted again.
+# A process a test starts that imports this module (a DDP rank unpickling the test's code) keeps that test's directory.
 _USER_CACHE = user_cache_dir()
-_TEST_CACHE = Path(tempfile.mkdtemp(prefix="medusa_like_test_cache_"))
-os.environ["MEDUSA_LIKE_CACHE_DIR"] = str(_TEST_CACHE)
-if (_USER_CACHE / DEFAULT_TARGET / "config.json").is_file():
-    (_TEST_CACHE / DEFAULT_TARGET).symlink_to(_USER_CACHE / DEFAULT_TARGET)
+_TEST_CACHE = (
+    None if os.environ.get("PYTEST_CURRENT_TEST") else Path(tempfile.mkdtemp(prefix="medusa_like_test_cache_"))
+)
+if _TEST_CACHE is not None:
+    os.environ["MEDUSA_LIKE_CACHE_DIR"] = str(_TEST_CACHE)
+    if (_USER_CACHE / DEFAULT_TARGET / "config.json").is_file():
+        (_TEST_CACHE / DEFAULT_TARGET).symlink_to(_USER_CACHE / DEFAULT_TARGET)
 
 
 def pytest_configure(config):
@@ -53,7 +57,8 @@ def pytest_configure(config):
 def pytest_unconfigure(config):
     """The tests' cache directory goes with the session, in every process: pytest-xdist's workers end without running
     atexit handlers (a directory per worker was left in the temporary folder by each run)."""
-    shutil.rmtree(_TEST_CACHE, ignore_errors=True)
+    if _TEST_CACHE is not None:
+        shutil.rmtree(_TEST_CACHE, ignore_errors=True)
 
 
 def flat_cost(target, per_node_ms: float = 0.0, nodes=(1, 2, 4, 8, 16, 32, 64)) -> CostModel:
