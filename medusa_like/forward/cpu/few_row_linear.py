@@ -372,7 +372,8 @@ def measure_row_plans(model: nn.Module) -> None:
 def row_invariant_fp32(model: nn.Module) -> bool:
     """Whether `model`'s fp32 few-row layers compute every step's products by the fp32 kernel (`fp32_linear.py`): where
     it runs and its pack of every weight, with oneDNN's for prompts, fits in memory. Elsewhere they keep row plans."""
-    return fp32_linear.unavailable() is None and packs_fit(model, 1 + int(onednn_packs_available()))
+    # memory first: where the packs do not fit, the kernel is not asked for (nor built in the background)
+    return packs_fit(model, 1 + int(onednn_packs_available())) and fp32_linear.unavailable() is None
 
 
 def linear_kernel(model: nn.Module) -> str:

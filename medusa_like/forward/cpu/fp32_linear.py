@@ -5,10 +5,10 @@
 
 Elsewhere the eager few-row layers pick a kernel per row count (`row_plans.py`, `kernel_choice.py`): F.linear for
 one row, oneDNN's pack for eight, and so on. Each rounds its sums in its own order, so a node of a tree step can get
-other bits than in a one-node step (on the default target every node of a 16-node tree did), and a near-tie can flip. This kernel (`fp32_linear.cpp`, the fp32 sibling of
-`bf16_linear.cpp`) computes each output as one fp32 sum over k in order, whatever the row count or the thread; with
-the row-invariant attention (`tree_attention.py`), a tree's node gets the bits of its one-node step, so the eager fp32
-step is exact against greedy decoding on it. Over a weight packed in blocks of 32 outputs it streams the weights at
+other bits than in a one-node step (on the default target every node of a 16-node tree did), and a near-tie can flip.
+This kernel (`fp32_linear.cpp`, the fp32 sibling of `bf16_linear.cpp`) computes each output as one fp32 sum over k in
+order, whatever the row count or the thread; with the row-invariant attention (`tree_attention.py`), a tree's node
+gets the bits of its one-node step, so the eager fp32 step is exact against greedy decoding on it. Over a weight packed in blocks of 32 outputs it streams the weights at
 the memory's speed at one to eight rows (docs/cpu-kernels.md). A prompt's products (over `MAX_ROWS` rows) stay on
 F.linear or oneDNN: every method prefills the same prompt the same way.
 """
