@@ -117,10 +117,13 @@ def restore_best(trainer: L.Trainer, module) -> dict[str, float] | None:
 
 
 def _finish_wandb() -> None:
-    """Close the W&B run so its offline directory is complete before the process (or the next test) goes on."""
+    """Close the W&B run so its offline directory is complete before the process (or the next test) goes on: `finish`
+    can return before W&B's service process has written the run's records, so the service is shut down too (the next
+    run starts one)."""
     wandb = sys.modules.get("wandb")
     if wandb is not None and wandb.run is not None:
         wandb.finish()
+        wandb.teardown()
 
 
 @hydra.main(version_base="1.3", config_path=CONFIG_DIR, config_name="train")
