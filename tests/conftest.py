@@ -49,7 +49,7 @@ def pytest_configure(config):
     library builds them in the background on first use, for later processes: a test process would run without)."""
     if getattr(config.option, "numprocesses", None) and not hasattr(config, "workerinput"):
         return  # pytest-xdist's controller runs no test
-    if torch.backends.cpu.get_cpu_capability().startswith("AVX512"):
+    if torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512"):
         fp32_linear.KERNEL.load()
         tree_attention.KERNEL.load()
 
@@ -70,7 +70,7 @@ def flat_cost(target, per_node_ms: float = 0.0, nodes=(1, 2, 4, 8, 16, 32, 64)) 
 
 @pytest.fixture
 def fp32_row_plans(monkeypatch):
-    """fp32 few-row layers on their row plans and SDPA, as on CPUs without AVX512 (where the fp32 kernel does not run,
+    """fp32 few-row layers on their row plans and SDPA, as on CPUs without AVX2 (where the fp32 kernel does not run,
     `fp32_linear.py`): what the tests of the plans, the kernel choice per tree size and their cost models exercise."""
     monkeypatch.setattr(fp32_linear, "unavailable", lambda: "the fp32 kernel is switched off by the test")
 

@@ -1,6 +1,6 @@
 """The fp32 kernel of the eager few-row layers (forward/cpu/fp32_linear.py): fp32 products to rounding, the same
-bits for a row at any row count and thread count, the layers that run it (no row plans, oneDNN for prompts), and clear
-errors for inputs it does not take. Skipped where the CPU has no AVX512."""
+bits for a row at any row count and thread count, in its AVX512 and its AVX2 code alike, the layers that run it (no
+row plans, oneDNN for prompts), and clear errors for inputs it does not take. Skipped where the CPU has no AVX2."""
 
 import time
 
@@ -27,10 +27,17 @@ from .conftest import at_one_and_two_threads, random_prompts, tiny_target
 pytestmark = pytest.mark.skipif(fp32_linear.unavailable() is not None, reason=f"{fp32_linear.unavailable()}")
 
 SHAPES = [(96, 64), (45, 37), (576, 1536), (33, 576), (1, 2)]  # [N, K]: N off the 32-output blocks
+# the kernel as this CPU runs it (AVX512 where it has it), and its AVX2 code (what an AVX2-only CPU runs)
+OPS = [fp32_linear.OP, fp32_linear.OP_AVX2]
 
 
-def product(x, weight, bias=None):
-    return torch.ops.medusa_like.fp32_linear(x, fp32_linear.pack(weight), bias, weight.shape[0])
+def operator(op: str):
+    namespace, name = op.split("::")
+    return getattr(getattr(torch.ops, namespace), name)
+
+
+def product(x, weight, bias=None, op=fp32_linear.OP):
+    return operator(op)(x, fp32_linear.pack(weight), bias, weight.shape[0])
 
 
 def operands(n, k, rows=70, seed=0):
@@ -38,28 +45,40 @@ def operands(n, k, rows=70, seed=0):
     return torch.randn(rows, k, generator=gen), torch.randn(n, k, generator=gen) * 0.05, torch.randn(n, generator=gen)
 
 
+@pytest.mark.parametrize("op", OPS)
 @pytest.mark.parametrize("shape", SHAPES)
-def test_products_are_fp32_products_to_rounding(shape):
+def test_products_are_fp32_products_to_rounding(shape, op):
     x, weight, bias = operands(*shape)
     for b in (None, bias):
         exact = x.double() @ weight.double().T + (0 if b is None else b.double())  # [M, N]
         # what the sum's roundings scale with: K + 1 additions, each off by at most half a unit of the running sum
         scale = x.double().abs() @ weight.double().abs().T + (0 if b is None else b.double().abs())
-        assert ((product(x, weight, b).double() - exact).abs() <= scale * (shape[1] + 1) * 2**-24).all()
+        assert ((product(x, weight, b, op).double() - exact).abs() <= scale * (shape[1] + 1) * 2**-24).all()
+
+
+@pytest.mark.parametrize("op", OPS)
+@pytest.mark.parametrize("shape", SHAPES)
+def test_a_row_gets_the_same_bits_at_any_row_count(shape, op):
+    x, weight, bias = operands(*shape)
+    every = product(x, weight, bias, op)  # [70, N]
+    for rows in (1, 2, 3, 4, 7, 8, 9, 16, 31, 64):
+        assert torch.equal(product(x[:rows], weight, bias, op), every[:rows])
+    assert torch.equal(product(x[5:6], weight, bias, op), every[5:6])  # a row alone, taken from the middle
+    assert torch.equal(product(x[None, :9], weight, bias, op)[0], every[:9])  # leading dims are rows too
 
 
 @pytest.mark.parametrize("shape", SHAPES)
-def test_a_row_gets_the_same_bits_at_any_row_count(shape):
+def test_avx512_and_avx2_cpus_compute_the_same_bits(shape):
+    """Each output is one fused multiply-add a k, in order, in either vector width: a tree's tokens do not depend on
+    which kind of CPU verified it (on an AVX2-only CPU both ops run the AVX2 code, and the check holds trivially)."""
     x, weight, bias = operands(*shape)
-    every = product(x, weight, bias)  # [70, N]
-    for rows in (1, 2, 3, 7, 8, 9, 16, 31, 64):
-        assert torch.equal(product(x[:rows], weight, bias), every[:rows])
-    assert torch.equal(product(x[5:6], weight, bias), every[5:6])  # a row alone, taken from the middle
-    assert torch.equal(product(x[None, :9], weight, bias)[0], every[:9])  # leading dims are rows too
+    for b in (None, bias):
+        assert torch.equal(product(x, weight, b), product(x, weight, b, fp32_linear.OP_AVX2))
 
 
-def test_the_thread_count_changes_no_bit():
-    one, two = at_one_and_two_threads(product, *operands(576, 1536))
+@pytest.mark.parametrize("op", OPS)
+def test_the_thread_count_changes_no_bit(op):
+    one, two = at_one_and_two_threads(product, *operands(576, 1536), op)
     assert torch.equal(one, two)
 
 
@@ -73,10 +92,11 @@ def test_the_thread_count_changes_no_bit():
         (lambda x, p, b, n: (x, p, b, n + 40), "is not of a"),
     ],
 )  # fmt: skip
-def test_inputs_it_does_not_take_are_refused_with_what_is_wrong(change, message):
+@pytest.mark.parametrize("op", OPS)
+def test_inputs_it_does_not_take_are_refused_with_what_is_wrong(change, message, op):
     x, weight, bias = operands(45, 37, rows=3)
     with pytest.raises(RuntimeError, match=message):
-        torch.ops.medusa_like.fp32_linear(*change(x, fp32_linear.pack(weight), bias, 45))
+        operator(op)(*change(x, fp32_linear.pack(weight), bias, 45))
 
 
 def test_fp32_layers_run_it_for_a_steps_rows_and_onednn_or_f_linear_for_a_prompts():

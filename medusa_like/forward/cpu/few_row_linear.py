@@ -25,10 +25,11 @@ row the same bits at any row count, so that tree steps round as one-node steps d
 row of a 4-row down projection came out otherwise than alone); on one with AMX alone, oneDNN's pack (`F.linear` in
 bf16 reorders the weight at every call).
 
-fp32 layers on a CPU where torch runs AVX512 carry no row plans either: every product of 1..MAX_ROWS rows runs this
-project's fp32 kernel over a pack they keep (`fp32_linear.py`, `row_invariant_fp32`), which gives a row the same bits
-at any row count, and a prompt's rows oneDNN's pack; the plans, MKL's packs and the kernel choice per tree size are
-what fp32 layers run elsewhere (and where the packs do not fit in memory).
+fp32 layers of a decoding target (`row_invariant=True`) on a CPU where torch runs AVX2 or AVX512 carry no row plans
+either: every product of 1..MAX_ROWS rows runs this project's fp32 kernel over a pack they keep (`fp32_linear.py`,
+`row_invariant_fp32`), which gives a row the same bits at any row count, and a prompt's rows oneDNN's pack; the
+plans, MKL's packs and the kernel choice per tree size are what other fp32 layers run (drafters, training's read),
+and what a target's run elsewhere (and where the packs do not fit in memory).
 
 The swap shares the original parameters (no copy, same state-dict keys) and changes only rounding (fp32 or bf16), as
 any other row count or kernel would: the target's greedy decoding stays the reference, computed with the same layers.

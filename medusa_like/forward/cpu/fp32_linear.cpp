@@ -1,10 +1,13 @@
-// fp32 products of a tree step's few rows by AVX512 fused multiply-adds: see fp32_linear.py for the contract.
+// fp32 products of a tree step's few rows by fused multiply-adds: see fp32_linear.py for the contract.
 //
-// The weight comes packed in blocks of 32 outputs: packed [N / 32, K, 32], so that two 64-byte loads hold one k of 32
-// outputs, multiplied by the row's value at k, broadcast. Each output is one fp32 sum over k in order, whatever the
-// row count, the rows beside it or the thread that computes it: a row gets the same bits in any product. Threads split
-// the output blocks; a block's weights (K x 32 fp32, under 200 KB) stay in cache while the rows' register blocks pass
-// over them.
+// The weight comes packed in blocks of 32 outputs: packed [N / 32, K, 32], so that one k of 32 outputs is two
+// AVX512 vectors (or four AVX2 ones), multiplied by the row's value at k, broadcast. Each output is one fp32 sum over k
+// in order, one fused multiply-add a step, whatever the row count, the rows beside it, the thread that computes it or
+// the vector width: a row gets the same bits in any product, on AVX512 and AVX2 CPUs alike. Threads split the output
+// blocks; a block's weights (K x 32 fp32, under 200 KB) stay in cache while the rows' register blocks pass over them.
+//
+// Both widths are compiled into one library (function target attributes); `fp32_linear` runs AVX512 where the CPU has
+// it, else AVX2, and `fp32_linear_avx2` runs AVX2 anywhere (what an AVX2-only CPU computes, for tests here).
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
@@ -13,19 +16,24 @@
 
 #include <immintrin.h>
 
+#include <algorithm>
 #include <cstdint>
+#include <cstring>
 
 namespace {
 
-constexpr int64_t kBlockN = 32;  // outputs of a packed block: two vectors of 16 fp32 sums
-constexpr int kBlockM = 8;       // rows of a register block: 16 accumulators
+constexpr int64_t kBlockN = 32;  // outputs of a packed block
 
-#ifdef __AVX512F__
 // rows [M] of x (row stride ldx) times one packed block w [K, 32] -> the block's `width` outputs of each row in y (row
 // stride ldy), plus bias (the block's 32, or null)
+using BlockFn = void (*)(const float*, int64_t, int64_t, const float*, const float*, float*, int64_t, int64_t);
+
+// AVX512: two vectors of 16 sums a row, 8 rows a register block (16 accumulators)
+constexpr int kRows512 = 8;
+
 template <int M>
-void block_product(const float* x, int64_t ldx, int64_t K, const float* w, const float* bias, float* y, int64_t ldy,
-                   int64_t width) {
+__attribute__((target("avx512f"))) void block_avx512(const float* x, int64_t ldx, int64_t K, const float* w,
+                                                     const float* bias, float* y, int64_t ldy, int64_t width) {
   __m512 acc[M][2];
   for (int m = 0; m < M; ++m) acc[m][0] = acc[m][1] = _mm512_setzero_ps();
   for (int64_t k = 0; k < K; ++k) {
@@ -50,17 +58,42 @@ void block_product(const float* x, int64_t ldx, int64_t K, const float* w, const
   }
 }
 
-using BlockFn = void (*)(const float*, int64_t, int64_t, const float*, const float*, float*, int64_t, int64_t);
-constexpr BlockFn kBlocks[kBlockM + 1] = {nullptr,           block_product<1>, block_product<2>,
-                                          block_product<3>, block_product<4>, block_product<5>,
-                                          block_product<6>, block_product<7>, block_product<8>};
-#endif
+// AVX2: four vectors of 8 sums a row, 3 rows a register block (12 accumulators of the 16 registers)
+constexpr int kRows256 = 3;
 
-at::Tensor fp32_linear(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias,
-                       int64_t out_features) {
-#ifndef __AVX512F__
-  TORCH_CHECK(false, "fp32_linear: built for a CPU without AVX512F");
-#else
+template <int M>
+__attribute__((target("avx2,fma"))) void block_avx2(const float* x, int64_t ldx, int64_t K, const float* w,
+                                                    const float* bias, float* y, int64_t ldy, int64_t width) {
+  __m256 acc[M][4];
+  for (int m = 0; m < M; ++m)
+    for (int v = 0; v < 4; ++v) acc[m][v] = _mm256_setzero_ps();
+  for (int64_t k = 0; k < K; ++k) {
+    const float* wk = w + k * kBlockN;
+    for (int m = 0; m < M; ++m) {
+      const __m256 a = _mm256_set1_ps(x[m * ldx + k]);
+      for (int v = 0; v < 4; ++v) acc[m][v] = _mm256_fmadd_ps(a, _mm256_loadu_ps(wk + 8 * v), acc[m][v]);
+    }
+  }
+  for (int m = 0; m < M; ++m) {
+    float sums[kBlockN];
+    for (int v = 0; v < 4; ++v) {
+      __m256 s = acc[m][v];
+      if (bias != nullptr) s = _mm256_add_ps(s, _mm256_loadu_ps(bias + 8 * v));
+      _mm256_storeu_ps(sums + 8 * v, s);
+    }
+    std::memcpy(y + m * ldy, sums, width * sizeof(float));
+  }
+}
+
+constexpr BlockFn kAvx512[kRows512 + 1] = {nullptr,          block_avx512<1>, block_avx512<2>,
+                                           block_avx512<3>, block_avx512<4>, block_avx512<5>,
+                                           block_avx512<6>, block_avx512<7>, block_avx512<8>};
+constexpr BlockFn kAvx2[kRows256 + 1] = {nullptr, block_avx2<1>, block_avx2<2>, block_avx2<3>};
+
+at::Tensor product(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias,
+                   int64_t out_features, bool wide) {
+  TORCH_CHECK(__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma"),
+              "fp32_linear: this CPU has no AVX2 fused multiply-add");
   TORCH_CHECK(x.device().is_cpu() && packed.device().is_cpu(), "fp32_linear: CPU tensors only");
   TORCH_CHECK(x.scalar_type() == at::kFloat && packed.scalar_type() == at::kFloat,
               "fp32_linear: x and packed must be float32");
@@ -86,24 +119,39 @@ at::Tensor fp32_linear(const at::Tensor& x, const at::Tensor& packed, const c10:
   const float* wp = packed.data_ptr<float>();
   const float* bp = bias_padded.defined() ? bias_padded.data_ptr<float>() : nullptr;
   float* yp = y.data_ptr<float>();
+  const BlockFn* kernels = wide ? kAvx512 : kAvx2;
+  const int64_t rows_a_block = wide ? kRows512 : kRows256;
   at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
     for (int64_t nb = begin; nb < end; ++nb) {
       const int64_t n0 = nb * kBlockN, width = std::min(kBlockN, N - n0);
-      for (int64_t m0 = 0; m0 < M; m0 += kBlockM) {
-        const int rows_here = static_cast<int>(std::min<int64_t>(kBlockM, M - m0));
-        kBlocks[rows_here](xp + m0 * K, K, K, wp + nb * block_elems, bp ? bp + n0 : nullptr, yp + m0 * N + n0, N,
+      for (int64_t m0 = 0; m0 < M; m0 += rows_a_block) {
+        const int64_t rows_here = std::min(rows_a_block, M - m0);
+        kernels[rows_here](xp + m0 * K, K, K, wp + nb * block_elems, bp ? bp + n0 : nullptr, yp + m0 * N + n0, N,
                            width);
       }
     }
   });
   return y;
-#endif
+}
+
+at::Tensor fp32_linear(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias,
+                       int64_t out_features) {
+  return product(x, packed, bias, out_features, __builtin_cpu_supports("avx512f"));
+}
+
+at::Tensor fp32_linear_avx2(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias,
+                            int64_t out_features) {
+  return product(x, packed, bias, out_features, false);
 }
 
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(medusa_like, m) {
   m.def("fp32_linear(Tensor x, Tensor packed, Tensor? bias, int out_features) -> Tensor");
+  m.def("fp32_linear_avx2(Tensor x, Tensor packed, Tensor? bias, int out_features) -> Tensor");
 }
 
-TORCH_LIBRARY_IMPL(medusa_like, CPU, m) { m.impl("fp32_linear", fp32_linear); }
+TORCH_LIBRARY_IMPL(medusa_like, CPU, m) {
+  m.impl("fp32_linear", fp32_linear);
+  m.impl("fp32_linear_avx2", fp32_linear_avx2);
+}

@@ -1,6 +1,6 @@
-"""fp32 products of an eager step's few rows by fused multiply-adds (AVX512F), the same bits at any row count.
+"""fp32 products of an eager step's few rows by fused multiply-adds (AVX512 or AVX2), the same bits at any row count.
 
-    reason = fp32_linear.unavailable()          # None where the kernel runs (an AVX512 CPU, the kernel built)
+    reason = fp32_linear.unavailable()          # None where the kernel runs (an AVX2 or AVX512 CPU, the kernel built)
     y = torch.ops.medusa_like.fp32_linear(x, pack(weight), bias, out_features)   # x [..., K] -> [..., N], fp32
 
 Elsewhere the eager few-row layers pick a kernel per row count (`row_plans.py`, `kernel_choice.py`): F.linear for
@@ -8,8 +8,10 @@ one row, oneDNN's pack for eight, and so on. Each rounds its sums in its own ord
 other bits than in a one-node step (on the default target every node of a 16-node tree did), and a near-tie can flip.
 This kernel (`fp32_linear.cpp`, the fp32 sibling of `bf16_linear.cpp`) computes each output as one fp32 sum over k in
 order, whatever the row count or the thread; with the row-invariant attention (`tree_attention.py`), a tree's node
-gets the bits of its one-node step, so the eager fp32 step is exact against greedy decoding on it. Over a weight packed in blocks of 32 outputs it streams the weights at
-the memory's speed at one to eight rows (docs/cpu-kernels.md). A prompt's products (over `MAX_ROWS` rows) stay on
+gets the bits of its one-node step, so the eager fp32 step is exact against greedy decoding on it. Each sum is one
+fused multiply-add a k, in order, so AVX512 and AVX2 CPUs compute the same bits (`OP_AVX2` runs the AVX2 code on any
+CPU, for the tests). Over a weight packed in blocks of 32 outputs it streams the weights at the memory's speed at one
+to eight rows (docs/cpu-kernels.md). A prompt's products (over `MAX_ROWS` rows) stay on
 F.linear or oneDNN: every method prefills the same prompt the same way.
 """
 
@@ -21,7 +23,8 @@ import torch.nn.functional as F
 from . import tree_attention
 from .extension import Extension, build_in_background
 
-OP = "medusa_like::fp32_linear"
+OP = "medusa_like::fp32_linear"  # AVX512 where the CPU has it, else AVX2
+OP_AVX2 = "medusa_like::fp32_linear_avx2"  # AVX2 on any CPU: what an AVX2-only CPU computes
 BLOCK = 32  # outputs of a packed block (fp32_linear.cpp's kBlockN)
 
 
@@ -30,17 +33,17 @@ def _shape(x, packed, bias, out_features):
     return x.new_empty((*x.shape[:-1], out_features))
 
 
-KERNEL = Extension("fp32_linear", fakes={OP: _shape})
+KERNEL = Extension("fp32_linear", fakes={OP: _shape, OP_AVX2: _shape})
 
 
 @functools.cache
 def unavailable() -> str | None:
-    """None where the kernel runs (loaded once per process), else why not: this CPU has no AVX512, the kernel could
+    """None where the kernel runs (loaded once per process), else why not: this CPU has no AVX2, the kernel could
     not be built, or it is not built yet. The eager fp32 step is row-invariant with it and the attention kernel, and
     it is the Python API's default, so a process does not wait for their first builds (seconds each): it starts them
     in the background, keeps the row kernels and SDPA, and a later process loads both."""
-    if not torch.backends.cpu.get_cpu_capability().startswith("AVX512"):
-        return "this CPU has no AVX512 fused multiply-add"
+    if torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"):
+        return "this CPU has no AVX2 fused multiply-add"  # ATen's AVX2 level includes FMA
     kernels = (KERNEL, tree_attention.KERNEL)
     for kernel in kernels:
         if (failure := kernel.build_failure()) is not None:
