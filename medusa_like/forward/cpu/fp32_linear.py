@@ -11,8 +11,8 @@ order, whatever the row count or the thread; with the row-invariant attention (`
 gets the bits of its one-node step, so the eager fp32 step is exact against greedy decoding on it. Each sum is one
 fused multiply-add a k, in order, so AVX512 and AVX2 CPUs compute the same bits (`OP_AVX2` runs the AVX2 code on any
 CPU, for the tests). Over a weight packed in blocks of 32 outputs it streams the weights at the memory's speed at one
-to eight rows (docs/cpu-kernels.md). A prompt's products (over `MAX_ROWS` rows) stay on
-F.linear or oneDNN: every method prefills the same prompt the same way.
+to four rows in either code (docs/cpu-kernels.md). A prompt's products (over `MAX_ROWS` rows) stay on F.linear or
+oneDNN: every method prefills the same prompt the same way.
 """
 
 import functools
