@@ -25,7 +25,7 @@ from medusa_like.benchmarks.harness import Report, median_ms, show, table
 from medusa_like.decoding.tree import DynamicTreeSpec
 from medusa_like.drafters.lookup_sources import OutputStore
 from medusa_like.forward import PROFILER_NAME
-from medusa_like.forward.cpu import tree_attention
+from medusa_like.forward.cpu import fp32_linear, tree_attention
 from medusa_like.model import MedusaLikeModel
 from medusa_like.tiny import tiny_chat_target
 
@@ -187,6 +187,21 @@ def test_every_way_of_the_products_benchmark_computes_every_product_of_the_eager
             linear.weight.zero_()
             assert not torch.allclose(module(x), whole), linear
             linear.weight.copy_(kept)
+
+
+@pytest.mark.skipif(fp32_linear.cpu_unsupported() is not None, reason=f"{fp32_linear.cpu_unsupported()}")
+def test_the_kernel_ways_compute_the_eager_chains_products_with_the_same_bits_in_either_code():
+    """kernel and kernel+avx2 run the fp32 kernel's two codes over packs of the chain's weights: the eager chain's
+    products to fp32 rounding, and the same bits as each other (the AVX2 code is what an AVX2-only CPU runs)."""
+    assert fp32_linear.KERNEL.load() is None
+    module = products.products_of(tiny_target("qwen2"), layers=2)  # qwen2: biased q, k and v products
+    assert any(linear.bias is not None for linear in module.linears)
+    _, eager = products.way_ms(module, "eager", [3], repeats=1)
+    outs = {}
+    for way, op in products.KERNEL_WAYS.items():
+        _, outs[way] = products.way_ms(products.kernel_copy(module, op), way, [3], repeats=1)
+        torch.testing.assert_close(outs[way], eager, rtol=1e-4, atol=1e-5)
+    assert torch.equal(outs["kernel"], outs["kernel+avx2"])
 
 
 @pytest.mark.slow

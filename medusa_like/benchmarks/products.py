@@ -15,6 +15,9 @@ way:
     template+concat   the same, products of one input concatenated into one (Inductor's `cpp.enable_concat_linear`)
     template+int8     the template over weight-only int8 copies (one scale per output channel, a quarter of the
                       bytes; Inductor's weight-only int8 pattern): what an int8 target precision would stream
+    kernel            this project's fp32 kernel over its packs, eager: what the eager fp32 step's few-row layers run
+    kernel+avx2       the same kernel's AVX2 code on any CPU: what an AVX2-only CPU runs (left out, with a note,
+                      where the kernel cannot be built)
 
 Each way's median ms at each row count, the rate its weights stream at (GB/s) and its arithmetic (GFLOP/s), beside
 the machine's own: one read of a tensor the size of the target's weights, and a large square fp32 product. A single
@@ -27,6 +30,7 @@ import torch
 from torch import nn
 from torch._inductor import config as inductor_config
 
+from medusa_like.forward.cpu import fp32_linear
 from medusa_like.forward.platform import AVX512_OPTIONS, CPU_OPTIONS, micro_kernels_noexcept
 from medusa_like.targets import DEFAULT_TARGET
 
@@ -38,8 +42,11 @@ WAYS = {  # Inductor's options per compiled way (None: eager)
     "template": CPU_OPTIONS,
     "template+concat": {**CPU_OPTIONS, **AVX512_OPTIONS},  # the compiled step's options where AVX512 runs
     "template+int8": CPU_OPTIONS,
+    "kernel": None,
+    "kernel+avx2": None,
 }
 INT8_WAYS = {"template+int8"}  # computed over `Int8Linear` copies of the products
+KERNEL_WAYS = {"kernel": fp32_linear.OP, "kernel+avx2": fp32_linear.OP_AVX2}  # over `KernelLinear` copies
 
 
 class Int8Linear(nn.Module):
@@ -58,6 +65,21 @@ class Int8Linear(nn.Module):
 
     def forward(self, x):  # [M, I] -> [M, O]
         return torch.mm(x, self.weight.to(x.dtype).t()) * self.scale
+
+
+class KernelLinear(nn.Module):
+    """A copy of an fp32 nn.Linear computed by the fp32 kernel's operator `op` over the weight's pack."""
+
+    def __init__(self, linear: nn.Linear, op: str):
+        super().__init__()
+        self.register_buffer("packed", fp32_linear.pack(linear.weight.detach()))  # [O / 32, I, 32]
+        self.bias = None if linear.bias is None else linear.bias.detach()
+        namespace, name = op.split("::")
+        self.op = getattr(getattr(torch.ops, namespace), name)
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+
+    def forward(self, x):  # [M, I] -> [M, O]
+        return self.op(x, self.packed, self.bias, self.out_features)
 
 
 class Products(nn.Module):
@@ -94,6 +116,13 @@ def products_of(target, layers: int) -> Products:
 
 def weight_bytes(module: nn.Module) -> int:
     return sum(t.numel() * t.element_size() for t in (*module.parameters(), *module.buffers()))
+
+
+def kernel_copy(module: Products, op: str) -> Products:
+    """`module` with every product computed by the fp32 kernel's operator `op` (`KernelLinear`)."""
+    copy = Products([], module.hidden)
+    copy.linears = nn.ModuleList(KernelLinear(linear, op) for linear in module.linears)
+    return copy.eval()
 
 
 def int8_copy(module: Products) -> Products:
@@ -152,16 +181,23 @@ def run(
     if unknown or any(not 2 <= n <= 64 for n in rows):
         raise ValueError(f"ways are {list(WAYS)} (got {list(ways)}); rows 2..64 (got {list(rows)})")
     threads = use_threads(threads)
+    notes = []
+    if KERNEL_WAYS.keys() & set(ways) and (why := fp32_linear.cpu_unsupported() or fp32_linear.KERNEL.load()):
+        ways = tuple(w for w in ways if w not in KERNEL_WAYS)
+        notes.append(f"the kernel's ways are left out: {why}")
     model, _, _ = load(target)
     module = products_of(model, layers)
-    int8 = int8_copy(module) if INT8_WAYS & set(ways) else None
+    copies = {way: kernel_copy(module, op) for way, op in KERNEL_WAYS.items() if way in ways}
+    if INT8_WAYS & set(ways):
+        int8 = int8_copy(module)
+        copies |= {way: int8 for way in INT8_WAYS & set(ways)}
     nbytes, sizes = weight_bytes(module), sorted(set(rows))
-    streamed = {way: weight_bytes(int8) if way in INT8_WAYS else nbytes for way in ways}
+    streamed = {way: weight_bytes(copies[way]) if way in INT8_WAYS else nbytes for way in ways}
     flops = 2 * sum(p.numel() for p in module.parameters())  # a row's multiply-adds
     memory, peak = memory_gbs(weight_bytes(model), repeats), peak_gflops()
     measured, outputs = {}, {}
     for way in ways:
-        measured[way], outputs[way] = way_ms(int8 if way in INT8_WAYS else module, way, sizes, repeats)
+        measured[way], outputs[way] = way_ms(copies.get(way, module), way, sizes, repeats)
     reference = outputs[ways[0]]
     differences = {w: float((outputs[w] - reference).abs().max()) for w in ways}
     header = ["way", *(f"{n} rows: ms · GB/s · GFLOP/s" for n in sizes)]
@@ -176,7 +212,7 @@ def run(
         for way, times in measured.items()
     ]
     title = f"{layers} decoder layers' products of {target} ({nbytes / 1e6:.0f} MB fp32), {threads} threads"
-    notes = [
+    notes += [
         f"this machine: {memory:.1f} GB/s reading the target's {weight_bytes(model) / 1e6:.0f} MB; {peak:.1f} GFLOP/s "
         f"on a 1024x1024 fp32 product; at N rows a way can take no less than max({nbytes / 1e6:.0f} MB / memory "
         f"speed, N x {flops / 1e9:.2f} GFLOP / peak)",

@@ -42,8 +42,8 @@ def unavailable() -> str | None:
     not be built, or it is not built yet. The eager fp32 step is row-invariant with it and the attention kernel, and
     it is the Python API's default, so a process does not wait for their first builds (seconds each): it starts them
     in the background, keeps the row kernels and SDPA, and a later process loads both."""
-    if torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"):
-        return "this CPU has no AVX2 fused multiply-add"  # ATen's AVX2 level includes FMA
+    if (why := cpu_unsupported()) is not None:
+        return why
     kernels = (KERNEL, tree_attention.KERNEL)
     for kernel in kernels:
         if (failure := kernel.build_failure()) is not None:
@@ -52,6 +52,13 @@ def unavailable() -> str | None:
         build_in_background(*missing)
         return f"the {' and '.join(k.name for k in missing)} kernels are being built here, for later processes"
     return KERNEL.load()
+
+
+def cpu_unsupported() -> str | None:
+    """Why this CPU cannot run the kernel (no AVX2 fused multiply-add, by torch's reckoning), or None."""
+    if torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"):
+        return "this CPU has no AVX2 fused multiply-add"  # ATen's AVX2 level includes FMA
+    return None
 
 
 def pack(weight: torch.Tensor) -> torch.Tensor:
