@@ -49,7 +49,7 @@ def pytest_configure(config):
     library builds them in the background on first use, for later processes: a test process would run without)."""
     if getattr(config.option, "numprocesses", None) and not hasattr(config, "workerinput"):
         return  # pytest-xdist's controller runs no test
-    if torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512"):
+    if fp32_linear.cpu_unsupported() is None:
         fp32_linear.KERNEL.load()
         tree_attention.KERNEL.load()
 
