@@ -31,13 +31,8 @@ SHAPES = [(96, 64), (45, 37), (576, 1536), (33, 576), (1, 2)]  # [N, K]: N off t
 OPS = [fp32_linear.OP, fp32_linear.OP_AVX2]
 
 
-def operator(op: str):
-    namespace, name = op.split("::")
-    return getattr(getattr(torch.ops, namespace), name)
-
-
 def product(x, weight, bias=None, op=fp32_linear.OP):
-    return operator(op)(x, fp32_linear.pack(weight), bias, weight.shape[0])
+    return fp32_linear.operator(op)(x, fp32_linear.pack(weight), bias, weight.shape[0])
 
 
 def operands(n, k, rows=70, seed=0):
@@ -96,7 +91,7 @@ def test_the_thread_count_changes_no_bit(op):
 def test_inputs_it_does_not_take_are_refused_with_what_is_wrong(change, message, op):
     x, weight, bias = operands(45, 37, rows=3)
     with pytest.raises(RuntimeError, match=message):
-        operator(op)(*change(x, fp32_linear.pack(weight), bias, 45))
+        fp32_linear.operator(op)(*change(x, fp32_linear.pack(weight), bias, 45))
 
 
 def test_fp32_layers_run_it_for_a_steps_rows_and_onednn_or_f_linear_for_a_prompts():

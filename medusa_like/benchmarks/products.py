@@ -74,8 +74,7 @@ class KernelLinear(nn.Module):
         super().__init__()
         self.register_buffer("packed", fp32_linear.pack(linear.weight.detach()))  # [O / 32, I, 32]
         self.bias = None if linear.bias is None else linear.bias.detach()
-        namespace, name = op.split("::")
-        self.op = getattr(getattr(torch.ops, namespace), name)
+        self.op = fp32_linear.operator(op)
         self.in_features, self.out_features = linear.in_features, linear.out_features
 
     def forward(self, x):  # [M, I] -> [M, O]

@@ -54,6 +54,12 @@ def unavailable() -> str | None:
     return KERNEL.load()
 
 
+def operator(qualified: str = OP):
+    """The loaded kernel's operator named `qualified` (OP, or OP_AVX2), to call: torch.ops.medusa_like.<name>."""
+    namespace, name = qualified.split("::")
+    return getattr(getattr(torch.ops, namespace), name)
+
+
 def cpu_unsupported() -> str | None:
     """Why this CPU cannot run the kernel (no AVX2 fused multiply-add, by torch's reckoning), or None."""
     if torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"):
