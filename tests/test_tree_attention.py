@@ -27,7 +27,7 @@ pytestmark = pytest.mark.skipif(tree_attention.unavailable() is not None, reason
 
 
 # bf16 products give a row the same bits at any row count on the dot-product kernel, which the few-row layers run where
-# the CPU has AVX512-BF16, and fp32 ones on the fp32 kernel (AVX512): there the eager step is exact; elsewhere only
+# the CPU has AVX512-BF16, and fp32 ones on the fp32 kernel (AVX2 or AVX512): there the eager step is exact; elsewhere only
 # its attention is row-invariant
 ROW_INVARIANT_BF16 = bf16_pack(torch.zeros(1, dtype=torch.bfloat16)) == DOT
 ROW_INVARIANT = {torch.bfloat16: ROW_INVARIANT_BF16, torch.float32: fp32_linear.unavailable() is None}
