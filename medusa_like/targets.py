@@ -14,8 +14,10 @@ import functools
 import hashlib
 import inspect
 import json
+import mmap
 import os
 import weakref
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
@@ -107,9 +109,11 @@ def load_target(
     device = torch.device(device) if device is not None else default_device()
     dtype = dtype or default_dtype(device)
     tokenizer = AutoTokenizer.from_pretrained(path)
+    files = _weight_files(path)
+    status = [_file_status(p) for p in files]  # before reading: a write while loading changes it
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device)
     freeze(model)
-    _remember_files(model, path)
+    _remember_files(model, dtype, files, status)
     return model, tokenizer
 
 
@@ -175,8 +179,10 @@ def target_fingerprint(config) -> str:
 
 
 WEIGHT_FILES = ("*.safetensors", "*.bin", "*.pt", "*.gguf")  # what a model directory's weights are stored in
+CONTENT_CHUNK = 16 << 20  # bytes of a weight file hashed per task (`_file_digest`): chunks are hashed in parallel
 _FINGERPRINTS: "weakref.WeakKeyDictionary[torch.nn.Module, tuple[tuple, str]]" = weakref.WeakKeyDictionary()
-_LOADED: "weakref.WeakKeyDictionary[torch.nn.Module, tuple[tuple, str]]" = weakref.WeakKeyDictionary()
+# a model as `load_target` left it: (its stamp, its dtype, its weight files and their status before they were read)
+_LOADED: "weakref.WeakKeyDictionary[torch.nn.Module, tuple[tuple, str, list]]" = weakref.WeakKeyDictionary()
 
 
 def weights_fingerprint(model: torch.nn.Module) -> str:
@@ -186,14 +192,15 @@ def weights_fingerprint(model: torch.nn.Module) -> str:
 
     Hashing reads every byte, so it is computed once per model object (again only if a tensor is changed in place or
     replaced) and, for a model `load_target` read from a local directory and left as loaded, cached on disk by its
-    weight files' sizes and times and the dtype (`fingerprints.json` in `io.user_cache_dir()`): a later process that
-    loads the same files pays nothing."""
+    weight files' content and the dtype (`fingerprints.json` in `io.user_cache_dir()`): a later process that loads the
+    same bytes hashes the files (SHA-256, in parallel: a fraction of loading them), not the tensors, nor copies them
+    off a GPU. The files' names, sizes and times are no key: a file rewritten with other weights of the same size and
+    time (`cp -p`, `rsync -a`, a restore from a backup) has other content, so another key."""
     stamp = _stamp(model)
     memo = _FINGERPRINTS.get(model)
     if memo is not None and memo[0] == stamp:
         return memo[1]
-    loaded = _LOADED.get(model)
-    key = loaded[1] if loaded is not None and loaded[0] == stamp else None
+    key = _content_key(model, stamp)
     path = user_cache_dir() / "fingerprints.json"
     fingerprint = _read_fingerprints(path).get(key) if key else None
     if fingerprint is None:
@@ -228,15 +235,59 @@ def _hash_tensors(model: torch.nn.Module) -> str:
     return digest.hexdigest()
 
 
-def _remember_files(model: torch.nn.Module, directory: str) -> None:
-    """Note that `model` was just loaded from `directory`'s weight files (`weights_fingerprint`'s disk cache key)."""
+def _weight_files(directory: str) -> list[Path]:
     path = Path(directory)
-    if not path.is_dir():
-        return
-    found = sorted({p.resolve() for pattern in WEIGHT_FILES for p in path.glob(pattern)})
-    if found:
-        files = [[str(p), p.stat().st_size, p.stat().st_mtime_ns] for p in found]
-        _LOADED[model] = (_stamp(model), json.dumps([str(model.dtype), files]))
+    return sorted({p.resolve() for pattern in WEIGHT_FILES for p in path.glob(pattern)}) if path.is_dir() else []
+
+
+def _file_status(path: Path) -> tuple:
+    """What a write to `path` changes: its size and modification time, and its inode's change time and number (the
+    change time follows any write or `utime`, and cannot be set back)."""
+    found = path.stat()
+    return found.st_size, found.st_mtime_ns, found.st_ctime_ns, found.st_ino, found.st_dev
+
+
+def _remember_files(model: torch.nn.Module, dtype: torch.dtype, files: list[Path], status: list[tuple]) -> None:
+    """Note that `model` was just loaded in `dtype` from weight `files`, whose `status` was taken before they were
+    read: `weights_fingerprint`'s disk cache is keyed by those files' content."""
+    if files:
+        _LOADED[model] = (_stamp(model), str(dtype), list(zip(files, status, strict=True)))
+
+
+def _content_key(model: torch.nn.Module, stamp: tuple) -> str | None:
+    """`fingerprints.json`'s key for `model`: the dtype and the SHA-256 of each weight file it was loaded from, or
+    None where it was not loaded from files, or a tensor changed since, or a file was written since it was read (its
+    content then says nothing of `model`'s tensors)."""
+    loaded = _LOADED.get(model)
+    if loaded is None or loaded[0] != stamp:
+        return None
+    try:
+        if any(_file_status(path) != status for path, status in loaded[2]):
+            return None
+        files = [[path.name, status[0], _file_digest(path, status[0])] for path, status in loaded[2]]
+    except OSError:  # a file gone since: no key, the tensors are hashed
+        return None
+    return json.dumps(["content", loaded[1], files])
+
+
+def _file_digest(path: Path, size: int) -> str:
+    """SHA-256 of `path`'s `size` bytes, as the digest of its chunks' digests (`CONTENT_CHUNK` bytes each), hashed
+    on a few threads over the file mapped in memory: hashlib releases the GIL, and nothing is copied."""
+    if size == 0:
+        return hashlib.sha256(b"").hexdigest()
+    with path.open("rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mapped:
+        if len(mapped) != size:
+            raise OSError(f"{path} holds {len(mapped)} bytes, not the {size} it held")
+        view = memoryview(mapped)
+        try:
+            offsets = range(0, size, CONTENT_CHUNK)
+            with ThreadPoolExecutor(max_workers=min(4, os.cpu_count() or 1, len(offsets))) as pool:
+                digests = list(
+                    pool.map(lambda start: hashlib.sha256(view[start : start + CONTENT_CHUNK]).digest(), offsets)
+                )
+        finally:
+            view.release()  # before the map closes: a live view would keep it from closing
+    return hashlib.sha256(b"".join(digests)).hexdigest()
 
 
 def _read_fingerprints(path: Path) -> dict:
