@@ -48,12 +48,13 @@ class ConfigError(ValueError):
 
 @dataclass(frozen=True)
 class Check:
-    """A config value's check; with `when=(key, value)`, applied only in configs whose `key` has that value (a drafter
-    kind's own keys), with `unless=(key, value)` only in the others. Elsewhere a checked key the config lacks is an
-    error."""
+    """A config value's check; with `when=(key, value)`, applied only in configs whose `key` has that value, with
+    `unless=(key, value)` only in the others, with `if_present` only in configs that have the key (a setting of some
+    drafter kinds' configs alone). Elsewhere a checked key the config lacks is an error."""
 
     when: tuple[str, str] | None = field(default=None, kw_only=True)
     unless: tuple[str, str] | None = field(default=None, kw_only=True)
+    if_present: bool = field(default=False, kw_only=True)
 
     def check(self, key: str, value) -> None:
         raise NotImplementedError
@@ -166,10 +167,11 @@ TRAIN_CHECKS = {
     "module.optimizer.lr": Number(float, min=0.0),
     "distill.batch_size": Number(min=1),
     "distill.engine": Accepted(check_engine),
-    "drafter.heads.num_heads": Number(min=1, when=("drafter.kind", "medusa")),
-    "drafter.draft_vocab_size": Number(min=1, when=("drafter.kind", "eagle3")),
-    "drafter.module.ttt_steps": Number(min=1, when=("drafter.kind", "eagle3")),
-    "drafter.module.loss": Accepted(loss_function, when=("drafter.kind", "eagle3")),
+    # settings that some drafter kinds' configs (conf/drafter/<kind>.yaml) have and others lack
+    "drafter.heads.num_heads": Number(min=1, if_present=True),
+    "drafter.draft_vocab_size": Number(min=1, if_present=True),
+    "drafter.module.ttt_steps": Number(min=1, if_present=True),
+    "drafter.module.loss": Accepted(loss_function, if_present=True),
     "target_read_kernel": Accepted(check_read_kernel),
     **_DATA_CHECKS,
 }
@@ -240,6 +242,8 @@ def check_config(cfg: DictConfig, checks: dict[str, Check | tuple[Check, ...]]) 
             if not applies(check, cfg):
                 continue
             value = OmegaConf.select(cfg, key, default=_ABSENT)
+            if value is _ABSENT and getattr(check, "if_present", False):
+                continue
             if value is _ABSENT:
                 when = getattr(check, "when", None)
                 scope = f" (checked where {when[0]}={when[1]})" if when else ""

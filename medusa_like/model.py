@@ -5,7 +5,7 @@
     out = model.generate(ids, max_new_tokens=128, tree="dynamic")
     print(model.tokenizer.decode(out.new_tokens), out.stats.tau)
 
-The drafter is any kind of `formats/registry.py`: Medusa heads, the EAGLE-3-style draft model, lookup, or a learned
+The drafter is any kind of `drafters/registry.py`: Medusa heads, the EAGLE-3-style draft model, lookup, or a learned
 drafter and lookup combined in one tree. Without one, training-free lookup drafting (context and output store) is
 used. Every drafter is lossless; a good one is only faster.
 """
@@ -22,7 +22,7 @@ from medusa_like.decoding.cost_model import CostModel
 from medusa_like.decoding.generate import GenerateOutput, PlainProposer, StopChecker, decode
 from medusa_like.decoding.tree import TreeSpec, is_plain
 from medusa_like.decoding.tree_files import resolve_tree
-from medusa_like.drafters.protocol import Drafter, Proposer
+from medusa_like.drafters.protocol import Drafter, Proposer, sized_by_cost_model
 from medusa_like.formats import resolve_drafter
 from medusa_like.forward import PreparedTarget, prepare_target
 from medusa_like.targets import DEFAULT_TARGET, chat_input_ids, eos_token_ids, freeze, load_target, target_dtype
@@ -189,14 +189,15 @@ class MedusaLikeModel:
                 cost = self.forward.load_cost_model(settings["cost_model"], f"file:{path}")
                 if self.forward.compiled is not compiled:  # the file's cost model compiled the step: drafting too
                     self.forward.compile_drafting(self.drafter)
-            self.drafter.use_cost_model(cost)
+            if sized_by_cost_model(self.drafter):
+                self.drafter.use_cost_model(cost)
         return settings
 
     @property
     def cost_model(self) -> CostModel | None:
         """The cost model this model's budgeted trees are sized by (a lookup or combined drafter's; None before its
         first generation, or for drafters that consult none). `cost_model.source` says where it came from."""
-        return self.drafter.cost_model
+        return self.drafter.cost_model if sized_by_cost_model(self.drafter) else None
 
     def measure_cost_model(self, **options) -> CostModel:
         """Measure this machine's full cost model of the target's step (every tree size, the fastest kernels chosen
@@ -205,7 +206,8 @@ class MedusaLikeModel:
         `options`: `forward.cost_measure.measure_cost_model`'s."""
         with self._one_generation():
             cost = self.forward.measure_cost_model(self.drafter, **options)
-            self.drafter.use_cost_model(cost)
+            if sized_by_cost_model(self.drafter):
+                self.drafter.use_cost_model(cost)
             return cost
 
     def tune_layers(self) -> None:
@@ -218,7 +220,7 @@ class MedusaLikeModel:
     def settle_cost_model(self) -> None:
         """Before a generation: a drafter that sizes its trees by a cost model gets this machine's (unless it holds
         one that fits); for any other, the layers run the kernels of the one cached here, if any."""
-        if self.drafter.wants_cost_model:
+        if sized_by_cost_model(self.drafter):
             cost = self.drafter.cost_model
             if cost is None or not self.forward.fits(cost):
                 self.drafter.use_cost_model(self.forward.cost_model())

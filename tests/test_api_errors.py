@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from medusa_like import FormatError, InvalidTreeError, MedusaLikeModel, load_drafter, save_drafter
-from medusa_like.formats.registry import EAGLE3, KINDS, kind_named
+from medusa_like.drafters.eagle3 import EAGLE3
+from medusa_like.drafters.registry import all_kinds, kind_named
 
 from .conftest import greedy_reference, random_heads, random_prompts, tiny_target
 
@@ -65,7 +66,7 @@ def test_every_registered_kind_builds_a_lossless_drafter_from_its_name():
     target = tiny_target("qwen2")
     prompt = random_prompts(1, seed=9, min_len=6, max_len=6)[0]
     reference = greedy_reference(target, prompt, 12).tolist()
-    for name in sorted(KINDS):
+    for name in sorted(all_kinds()):
         model = MedusaLikeModel.from_pretrained(target, drafter=name, tokenizer=None, backend="sdpa")
         assert model.drafter.kind == name == kind_named(name).name
         assert model.generate(prompt, max_new_tokens=12, eos_token_id=[]).new_tokens.tolist() == reference, name

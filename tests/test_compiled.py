@@ -21,10 +21,9 @@ from medusa_like.decoding.projection import VocabProjection
 from medusa_like.decoding.tree import BudgetedTreeSpec, DynamicTreeSpec
 from medusa_like.decoding.tree_files import resolve_tree, save_tree
 from medusa_like.drafters.combined import CombinedDrafter
-from medusa_like.drafters.eagle3 import EagerLevel, Eagle3Proposer
+from medusa_like.drafters.eagle3 import EAGLE3, EagerLevel, Eagle3Proposer
 from medusa_like.drafters.lookup import LookupDrafter
 from medusa_like.drafters.vocab import DraftVocab
-from medusa_like.formats.registry import EAGLE3
 from medusa_like.forward import compile_cache, prepare_target
 from medusa_like.forward import platform as forward_platform
 from medusa_like.forward.compile_cache import progress

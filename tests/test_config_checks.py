@@ -64,10 +64,6 @@ def test_the_default_drafter_is_eagle3_and_every_checked_key_exists(tmp_path, tr
         (["drafter=eagle3", "drafter.module.loss=kl"], r"drafter.module.loss: unknown drafter loss 'kl'"),
         (["target_read_kernel=mkl"], r"target_read_kernel: expected one of \['auto', 'onednn', 'linear'\], got 'mkl'"),
         (["distill.engine=vlm"], r"distill.engine: expected one of \['transformers', 'vllm'\], got 'vlm'"),
-        (
-            ["drafter=eagle3", "~drafter.draft_vocab_size"],
-            r"drafter.draft_vocab_size \(checked where drafter.kind=eagle3",
-        ),
     ],
 )
 def test_checks_refuse_bad_values_and_missing_keys(train_cfg, overrides, pattern):
@@ -80,6 +76,11 @@ def test_a_checked_key_with_a_typo_is_refused_not_skipped(train_cfg):
     with pytest.raises(ConfigError, match="drafter.num_heads"):
         check_config(cfg, {"drafter.num_heads": Number(min=1)})
     check_config(cfg, {"drafter.module.ttt_steps": Number(min=1, when=("drafter.kind", "eagle3"))})  # not medusa's
+    check_config(cfg, {"drafter.module.ttt_steps": Number(min=1, if_present=True)})  # a key medusa's config lacks
+    with pytest.raises(ConfigError, match="drafter.module.ttt_steps: expected an integer >= 1"):
+        check_config(
+            train_cfg("drafter.module.ttt_steps=0"), {"drafter.module.ttt_steps": Number(min=1, if_present=True)}
+        )
 
 
 def run(module: str, *overrides: str, **env: str) -> subprocess.CompletedProcess:

@@ -14,9 +14,9 @@ import torch
 from medusa_like.decoding.cost_model import CostModel, CostModelError, CostModelMismatchError, InvalidCostModelError
 from medusa_like.decoding.tree import BudgetedTreeSpec
 from medusa_like.decoding.tree_files import save_tree
+from medusa_like.drafters.eagle3 import EAGLE3
 from medusa_like.drafters.lookup import LookupDrafter
 from medusa_like.evaluation.report import markdown
-from medusa_like.formats.registry import EAGLE3
 from medusa_like.forward import prepare_target
 from medusa_like.forward.cost_cache import cache_key, cache_path, store
 from medusa_like.forward.cost_measure import QUICK_SIZES, measure_cost_model

@@ -13,7 +13,7 @@ from torch import nn
 
 from medusa_like.decoding.cost_model import CostModel, CostModelMismatchError, InvalidCostModelError
 from medusa_like.decoding.projection import VocabProjection
-from medusa_like.formats.registry import kind_named
+from medusa_like.drafters.registry import kind_named
 from medusa_like.forward import prepare_target
 from medusa_like.forward.cost_measure import measure_cost_model
 from medusa_like.forward.cpu import few_row_linear, read_kernel, row_plans

@@ -7,12 +7,12 @@ import sys
 import pytest
 import torch
 
+import medusa_like.formats  # noqa: F401  (attaches every weights kind's codec)
 from medusa_like import MedusaLikeModel
 from medusa_like.decoding.draft_tree import DraftTree
 from medusa_like.drafters.kinds import Codec, TrainingFreeKind
-from medusa_like.drafters.protocol import DrafterBase
+from medusa_like.drafters.registry import all_kinds, kind_named, register, unregister
 from medusa_like.evaluation.setup import load_eval_model
-from medusa_like.formats.registry import KINDS, kind_named, register
 from medusa_like.training.build import module_class
 from medusa_like.training.drafter_module import DrafterModule
 
@@ -50,7 +50,7 @@ class FollowerProposer:
         return DraftTree.from_parents(tokens, torch.arange(-1, len(chain), device=self.device))  # node i's parent i-1
 
 
-class FollowerDrafter(DrafterBase):  # the protocol's defaults: no cost model, no parts, nothing learned
+class FollowerDrafter:  # the core protocol alone: no weights, no cost model, nothing learned
     kind = "follower"
     max_depth = None
 
@@ -69,9 +69,6 @@ class FollowerDrafter(DrafterBase):  # the protocol's defaults: no cost model, n
     def to(self, device=None, dtype=None) -> "FollowerDrafter":
         return self
 
-    def eval(self) -> "FollowerDrafter":
-        return self
-
     def modules(self):
         return iter(())
 
@@ -84,7 +81,7 @@ def follower():
     """The follower kind registered for one test (the registry is the package's, shared by every test)."""
     register(FOLLOWER)
     yield FOLLOWER
-    KINDS.pop(FOLLOWER.name)
+    unregister(FOLLOWER.name)
 
 
 def accepted_draft_tokens(prompt: list[int], reference: list[int], depth: int, max_new_tokens: int) -> list[int]:
@@ -130,14 +127,14 @@ def test_an_unregistered_kind_name_and_a_second_kind_under_a_taken_name_are_refu
         register(TrainingFreeKind("follower", lambda target: FollowerDrafter(), "-"))
     with pytest.raises(TypeError, match=r"is not a drafter kind: it lacks \['formats', 'trainable'"):
         register(type("HalfKind", (), {"name": "half", "fresh": lambda target: None})())
-    assert "half" not in KINDS and kind_named("follower") is FOLLOWER
+    assert "half" not in all_kinds() and kind_named("follower") is FOLLOWER
 
 
 # ---------------------------------------------------------------------------------------------------------------------
 # Every registered kind
 
 
-@pytest.mark.parametrize("name", sorted(KINDS))
+@pytest.mark.parametrize("name", sorted(all_kinds()))
 def test_every_registered_kind_reaches_its_codec_and_training_module(name, train_cfg):
     """A kind with weights holds its codec and is trained by the `DrafterModule` its training
     config (conf/drafter/<name>.yaml) names; a training-free kind has no formats and refuses files and training."""
@@ -168,8 +165,8 @@ def test_a_training_config_whose_module_trains_another_kind_is_refused(train_cfg
 def test_reaching_every_kinds_codec_imports_no_training_or_data_code():
     """Drafters and their codecs are inference code: neither pulls in training (Lightning) or data (datasets)."""
     code = (
-        "import sys; from medusa_like.formats.registry import KINDS; "
-        "[kind.formats for kind in KINDS.values()]; "
+        "import sys; import medusa_like.formats; from medusa_like.drafters.registry import all_kinds; "
+        "[kind.formats for kind in all_kinds().values()]; "
         "print(sorted(m for m in sys.modules if m.split('.')[0] in ('lightning', 'datasets', 'hydra') "
         "or m.startswith(('medusa_like.training', 'medusa_like.data'))))"
     )

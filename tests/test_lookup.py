@@ -15,11 +15,12 @@ from medusa_like.decoding.tree_files import load_tree, save_tree, spec_from_json
 from medusa_like.drafters.base import DrafterMismatchError
 from medusa_like.drafters.budget import best_rate, lookup_certainty
 from medusa_like.drafters.combined import CombinedDrafter
+from medusa_like.drafters.eagle3 import EAGLE3
 from medusa_like.drafters.lookup import LookupDrafter
 from medusa_like.drafters.lookup_sources import ContextLookup, OutputStore
 from medusa_like.drafters.merged_tree import PROBE_EVERY, MergedTreeProposer, SessionState
 from medusa_like.drafters.ngram_index import SEPARATOR, Continuation, NgramIndex
-from medusa_like.formats.registry import EAGLE3
+from medusa_like.drafters.protocol import sized_by_cost_model
 from medusa_like.forward import prepare_target
 from medusa_like.forward.cost_measure import measure_cost_model
 from medusa_like.model import MedusaLikeModel
@@ -409,7 +410,7 @@ def test_plain_decoding_drafts_nothing_whatever_the_drafter(monkeypatch):
     reference = greedy_reference(target, prompt, 40).tolist()
     for drafter in (LookupDrafter(), CombinedDrafter(EAGLE3.fresh(target), LookupDrafter()), random_heads()):
         model = MedusaLikeModel(target, None, drafter, backend="sdpa")
-        if drafter.wants_cost_model:
+        if sized_by_cost_model(drafter):
             drafter.state.cost_model = flat_cost(model.target)
         model.generate(prompt, max_new_tokens=40, eos_token_id=[])  # now in the store: lookup would draft it all
         step, nodes = model.forward.step, []

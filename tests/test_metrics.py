@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from medusa_like.decoding.generate import DecodeStats
+from medusa_like.decoding.tree_presets import target_ranks
 from medusa_like.evaluation import metrics
 
 
@@ -111,7 +112,7 @@ def test_losslessness_is_strict():
 
 def test_target_ranks_and_topk():
     logits = torch.tensor([[0.1, 0.9, 0.5, 0.0], [0.3, 0.2, 0.1, 0.4]])  # [2, 4]
-    ranks = metrics.target_ranks(logits, torch.tensor([2, 3]))
+    ranks = target_ranks(logits, torch.tensor([2, 3]))
     assert ranks.tolist() == [1, 0]
     counts = metrics.rank_counts(torch.tensor([0, 0, 1, 3, 12]), k_max=3)
     assert counts == [2, 1, 0, 5]  # ranks 0, 1, 2 counted; 3 and 12 fall outside top-3; total 5

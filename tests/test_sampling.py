@@ -14,10 +14,9 @@ from medusa_like.decoding.generate import DecodeStats, accept_greedy, speculativ
 from medusa_like.decoding.sampling import PositionNoise, race, warp_logits
 from medusa_like.decoding.tree import BudgetedTreeSpec, DynamicTreeSpec, TokenTree
 from medusa_like.drafters.combined import CombinedDrafter
-from medusa_like.drafters.eagle3 import Eagle3Config, Eagle3Drafter
+from medusa_like.drafters.eagle3 import EAGLE3, Eagle3Config, Eagle3Drafter
 from medusa_like.drafters.lookup import LookupDrafter
 from medusa_like.drafters.lookup_sources import OutputStore
-from medusa_like.formats.registry import EAGLE3
 from medusa_like.model import MedusaLikeModel
 
 from .conftest import VOCAB, greedy_reference, random_heads, random_prompts, tiny_target

@@ -11,9 +11,9 @@ from medusa_like.decoding.tree_files import load_tree
 from medusa_like.decoding.tree_presets import expected_acceptance
 from medusa_like.drafters.lookup import LookupDrafter
 from medusa_like.evaluation.tree_search import (
+    depth_rank_counts,
+    depth_topk_accuracy,
     fastest,
-    head_rank_counts,
-    head_topk_accuracy,
     predicted_tau,
     time_trees,
     trees_for_budgets,
@@ -94,12 +94,12 @@ def tiny_model():
 
 
 @pytest.mark.slow
-def test_head_rank_counts_positions(tiny_model):
+def test_depth_rank_counts_positions(tiny_model):
     # a 5-token prompt + 4 answer tokens (L = 9): head 1 sees t = 4..6 (t + 2 <= 8), head 2 sees t = 4..5
     seq = torch.randint(0, 1000, (1, 9))
-    counts = head_rank_counts(tiny_model, seq, prompt_len=5, k_max=3)
+    counts = depth_rank_counts(tiny_model, seq, prompt_len=5, k_max=3)
     assert [c[-1] for c in counts] == [3, 2]
-    topk = head_topk_accuracy(tiny_model, [(seq, 5)], k_max=3)
+    topk = depth_topk_accuracy(tiny_model, [(seq, 5)], k_max=3)
     assert len(topk) == 2 and all(len(t) == 3 for t in topk)
 
 

@@ -9,7 +9,16 @@ Medusa-1 heads; `tree_files.resolve_tree` turns a preset's name into a `TokenTre
 
 import heapq
 
+import torch
+
 Path_ = tuple[int, ...]
+
+
+def target_ranks(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """logits [..., V], targets [...] -> rank of each target among its logits [...] (0 = the argmax; ties count
+    against the target only when strictly greater): what rank accuracies are measured from."""
+    right = logits.gather(-1, targets.unsqueeze(-1))  # [..., 1]
+    return (logits > right).sum(-1)
 
 
 def chain(depth: int) -> list[Path_]:

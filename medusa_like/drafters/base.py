@@ -9,8 +9,6 @@ the trained drafters (Medusa heads, EAGLE-3), which answer the rest of the `Draf
 from medusa_like.decoding.tree import TreeSpec
 from medusa_like.targets import target_fingerprint
 
-from .protocol import DrafterBase
-
 CHECKPOINT_KEY = "medusa_like"  # the training module's entry in a Lightning checkpoint
 
 
@@ -46,10 +44,9 @@ def check_fits(hidden_size: int, vocab_size: int, target, fingerprint: str | Non
         )
 
 
-class LearnedDrafter(DrafterBase):
+class LearnedDrafter:
     """What a trained drafter answers like every other: it fits a target of its `target_sizes` (the hidden size it
-    reads, the vocabulary it proposes in), takes any tree as it is, sizes none by a cost model (the protocol's
-    defaults) and remembers nothing while decoding."""
+    reads, the vocabulary it proposes in), takes any tree as it is and remembers nothing while decoding."""
 
     target_sizes: tuple[int, int]
 

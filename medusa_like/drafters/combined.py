@@ -17,13 +17,13 @@ from .kinds import TrainingFreeKind
 from .lookup import LOOKUP
 from .merged_tree import MergedTreeProposer, SessionState
 from .protocol import Drafter
+from .registry import register
 
 
 class CombinedDrafter:
     """A learned drafter and lookup sources behind one cost-aware tree."""
 
     kind = "combined"
-    wants_cost_model = True  # its trees are budgeted by this machine's cost model
 
     def __init__(self, learned, lookup, cost_model: CostModel | None = None):
         self.learned = learned
@@ -36,7 +36,7 @@ class CombinedDrafter:
 
     @property
     def computes_in_own_dtype(self) -> bool:
-        return getattr(self.learned, "computes_in_own_dtype", False)
+        return self.learned.computes_in_own_dtype  # a learned drafter answers the forward room (`forward.TunedDrafter`)
 
     @property
     def cost_model(self) -> CostModel | None:
@@ -73,10 +73,6 @@ class CombinedDrafter:
         self.learned = self.learned.to(device=device, dtype=dtype)
         return self
 
-    def eval(self) -> "CombinedDrafter":
-        self.learned = self.learned.eval()
-        return self
-
     def modules(self) -> Iterator[torch.nn.Module]:
         return self.learned.modules()
 
@@ -93,8 +89,12 @@ def fresh_combined(target, learned: Drafter, store=None, cost_model: CostModel |
     return CombinedDrafter(learned, LOOKUP.fresh(target, store=store), cost_model)
 
 
-COMBINED = TrainingFreeKind(
-    "combined",
-    fresh_combined,
-    "save or train its learned drafter (drafter.learned), and its store with OutputStore.save",
+COMBINED = register(
+    TrainingFreeKind(
+        "combined",
+        fresh_combined,
+        "save or train its learned drafter (drafter.learned), and its store with OutputStore.save",
+        learned=lambda drafter: drafter.learned,
+        takes_learned=True,
+    )
 )

@@ -32,6 +32,8 @@ from ..decoding.kv_cache import TreeKVCache
 from ..decoding.tree import TreeSpec
 from ..targets import cache_keyword
 from .base import LearnedDrafter
+from .kinds import WeightsKind
+from .registry import register
 from .vocab import DraftVocab
 
 _QKV = ("q_proj", "k_proj", "v_proj")  # the attention's projections, which read [embedding; feature]
@@ -389,7 +391,7 @@ class Eagle3Proposer:
 
 
 # ---------------------------------------------------------------------------------------------------------------------
-# A fresh drafter: the EAGLE-3 kind joins it with its codec (`formats/eagle3.py`) in `formats/registry.py`
+# The kind: a fresh drafter; its codec (`formats/eagle3.py`) is attached by its format module
 
 
 def fresh_eagle3(target, draft_vocab_size: int | None = None, aux_layer_ids=None) -> Eagle3Drafter:
@@ -397,3 +399,6 @@ def fresh_eagle3(target, draft_vocab_size: int | None = None, aux_layer_ids=None
     vocab_size = target.config.get_text_config().vocab_size
     config = Eagle3Config.for_target(target.config, draft_vocab_size or vocab_size, aux_layer_ids)
     return Eagle3Drafter(config, DraftVocab(torch.arange(config.draft_vocab_size), vocab_size))
+
+
+EAGLE3 = register(WeightsKind("eagle3", fresh_eagle3))

@@ -16,6 +16,7 @@ from ..decoding.tree import DEFAULT_LOOKUP_DEPTH, TreeSpec, budgeted
 from .kinds import TrainingFreeKind
 from .lookup_sources import DEFAULT_STORE_TOKENS, ContextLookup, OutputStore
 from .merged_tree import MergedTreeProposer, SessionState
+from .registry import register
 
 
 class LookupDrafter:
@@ -24,7 +25,6 @@ class LookupDrafter:
 
     kind = "lookup"
     max_depth = None
-    wants_cost_model = True  # its trees are budgeted by this machine's cost model
 
     def __init__(
         self,
@@ -56,9 +56,6 @@ class LookupDrafter:
     def use_cost_model(self, cost) -> None:
         self.state.cost_model = cost
 
-    def compile_drafting(self, compiler) -> None:
-        pass  # lookup computes nothing to compile: it stays in Python
-
     def proposer(self, target) -> MergedTreeProposer:
         return MergedTreeProposer(target, None, self.sources(), self.state)
 
@@ -83,9 +80,6 @@ class LookupDrafter:
     def to(self, device=None, dtype=None) -> "LookupDrafter":
         return self  # no tensors
 
-    def eval(self) -> "LookupDrafter":
-        return self
-
     def modules(self) -> Iterator[torch.nn.Module]:
         return iter(())
 
@@ -106,4 +100,4 @@ def fresh_lookup(
     return LookupDrafter(store, lookup_depth=lookup_depth, use=tuple(use))
 
 
-LOOKUP = TrainingFreeKind("lookup", fresh_lookup, "save and load its store with OutputStore.save / .load")
+LOOKUP = register(TrainingFreeKind("lookup", fresh_lookup, "save and load its store with OutputStore.save / .load"))

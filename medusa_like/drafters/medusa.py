@@ -16,7 +16,10 @@ import torch.nn.functional as F
 from medusa_like.decoding.draft_tree import DraftTree
 from medusa_like.decoding.projection import VocabProjection
 from medusa_like.decoding.tree import TreeSpec
+from medusa_like.decoding.tree_presets import target_ranks
 from medusa_like.drafters.base import LearnedDrafter
+from medusa_like.drafters.kinds import WeightsKind
+from medusa_like.drafters.registry import register
 from medusa_like.drafters.vocab import DraftVocab
 
 NUM_HEADS = 4  # heads, when a config or a caller names no number
@@ -59,6 +62,7 @@ class MedusaHeads(LearnedDrafter, nn.Module):
     `draft_vocab`, when set, restricts the heads' projection to its rows at inference (FR-Spec-style)."""
 
     kind = "medusa"
+    computes_in_own_dtype = False  # they read the target's last hidden state through its own projection
 
     def __init__(self, config: HeadsConfig, lm_head_weight: torch.Tensor | None = None):
         super().__init__()
@@ -177,7 +181,8 @@ class MedusaProposer:
 
 
 # ---------------------------------------------------------------------------------------------------------------------
-# Fresh heads: the Medusa kind joins them with their codec (`formats/heads_io.py`) in `formats/registry.py`
+# The kind: fresh heads, and their per-head accuracy for static trees; the codec (`formats/heads_io.py`) is attached
+# by its format module
 
 
 def fresh_heads(target, num_heads: int = NUM_HEADS, num_layers: int = 1, shared_lm_head: bool = True) -> MedusaHeads:
@@ -187,3 +192,29 @@ def fresh_heads(target, num_heads: int = NUM_HEADS, num_layers: int = 1, shared_
         HeadsConfig(config.hidden_size, config.vocab_size, num_heads, num_layers, shared_lm_head),
         target.get_output_embeddings().weight,
     )
+
+
+@torch.inference_mode()
+def head_ranks(heads: MedusaHeads, target, sequence: torch.Tensor, prompt_len: int, chunk: int = 64):
+    """Per head k (1-based), the rank of the right token among head k's logits at every answer position of one
+    sequence [1, L], teacher-forced: from the target's last hidden state at position t (t >= prompt_len - 1), head k
+    predicts token t + 1 + k; positions whose token falls past the end are skipped."""
+    lm_head = target.get_output_embeddings()
+    hidden = target.base_model(input_ids=sequence).last_hidden_state[0]  # [L, H]
+    length = sequence.shape[1]
+    ranks: list[list[torch.Tensor]] = [[] for _ in range(heads.num_heads)]
+    positions = torch.arange(prompt_len - 1, length - 2)  # t with t + 2 < L: head 1 has a label
+    for start in range(0, positions.numel(), chunk):
+        t = positions[start : start + chunk]
+        logits = heads(hidden[t], lm_head)  # [K, n, V]
+        for k in range(1, heads.num_heads + 1):
+            valid = t + 1 + k < length
+            ranks[k - 1].append(target_ranks(logits[k - 1][valid], sequence[0, t[valid] + 1 + k]))  # [n_k]
+    return [torch.cat(r) if r else torch.zeros(0, dtype=torch.long) for r in ranks]
+
+
+def restrict_heads(heads: MedusaHeads, vocab: DraftVocab) -> None:
+    heads.draft_vocab = vocab  # FR-Spec: the heads score only these rows of the target's projection
+
+
+MEDUSA = register(WeightsKind("medusa", fresh_heads, ranks=head_ranks, restrict=restrict_heads))

@@ -12,15 +12,16 @@ The loop owns the target, its KV cache, verification, acceptance and sampling; a
 `feature_layers` is None (Medusa heads; lookup drafters ignore them). Whatever a proposer proposes, the target decides
 what is kept, so any proposer is lossless; a good one is only faster.
 
-A drafter kind (`medusa`, `eagle3`, `lookup`, `combined`) is one object in the drafter's own module, made known by
-`registry.register`: everything the framework asks about a kind (build one, read and write its files) goes through it.
-A kind with weights also has a codec in `formats/` (held by the kind) and a Lightning module in `training/` (named by
-its training config, conf/drafter/<kind>.yaml). docs/drafters.md ("Write your own drafter") shows the steps.
+A drafter kind (`medusa`, `eagle3`, `lookup`, `combined`) is one object in the drafter's own module, registered there
+(`registry.register`): everything the framework asks that differs by kind (build one, its learned part, how its trees
+are searched, read and write its files) goes through it. A kind with weights also has a codec in `formats/` (attached
+to the kind by its format module) and a Lightning module in `training/` (named by its training config,
+conf/drafter/<kind>.yaml). docs/drafters.md ("Write your own drafter") shows the steps.
 """
 
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 import torch
 
@@ -49,17 +50,13 @@ class Proposer(Protocol):
 
 
 class Drafter(Protocol):
-    """A drafter object: trained weights (an `nn.Module`) or a training-free source. `DrafterBase` below answers
-    `wants_cost_model`, `cost_model`, `use_cost_model`, `compile_drafting`, `parts` and `fork` for the drafters that
-    need nothing else."""
+    """A drafter object, as the decoding core and the public API use it: trained weights (an `nn.Module`) or a
+    training-free source. What only drafters that size their trees by a cost model answer is the optional protocol
+    `BudgetedDrafter` below; what the forward room asks of a drafter with weights is its own (`forward.TunedDrafter`:
+    the dtype it may compute in, what it drafts with compiled), which every learned drafter implements."""
 
-    kind: str  # its `DrafterKind`'s name in the registry
+    kind: str  # its `DrafterKind`'s name in the registry (`registry.py`)
     max_depth: int | None  # the deepest static tree it can fill; None: any
-    # casts the target's states it reads to its own dtype, so it may compute in another dtype than the target
-    # (`forward.PreparedTarget.drafting_dtype`); absent: False
-    computes_in_own_dtype: bool
-    wants_cost_model: bool  # sizes its trees by this machine's cost model (lookup, combined): the framework sets one
-    cost_model: CostModel | None  # the one it sizes trees by (None: none set, or it consults none)
 
     def proposer(self, target) -> Proposer:
         """A fresh proposer for one generation with `target`."""
@@ -77,61 +74,68 @@ class Drafter(Protocol):
         """A finished output of the target (lookup stores learn from it; learned drafters ignore it)."""
         ...
 
-    def use_cost_model(self, cost: CostModel) -> None:
-        """Size trees by `cost` from the next generation on (drafters that consult none ignore it)."""
-        ...
-
-    def compile_drafting(self, compiler) -> None:
-        """Draft through what `compiler` compiles from now on (`forward/compiled_draft.DraftCompiler`:
-        `compiler.level(module)` for an EAGLE-3-style level, `compiler.heads(module, rows)` for Medusa-style heads),
-        where the drafter computes something to compile; drafters with nothing ignore it."""
-        ...
-
-    def parts(self) -> dict[str, "Drafter"]:
-        """The drafters it merges, by role ("learned", "lookup"), each of which can decode alone; {} for one source."""
-        ...
-
-    def fork(self) -> "Drafter":
-        """A drafter sharing its weights, sources and cost model, with its own copy of what it learns across
-        generations (calibration, the learned drafter's gate): what a tree search times each candidate with."""
-        ...
-
     def to(self, device=None, dtype=None) -> "Drafter": ...
-
-    def eval(self) -> "Drafter": ...
 
     def modules(self) -> Iterator[torch.nn.Module]:
         """The torch modules it computes with (none for lookup), as `nn.Module.modules` gives them."""
         ...
 
 
-class DrafterBase:
-    """The answers of a drafter that sizes no tree by a cost model, merges no parts and learns nothing across
-    generations: subclass it and write the rest of `Drafter`."""
+@runtime_checkable
+class BudgetedDrafter(Protocol):
+    """Optional: a drafter whose trees are cut to a budget by this machine's cost model (lookup, combined), as the
+    public API sets it up and the tree search times it."""
 
-    wants_cost_model = False
-    cost_model = None
+    cost_model: CostModel | None  # the one it sizes trees by (None: none set yet)
 
     def use_cost_model(self, cost: CostModel) -> None:
-        pass  # its trees are the spec's, whatever the machine
+        """Size trees by `cost` from the next generation on."""
+        ...
 
-    def compile_drafting(self, compiler) -> None:
-        pass  # nothing of its own to compile
+    def parts(self) -> dict[str, "Drafter"]:
+        """The drafters it merges, by role ("learned", "lookup"), each of which can decode alone; {} for one source."""
+        ...
 
-    def parts(self) -> dict:
-        return {}
+    def fork(self) -> "BudgetedDrafter":
+        """A drafter sharing its weights, sources and cost model, with its own copy of what it learns across
+        generations (calibration, the learned drafter's gate): what a tree search times each candidate with."""
+        ...
 
-    def fork(self) -> "DrafterBase":
-        return self
+
+def sized_by_cost_model(drafter) -> bool:
+    """Whether `drafter` sizes its trees by a cost model (implements `BudgetedDrafter`)."""
+    return isinstance(drafter, BudgetedDrafter)
 
 
 class DrafterKind(Protocol):
+    """A kind of drafter (`kinds.py` builds one in a few lines): everything the framework asks that differs by kind,
+    so that no code outside a kind's own modules tests a kind's name."""
+
     name: str
     formats: tuple[str, ...]  # what `export` writes; "native" (read back by `read`) first; () if nothing to save
     trainable: bool  # trained weights: a codec and a Lightning module (conf/drafter/<name>.yaml names it)
+    takes_learned: bool  # `fresh` takes a learned drafter to merge with its own sources (`learned=`: combined)
+    static_trees: bool  # its drafters decode static trees built from their rank accuracies (`depth_ranks`)
 
     def fresh(self, target, **options) -> Drafter:
         """A new drafter for `target` (untrained weights, or an empty lookup source), from config options."""
+        ...
+
+    def learned_part(self, drafter) -> Drafter | None:
+        """The trained part of one of this kind's drafters (itself, a combined drafter's learned drafter), or None
+        (lookup): what its weights, parameter count and dtype are read from."""
+        ...
+
+    def depth_ranks(self, drafter, target, sequence: torch.Tensor, prompt_len: int):
+        """Per depth d = 1..D, the rank of the right token among the drafter's depth-d candidates at every answer
+        position of one sequence [1, L], teacher-forced (`decoding/tree_presets.target_ranks`): for kinds whose
+        depth-d candidates do not depend on the path above them (Medusa heads), from whose rank accuracies static
+        trees are built; None for the others, whose trees are dynamic."""
+        ...
+
+    def restrict_vocab(self, drafter, vocab) -> None:
+        """Restrict a trained drafter's projection to a draft vocabulary's rows (`drafters/vocab.DraftVocab`), for
+        kinds that project through the target's own output layer (Medusa heads); refused (ValueError) by the others."""
         ...
 
     def recognises(self, config: dict) -> bool:

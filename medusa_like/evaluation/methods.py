@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
+from medusa_like.drafters.protocol import sized_by_cost_model
 from medusa_like.engines.llamacpp import plain as llamacpp_plain
 from medusa_like.evaluation.timing import Runner
 
@@ -36,7 +37,7 @@ class MethodContext:
     @property
     def combined(self) -> bool:
         """Whether the drafter merges parts that can each decode alone (a learned drafter and lookup)."""
-        return bool(self.model.drafter.parts())
+        return sized_by_cost_model(self.model.drafter) and bool(self.model.drafter.parts())
 
     def alone(self, part: str):
         return alone(self.model, part)
@@ -48,7 +49,7 @@ def alone(model, part: str):
     (`settle_cost_model`): it never measures one of its own, which would set other kernels on the shared target for
     every method after it. The learned drafter alone fills a dynamic or static tree and consults no cost model."""
     drafter = model.drafter.parts()[part]
-    if drafter.wants_cost_model:
+    if sized_by_cost_model(drafter):
         drafter.use_cost_model(model.drafter.cost_model)
     # drafter_dtype: the learned drafter's dtype stays the evaluated model's
     return type(model)(

@@ -159,13 +159,6 @@ def losslessness(pairs: Sequence[tuple[Sequence[int], Sequence[int]]]) -> dict:
 # Head accuracy
 
 
-def target_ranks(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """logits [..., V], targets [...] -> rank of each target among its logits [...] (0 = the argmax; ties count
-    against the target only when strictly greater)."""
-    right = logits.gather(-1, targets.unsqueeze(-1))  # [..., 1]
-    return (logits > right).sum(-1)
-
-
 def rank_counts(ranks: torch.Tensor, k_max: int = TOPK_MAX) -> list[int]:
     """ranks [N] -> counts[r] of ranks equal to r for r < k_max, and the total N as the last entry."""
     ranks = ranks.flatten()

@@ -24,6 +24,7 @@ from pathlib import Path
 import torch
 from omegaconf import DictConfig, OmegaConf
 
+from medusa_like.drafters.registry import kind_of
 from medusa_like.io import write_json
 from medusa_like.targets import weights_fingerprint
 
@@ -114,7 +115,7 @@ def loaded_settings(model, searched_tree: str | None) -> dict:
     the learned drafter's kind, weights fingerprint (None for a drafter without weights: lookup) and dtype
     (`drafter.dtype=auto` depends on the machine), and the hash of the tree file that `tree=auto` searched (None for
     other trees)."""
-    drafter = model.drafter.learned if model.drafter_kind == "combined" else model.drafter
+    drafter = kind_of(model.drafter).learned_part(model.drafter) or model.drafter
     return {
         "target weights": weights_fingerprint(model.target),
         "target dtype": str(model.target.dtype),

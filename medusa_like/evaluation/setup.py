@@ -13,11 +13,13 @@ from medusa_like.decoding.tree_files import save_tree
 from medusa_like.drafters.combined import COMBINED
 from medusa_like.drafters.lookup import LOOKUP
 from medusa_like.drafters.lookup_sources import OutputStore
+from medusa_like.drafters.medusa import MEDUSA
+from medusa_like.drafters.protocol import sized_by_cost_model
+from medusa_like.drafters.registry import kind_of
 from medusa_like.evaluation.methods import alone
 from medusa_like.evaluation.questions import Question, load_questions, select
 from medusa_like.evaluation.tree_search import fastest_prompt_lookup, search
 from medusa_like.formats import load_drafter
-from medusa_like.formats.registry import MEDUSA
 from medusa_like.model import MedusaLikeModel
 from medusa_like.targets import weights_fingerprint
 
@@ -54,12 +56,16 @@ def load_eval_setup(cfg: DictConfig) -> tuple[MedusaLikeModel, dict | None]:
         path = cfg.drafter.path
         learned = MEDUSA.fresh(target, num_heads=cfg.drafter.num_heads) if path is None else load_drafter(path, target)
         size = cfg.drafter.get("draft_vocab_size")
-        if size and learned.kind == "medusa":  # restrict the heads' projection to the training data's top tokens
+        if size:  # restrict the drafter's projection to the training data's top tokens (Medusa heads: FR-Spec)
             vocab_size = target.config.get_text_config().vocab_size
             split = cfg.validation  # the training data's split settings
-            learned.draft_vocab = draft_vocab_from_training_split(
+            vocab = draft_vocab_from_training_split(
                 cfg.drafter.vocab_data, int(size), vocab_size, split.val_fraction, split.split_seed
             )
+            try:
+                kind_of(learned).restrict_vocab(learned, vocab)
+            except ValueError as err:
+                raise ValueError(f"drafter.draft_vocab_size={size}: {err}") from err
         drafter = learned if mode == "learned" else COMBINED.fresh(target, learned, store)
     model = MedusaLikeModel(
         target,
@@ -160,7 +166,7 @@ def run_search(cfg: DictConfig, model, out_path: Path) -> dict:
     prompts = calibration_prompts(cfg, model)
     ts = cfg.tree_search
     timing = prompts[: max(ts.timing_prompts, 1)]
-    budgeted = ts.get("budgeted") is not None and model.drafter.wants_cost_model
+    budgeted = ts.get("budgeted") is not None and sized_by_cost_model(model.drafter)
     cost = None
     if budgeted or model.forward.differs_from_stock:
         # budgeted trees are sized by a full cost model; and any tree is timed, and saved, with the step and kernels
@@ -178,7 +184,7 @@ def run_search(cfg: DictConfig, model, out_path: Path) -> dict:
         ts.get("budgeted"),
     )
     learned_alone = None
-    if ts.get("learned_alone") and "learned" in model.drafter.parts():
+    if ts.get("learned_alone") and budgeted and "learned" in model.drafter.parts():
         # after the combined search: the learned drafter alone runs the kernels its cost model chose on the target
         alone_model = alone(model, "learned")
         args = (ts.timing_prompts, cfg.eval.max_new_tokens, ts.budget, ts.budgets, ts.dynamic, cfg.eval.k_max)

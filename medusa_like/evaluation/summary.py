@@ -11,6 +11,8 @@ import torch
 import transformers
 
 from medusa_like.decoding.tree_files import spec_from_json
+from medusa_like.drafters.protocol import sized_by_cost_model
+from medusa_like.drafters.registry import kind_of
 from medusa_like.evaluation import metrics, precision
 from medusa_like.evaluation.losslessness import LOSSLESSNESS, losslessness_section
 from medusa_like.evaluation.methods import BASELINES, METHODS, REFERENCE, SPECULATIVE, STOCK, not_run_for
@@ -18,8 +20,8 @@ from medusa_like.evaluation.plots import write_plots
 from medusa_like.evaluation.report import print_report, write_report
 from medusa_like.evaluation.tree_search import (
     budgeted_candidates,
+    depth_topk_accuracy,
     dynamic_candidates,
-    head_topk_accuracy,
     predicted_tau,
     time_trees,
     trees_for_budgets,
@@ -93,7 +95,7 @@ def source_share(stats: list[dict]) -> dict:
 
 
 def head_accuracy_section(topk: list[list[float]] | None) -> dict:
-    """Medusa heads only: head k's top-j accuracy."""
+    """Drafters whose trees are static (Medusa heads) only: head (depth) k's top-j accuracy."""
     if topk is None:
         return {}
     return {f"head{k + 1}": {f"top{j + 1}": acc for j, acc in enumerate(row)} for k, row in enumerate(topk)}
@@ -124,17 +126,18 @@ def sweep_section(model, prompts: list, topk, cfg, main_tree, records: list[dict
     """tau and tokens/s against tree size on the first prompts: Medusa trees of the sweep budgets (from this run's head
     accuracies) or EAGLE-3's dynamic trees of `tree_search.dynamic`; without a sweep, the main run alone."""
     prompts = prompts[: cfg.eval.sweep.prompts]
-    kind, budgeted = model.drafter_kind, cfg.tree_search.budgeted
-    if kind in ("combined", "lookup"):
-        trees = budgeted_candidates(budgeted.learned, budgeted.num_nodes, budgeted.lookup_depth, kind == "combined")
-    elif model.max_depth is None:
+    budgeted, static = cfg.tree_search.budgeted, kind_of(model.drafter).static_trees
+    if sized_by_cost_model(model.drafter):
+        with_learned = "learned" in model.drafter.parts()
+        trees = budgeted_candidates(budgeted.learned, budgeted.num_nodes, budgeted.lookup_depth, with_learned)
+    elif not static:
         trees = dynamic_candidates(cfg.tree_search.dynamic) if cfg.eval.sweep.prompts else {}
     else:
         trees = trees_for_budgets(topk, list(cfg.eval.sweep.budgets)) if topk is not None else {}
     if not prompts or not trees:
         summary = metrics.summarize_decode([r[SPECULATIVE]["stats"] for r in records])
         tps = metrics.median(r[SPECULATIVE]["tps"] for r in records)
-        label = main_tree.label if model.max_depth is None else main_tree.max_nodes - 1
+        label = main_tree.max_nodes - 1 if static else main_tree.label
         return [
             {
                 "budget": label,
@@ -156,10 +159,10 @@ def sweep_section(model, prompts: list, topk, cfg, main_tree, records: list[dict
 
 def drafter_parameters(model) -> int:
     """Trained parameters of the evaluated drafter (a combined drafter's learned part; lookup has none)."""
-    kind = model.drafter_kind
-    if kind == "lookup":
+    learned = kind_of(model.drafter).learned_part(model.drafter)
+    if learned is None:
         return 0
-    return sum(p.numel() for p in (model.drafter.learned if kind == "combined" else model.drafter).parameters())
+    return sum(p.numel() for m in learned.modules() for p in m.parameters(recurse=False))
 
 
 def setup_section(
@@ -211,6 +214,8 @@ def cost_models_section(model, methods: list[str]) -> dict:
     """The cost model each method sized its trees by (lookup and combined drafters: the speculative method, and lookup
     alone), as used, with its source (`file:`, `cache:` or `measured`) and when it was measured; methods that consult
     none are left out."""
+    if not sized_by_cost_model(model.drafter):
+        return {}
     drafters = {SPECULATIVE: model.drafter, "lookup": model.drafter.parts().get("lookup")}
     used = {name: drafter.cost_model for name, drafter in drafters.items() if name in methods and drafter is not None}
     return {name: cost.to_json() for name, cost in used.items() if cost is not None}
@@ -235,12 +240,12 @@ def summary_section(acceptance: dict, speed: dict, lossless: dict, tree: dict) -
 
 
 def teacher_forced_topk(model, records: list[dict], k_max: int) -> list[list[float]]:
-    """Medusa heads' top-k accuracy, teacher-forced over the reference's answers."""
+    """The top-k accuracy at each depth (Medusa heads'), teacher-forced over the reference's answers."""
     sequences = [
         (torch.cat([torch.tensor(r["prompt_ids"]), torch.tensor(r[REFERENCE]["tokens"])])[None], len(r["prompt_ids"]))
         for r in records
     ]
-    return head_topk_accuracy(model, sequences, k_max)
+    return depth_topk_accuracy(model, sequences, k_max)
 
 
 def build_report(
@@ -263,7 +268,7 @@ def build_report(
     if not records:
         raise ValueError(f"every prompt was skipped ({len(skipped)}): {skipped[0]['skipped']}")
     topk = None
-    if cfg.eval.head_accuracy and model.drafter_kind == "medusa":
+    if cfg.eval.head_accuracy and kind_of(model.drafter).static_trees:
         topk = teacher_forced_topk(model, records, cfg.eval.k_max)
 
     methods = [m for m in METHODS if all(m in r for r in records)]  # any subset a run timed, in METHODS' order

@@ -1,8 +1,9 @@
 """Choosing a tree for a drafter on this machine.
 
-Medusa heads (static trees): calibrate each head's top-k accuracy, build the best tree of each node budget, time them.
+Medusa heads (static trees): calibrate the top-k accuracy at each depth, build the best tree of each node budget, time
+them.
 
-    topk = head_topk_accuracy(model, sequences)           # teacher-forced over the target's own greedy answers
+    topk = depth_topk_accuracy(model, sequences)          # teacher-forced over the target's own greedy answers
     trees = trees_for_budgets(topk, [4, 8, 16, 32])        # greedy best-first trees (`tree_presets.greedy_tree`)
 
 EAGLE-3 (dynamic trees): the candidates are (depth, top_k, num_nodes) settings of EAGLE-2's tree.
@@ -24,13 +25,14 @@ import torch
 
 from medusa_like.decoding.tree import BudgetedTreeSpec, DynamicTreeSpec
 from medusa_like.decoding.tree_presets import expected_acceptance, greedy_tree
+from medusa_like.drafters.protocol import sized_by_cost_model
+from medusa_like.drafters.registry import kind_of
 from medusa_like.evaluation.methods import hf_runner, loop_runner
 from medusa_like.evaluation.metrics import (
     TOPK_MAX,
     rank_accuracy,
     rank_counts,
     summarize_decode,
-    target_ranks,
     topk_from_counts,
 )
 from medusa_like.evaluation.timing import geometric_mean_tps, time_methods
@@ -39,48 +41,32 @@ Path_ = tuple[int, ...]
 
 
 # ---------------------------------------------------------------------------------------------------------------------
-# Head accuracy
+# Rank accuracy by depth (drafters whose depth-d candidates do not depend on the path: Medusa heads)
 
 
-@torch.inference_mode()
-def head_rank_counts(
-    model, sequence: torch.Tensor, prompt_len: int, k_max: int = TOPK_MAX, chunk: int = 64
-) -> list[list[int]]:
-    """Per head, `metrics.rank_counts` of the right token over the answer part of one sequence [1, L].
-
-    From the target's last hidden state at position t (t >= prompt_len - 1), head k (1-based) should predict token
-    t + 1 + k; positions whose target falls past the end are skipped.
-    """
-    target, heads = model.target, model.drafter
-    lm_head = target.get_output_embeddings()
-    hidden = target.base_model(input_ids=sequence).last_hidden_state[0]  # [L, H]
-    length = sequence.shape[1]
-    counts = [[0] * (k_max + 1) for _ in range(heads.num_heads)]
-    positions = torch.arange(prompt_len - 1, length - 2)  # t with t + 2 < L: head 1 has a label
-    for start in range(0, positions.numel(), chunk):
-        t = positions[start : start + chunk]
-        logits = heads(hidden[t], lm_head)  # [K, n, V]
-        for k in range(1, heads.num_heads + 1):
-            valid = t + 1 + k < length
-            ranks = target_ranks(logits[k - 1][valid], sequence[0, t[valid] + 1 + k])  # [n_k]
-            counts[k - 1] = [a + b for a, b in zip(counts[k - 1], rank_counts(ranks, k_max), strict=True)]
-    return counts
+def depth_rank_counts(model, sequence: torch.Tensor, prompt_len: int, k_max: int = TOPK_MAX) -> list[list[int]]:
+    """Per depth, `metrics.rank_counts` of the right token over the answer part of one sequence [1, L], teacher-forced
+    (the drafter's kind measures the ranks: `DrafterKind.depth_ranks`)."""
+    ranks = kind_of(model.drafter).depth_ranks(model.drafter, model.target, sequence, prompt_len)
+    if ranks is None:
+        raise ValueError(f"a {model.drafter_kind} drafter's trees are not built from rank accuracies")
+    return [rank_counts(r, k_max) for r in ranks]
 
 
-def head_topk_accuracy(
+def depth_topk_accuracy(
     model, sequences: Sequence[tuple[torch.Tensor, int]], k_max: int = TOPK_MAX
 ) -> list[list[float]]:
-    """(sequence [1, L], prompt length) pairs -> topk[k][j] = top-(j+1) accuracy of head k+1, pooled over positions."""
+    """(sequence [1, L], prompt length) pairs -> topk[d][j] = top-(j+1) accuracy at depth d+1, pooled over positions."""
     pooled = None
     for sequence, prompt_len in sequences:
-        counts = head_rank_counts(model, sequence, prompt_len, k_max)
+        counts = depth_rank_counts(model, sequence, prompt_len, k_max)
         pooled = (
             counts
             if pooled is None
             else [[a + b for a, b in zip(p, c, strict=True)] for p, c in zip(pooled, counts, strict=True)]
         )
     if pooled is None or pooled[0][-1] == 0:
-        raise ValueError("head accuracy needs at least one answer longer than the number of heads")
+        raise ValueError("rank accuracy needs at least one answer longer than the drafter's depth")
     return [topk_from_counts(c) if c[-1] else [0.0] * k_max for c in pooled]
 
 
@@ -111,9 +97,9 @@ def own_session(model, runner):
     gate), started from a copy of the model's drafter's (`Drafter.fork`). A combined or lookup drafter learns across
     generations: candidates timed on the same model would otherwise learn from each other's steps, and a tree's speed
     would depend on the trees timed beside it. The model's own drafter is left as it was."""
-    own = model.drafter.fork()
-    if own is model.drafter:  # it learns nothing across generations
+    if not sized_by_cost_model(model.drafter):  # it learns nothing across generations
         return runner
+    own = model.drafter.fork()
 
     def run(ids: torch.Tensor, max_new_tokens: int):
         saved, model.drafter = model.drafter, own
@@ -234,25 +220,25 @@ def search(
 ):
     """The fastest tree for `model`'s drafter on `prompts` (dict: kind, tree spec, timings, calibration).
 
-    Combined and lookup drafters: budgeted trees, `budgeted.learned` settings x `budgeted.num_nodes`, all timed.
-    Medusa heads: static trees built from the heads' measured accuracies, one per budget (`budget` fixes one).
-    EAGLE-3: the dynamic settings of `dynamic_grid`, all timed.
+    Drafters sized by a cost model (lookup, combined): budgeted trees, `budgeted.learned` settings x
+    `budgeted.num_nodes`, all timed. Kinds whose trees are static (Medusa heads): trees built from the measured rank
+    accuracy at each depth, one per budget (`budget` fixes one). Others (EAGLE-3): the dynamic settings of
+    `dynamic_grid`, all timed.
     """
     timing = prompts[: max(timing_prompts, 1)]
-    if budgeted is not None and model.drafter_kind in ("combined", "lookup"):  # lookup merged in: budgeted trees
-        trees = budgeted_candidates(
-            budgeted.learned, budgeted.num_nodes, budgeted.lookup_depth, model.drafter_kind == "combined"
-        )
+    if budgeted is not None and sized_by_cost_model(model.drafter):  # lookup merged in: budgeted trees
+        with_learned = "learned" in model.drafter.parts()
+        trees = budgeted_candidates(budgeted.learned, budgeted.num_nodes, budgeted.lookup_depth, with_learned)
         rows = time_trees(model, timing, trees, max_new_tokens)
         best = fastest(rows)["budget"]
         return {"kind": "budgeted", "label": best, "spec": trees[best], "timings": rows, "topk": None}
-    if model.max_depth is None:  # a drafter of any depth: dynamic trees
+    if not kind_of(model.drafter).static_trees:  # a drafter that grows its own trees: dynamic trees
         trees = dynamic_candidates(dynamic_grid)
         rows = time_trees(model, timing, trees, max_new_tokens)
         best = fastest(rows)["budget"]
         return {"kind": "dynamic", "label": best, "spec": trees[best], "timings": rows, "topk": None}
     budget = parse_budget(budget)
-    topk = head_topk_accuracy(model, greedy_sequences(model, prompts, max_new_tokens), k_max)
+    topk = depth_topk_accuracy(model, greedy_sequences(model, prompts, max_new_tokens), k_max)
     trees = trees_for_budgets(topk, list(budgets) if budget == "auto" else [budget])
     rows = []
     if budget == "auto":

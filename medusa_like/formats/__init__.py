@@ -3,20 +3,26 @@
     drafter = load_drafter("runs/x/drafter", target)          # detected from config.json, or a .ckpt
     export_drafter(drafter, "exports/vllm", "vllm", target, "HuggingFaceTB/SmolLM2-135M-Instruct")
 
-Each drafter kind, registered by name in `registry.py`, reads and writes its own formats through its codec: Medusa heads
-as native, medusa, vllm and tgi (`heads_io.py`, layouts in `medusa_layouts.py`); the EAGLE-3 drafter as native, eagle3
-(vLLM), eagle3_sglang (`eagle3.py`) and gguf (llama.cpp, `gguf.py`). Loading is strict everywhere and checks the
-drafter against the target (`drafters.base.check_fits`).
+Each drafter kind (`drafters/registry.py`) reads and writes its own formats through its codec, which the kind's format
+module here attaches to it when this package is imported (every module of the package is imported once, so a new
+kind's codec module needs no line elsewhere): Medusa heads as native, medusa, vllm and tgi (`heads_io.py`, layouts in
+`medusa_layouts.py`); the EAGLE-3 drafter as native, eagle3 (vLLM), eagle3_sglang (`eagle3.py`) and gguf (llama.cpp,
+`gguf.py`). Loading is strict everywhere and checks the drafter against the target (`drafters.base.check_fits`).
 """
 
+import importlib
+import pkgutil
 from pathlib import Path
 
 import torch
 
 from medusa_like.drafters.base import CHECKPOINT_KEY
 from medusa_like.drafters.protocol import Drafter
+from medusa_like.drafters.registry import all_kinds, kind_named, kind_of, trainable_kinds
 from medusa_like.formats.common import FormatError, drafter_source, read_checkpoint, read_config
-from medusa_like.formats.registry import KINDS, kind_named, kind_of
+
+for _module in pkgutil.iter_modules(__path__):  # each codec module attaches its codec to its kind
+    importlib.import_module(f"{__name__}.{_module.name}")
 
 
 def read_drafter(path: str | Path, target) -> tuple[Drafter, dict]:
@@ -31,10 +37,11 @@ def read_drafter(path: str | Path, target) -> tuple[Drafter, dict]:
             raise FormatError(f"{path}: {err}") from err
         return kind.from_checkpoint(checkpoint, path, target)
     config = read_config(path)
-    for kind in KINDS.values():
+    kinds = all_kinds()
+    for kind in kinds.values():
         if kind.formats and kind.recognises(config):
             return kind.read(path, target)
-    formats = {name: kind.formats for name, kind in KINDS.items() if kind.formats}
+    formats = {name: kind.formats for name, kind in kinds.items() if kind.formats}
     raise FormatError(f"{path / 'config.json'} is not a drafter config of any known format: {formats}")
 
 
@@ -42,23 +49,28 @@ def load_drafter(path: str | Path, target) -> Drafter:
     return read_drafter(path, target)[0]
 
 
+DEFAULT_LEARNED = "eagle3"  # the learned part of a fresh combined drafter (`learned=`) when none is named
+
+
 def resolve_drafter(drafter: str | Path | Drafter, target, **options) -> Drafter:
     """A drafter for `target` from what a user names: an object as it is, a directory or checkpoint loaded, or a kind's
     name built fresh with `options`, where a combined drafter's `learned=` directory or checkpoint is loaded too."""
-    if isinstance(drafter, str) and drafter in KINDS:
-        if drafter == "combined":
-            options["learned"] = resolve_learned(options.pop("learned", "eagle3"), target, options)
-        return kind_named(drafter).fresh(target, **options)
+    kinds = all_kinds()
+    if isinstance(drafter, str) and drafter in kinds:
+        kind = kinds[drafter]
+        if kind.takes_learned:
+            options["learned"] = resolve_learned(options.pop("learned", DEFAULT_LEARNED), target, options)
+        return kind.fresh(target, **options)
     if isinstance(drafter, str) and not Path(drafter).exists():
         raise FileNotFoundError(
-            f"drafter={drafter!r} is not a registered drafter kind ({sorted(KINDS)}), and no drafter directory or "
+            f"drafter={drafter!r} is not a registered drafter kind ({sorted(kinds)}), and no drafter directory or "
             ".ckpt file of that name exists"
         )
     if isinstance(drafter, (str, Path)):
         return load_drafter(drafter, target)
     if not callable(getattr(drafter, "proposer", None)):  # not a drafter object at all: say what is expected
         raise TypeError(
-            f"drafter={drafter!r}: expected a drafter kind's name ({sorted(KINDS)}), a drafter directory or .ckpt "
+            f"drafter={drafter!r}: expected a drafter kind's name ({sorted(kinds)}), a drafter directory or .ckpt "
             "file, or a drafter object (medusa_like.drafters.protocol.Drafter)"
         )
     return drafter
@@ -67,8 +79,8 @@ def resolve_drafter(drafter: str | Path | Drafter, target, **options) -> Drafter
 def resolve_learned(learned, target, options: dict) -> Drafter:
     """A combined drafter's learned part from what a user names: an object, a trainable kind's name (built fresh
     with the kind options in `options`, which are taken out of it) or a drafter directory or checkpoint."""
-    if isinstance(learned, str) and learned in KINDS:
-        trainable = sorted(name for name, kind in KINDS.items() if kind.trainable)
+    if isinstance(learned, str) and learned in all_kinds():
+        trainable = trainable_kinds()
         if learned not in trainable:
             raise ValueError(
                 f"learned={learned!r}: a learned drafter, one of {trainable} for a fresh one, or a drafter directory "

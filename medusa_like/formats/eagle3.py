@@ -30,7 +30,7 @@ from huggingface_hub.errors import StrictDataclassError
 from safetensors.torch import save_file
 
 from medusa_like.drafters.base import CHECKPOINT_KEY, check_fits
-from medusa_like.drafters.eagle3 import Eagle3Config, Eagle3Drafter
+from medusa_like.drafters.eagle3 import EAGLE3, Eagle3Config, Eagle3Drafter
 from medusa_like.drafters.kinds import Codec
 from medusa_like.drafters.vocab import DraftVocab, DraftVocabError
 from medusa_like.formats.common import FormatError, read_config, read_safetensors, write_export
@@ -283,4 +283,4 @@ def _check_embeddings(tensors: dict, target, file: Path) -> None:
                 )
 
 
-CODEC = Codec(FORMATS, is_eagle3_config, read_eagle3, eagle3_from_checkpoint, write_eagle3)
+EAGLE3.attach(Codec(FORMATS, is_eagle3_config, read_eagle3, eagle3_from_checkpoint, write_eagle3))

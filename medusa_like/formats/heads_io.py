@@ -21,6 +21,7 @@ from transformers import PreTrainedModel
 
 from medusa_like.drafters.base import CHECKPOINT_KEY, DrafterMismatchError, check_fits, target_name
 from medusa_like.drafters.kinds import Codec
+from medusa_like.drafters.medusa import MEDUSA as MEDUSA_KIND
 from medusa_like.drafters.medusa import HeadsConfig, MedusaHeads
 from medusa_like.formats import medusa_layouts as layouts
 from medusa_like.formats.common import read_config, read_safetensors, same_weights, write_export
@@ -201,4 +202,4 @@ def is_heads_config(config: dict) -> bool:
     return True
 
 
-CODEC = Codec(FORMATS, is_heads_config, read_heads, heads_from_checkpoint, export_heads)
+MEDUSA_KIND.attach(Codec(FORMATS, is_heads_config, read_heads, heads_from_checkpoint, export_heads))

@@ -16,7 +16,7 @@ from .cpu import bf16_linear, fp32_linear, tree_attention
 from .cpu.few_row_linear import PROFILED_PRODUCTS as FEW_ROW_PRODUCTS
 from .cpu.read_kernel import check_read_kernel, use_read_kernel
 from .platform import CompileUnsupported
-from .prepared import PreparedTarget, prepare_target
+from .prepared import PreparedTarget, TunedDrafter, prepare_target
 
 # how a profile names the operators of the products (the few-row layers' kernels, the bf16 and fp32 kernels),
 # of attention (SDPA, the compiled step's kernel) and the compiled step itself (benchmarks/verify.py)
@@ -26,6 +26,7 @@ PROFILED_ATTENTION = ("scaled_dot_product", tree_attention.OP)
 # use_read_kernel / check_read_kernel: how training's frozen target reads many rows at once (and its config check)
 __all__ = [
     "PreparedTarget",
+    "TunedDrafter",
     "prepare_target",
     "CompileUnsupported",
     "use_read_kernel",

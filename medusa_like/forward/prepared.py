@@ -20,6 +20,7 @@ differently from transformers as it ships: the reference of every comparison is 
 import functools
 import logging
 import weakref
+from typing import Protocol, runtime_checkable
 
 import torch
 
@@ -54,6 +55,22 @@ log = logging.getLogger(__name__)
 COMPILE_CHOICES = (False, True, "auto")  # "auto": compiled where this platform runs it, else eager
 _PREPARED: "weakref.WeakKeyDictionary[torch.nn.Module, PreparedTarget]" = weakref.WeakKeyDictionary()
 _announced = []  # a layer swap was announced in this process: the first is a warning, later ones info
+
+
+@runtime_checkable
+class TunedDrafter(Protocol):
+    """What this room asks of a drafter that computes with weights beside the target (every learned drafter: Medusa
+    heads, EAGLE-3); a drafter without these (lookup) computes nothing here."""
+
+    # casts the target's states it reads to its own dtype, so it may compute in another dtype than the target
+    # (`PreparedTarget.drafting_dtype`)
+    computes_in_own_dtype: bool
+
+    def compile_drafting(self, compiler) -> None:
+        """Draft through what `compiler` (`compiled_draft.DraftCompiler`) compiles from now on: it asks for what its
+        kind drafts with (`compiler.level(module)` for an EAGLE-3-style level, `compiler.heads(module, rows)` for
+        Medusa-style heads)."""
+        ...
 
 
 class PreparedTarget:
@@ -121,7 +138,7 @@ class PreparedTarget:
         the target's), or for "auto" bfloat16 where a drafting level then reads half the bytes at no cost: a drafter
         that casts what it reads (`computes_in_own_dtype`: EAGLE-3) beside an fp32 target whose layers run bf16
         natively here; the target's dtype elsewhere. Only the drafts change: the target verifies in its own dtype."""
-        target, own = self.target, getattr(drafter, "computes_in_own_dtype", False)
+        target, own = self.target, isinstance(drafter, TunedDrafter) and drafter.computes_in_own_dtype
         if requested == "auto":
             native = native_bf16(target.device) and (self.tuned or target.device.type != "cpu")
             return torch.bfloat16 if own and native and target.dtype == torch.float32 else target.dtype
@@ -144,7 +161,9 @@ class PreparedTarget:
         machine's where the target's are (changed in place, as the target's); where the target's step is compiled,
         what it drafts with is compiled too (`compiled_draft.py`: an EAGLE-3 level, Medusa heads; compiled on its
         first draft, or loaded)."""
-        drafter = drafter.to(device=self.target.device, dtype=self.drafting_dtype(drafter, dtype)).eval()
+        drafter = drafter.to(device=self.target.device, dtype=self.drafting_dtype(drafter, dtype))
+        for module in drafter.modules():
+            module.train(False)
         if self.tuned and worth_swapping_drafter(drafter):
             _announce(use_few_row_linears(drafter, plans="cached"), "drafter")
         self.compile_drafting(drafter)
@@ -153,7 +172,7 @@ class PreparedTarget:
     def compile_drafting(self, drafter) -> None:
         """Where the target's step is compiled, `drafter` drafts compiled too (its kind decides what it asks the
         `DraftCompiler` for, if anything: `Drafter.compile_drafting`)."""
-        if self.compiled is not None:
+        if self.compiled is not None and isinstance(drafter, TunedDrafter):
             traced = functools.partial(traced_layers, tuned=self.tuned)
             drafter.compile_drafting(DraftCompiler(self.target, self.compiled.options, self.compiled.label, traced))
 

@@ -5,7 +5,7 @@ conf/drafter/<kind>.yaml), which builds itself with `from_config` from `cfg.draf
 from hydra.utils import get_class, instantiate
 from omegaconf import DictConfig
 
-from medusa_like.formats.registry import KINDS, kind_named
+from medusa_like.drafters.registry import kind_named, trainable_kinds
 from medusa_like.training.drafter_module import DrafterModule
 
 
@@ -14,8 +14,9 @@ def module_class(cfg: DictConfig) -> type[DrafterModule]:
     kind with nothing to train, and a class that trains another kind."""
     kind = kind_named(cfg.drafter.kind)
     if not kind.trainable:
-        trainable = sorted(name for name, other in KINDS.items() if other.trainable)
-        raise ValueError(f"drafter.kind={kind.name} needs no training; train one of {trainable} (drafter=<kind>)")
+        raise ValueError(
+            f"drafter.kind={kind.name} needs no training; train one of {trainable_kinds()} (drafter=<kind>)"
+        )
     target = cfg.drafter.get("module", {}).get("_target_")
     try:
         found = get_class(target) if target else None

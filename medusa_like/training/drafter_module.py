@@ -26,7 +26,7 @@ from medusa_like.training.target_memo import TargetMemo
 
 
 class DrafterModule(L.LightningModule):
-    kind: str  # the registered drafter kind it trains (`formats/registry.py`), recorded in its checkpoints
+    kind: str  # the registered drafter kind it trains (`drafters/registry.py`), recorded in its checkpoints
     checkpoint_prefix: str  # the drafter's attribute name, and its keys' prefix in checkpoints
     progress_metric: str  # the validation metric shown in the progress bar
 

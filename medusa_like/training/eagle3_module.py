@@ -22,9 +22,8 @@ from transformers import DynamicCache
 
 from medusa_like.data.split import draft_vocab_from_training_split
 from medusa_like.drafters.base import check_fits
-from medusa_like.drafters.eagle3 import Eagle3Config, Eagle3Drafter
+from medusa_like.drafters.eagle3 import EAGLE3, Eagle3Config, Eagle3Drafter
 from medusa_like.drafters.vocab import DraftVocab
-from medusa_like.formats.registry import EAGLE3
 from medusa_like.targets import output_logits
 from medusa_like.training.drafter_module import DrafterModule
 from medusa_like.training.losses import DECAY, decay_weights, shift_left

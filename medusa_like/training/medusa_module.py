@@ -14,8 +14,7 @@ from hydra.utils import instantiate
 from torchmetrics import MeanMetric
 
 from medusa_like.drafters.base import check_fits
-from medusa_like.drafters.medusa import HeadsConfig, MedusaHeads
-from medusa_like.formats.registry import MEDUSA
+from medusa_like.drafters.medusa import MEDUSA, HeadsConfig, MedusaHeads
 from medusa_like.targets import output_logits
 from medusa_like.training.drafter_module import DrafterModule
 from medusa_like.training.losses import DECAY, IGNORE, decay_weights, head_labels, head_losses, shift_left, topk_correct
