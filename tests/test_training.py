@@ -132,6 +132,23 @@ def test_eagle3_trains_validates_and_exports_through_train_on_the_cpu(tmp_path, 
 
 
 @pytest.mark.slow
+def test_the_seed_decides_the_drafter_whether_or_not_the_run_builds_its_data(tmp_path):
+    """Building the tiny data samples the target's answers (temperature 0.7) from torch's generator; with the same
+    seed, the run that builds the data and a later run that finds it built start from the same drafter and train it
+    the same: their exported EAGLE-3 drafters are equal bit for bit."""
+    data, exported = tmp_path / "data", {}
+    for run in ("builds", "finds"):
+        cfg = compose_train(tmp_path / run, data, "debug=fdr", "drafter=eagle3", "export_drafter=true")
+        assert is_complete(cfg.data.dir) == (run == "finds")
+        train(cfg)
+        target, _ = instantiate(cfg.model.loader)
+        exported[run] = load_drafter(tmp_path / run / "drafter", target).state_dict()
+    assert exported["builds"].keys() == exported["finds"].keys() and len(exported["builds"]) > 1
+    for name, tensor in exported["builds"].items():
+        assert torch.equal(tensor, exported["finds"][name]), name
+
+
+@pytest.mark.slow
 def test_a_time_budget_stops_the_epoch_then_validates_and_exports(tmp_path, data_dir):
     """`trainer.max_time` (the default experiment's budget) ends the first epoch early: the step that passes the budget
     is the last, its learning rate has decayed to the floor as the whole epoch's last would, and the run still

@@ -65,6 +65,9 @@ def _train(cfg: DictConfig) -> dict[str, float]:
         save_config(run_config, out_dir)  # first, so that a run cut short (building its data, say) has it
     target, tokenizer = load_model(cfg.model)
     ensure_dataset(cfg, target, tokenizer)
+    # seeded again: building the data samples the target's answers from the global generators, so without this the
+    # drafter's initialisation and the data's order would depend on whether this run built its data or found it built
+    L.seed_everything(cfg.seed, workers=True, verbose=False)
     datamodule = instantiate(cfg.data.module)
     module = build_module(cfg, target)
     module.resume_settings = config_settings(cfg) | loaded_settings(module, cfg)
