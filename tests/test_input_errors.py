@@ -1,6 +1,6 @@
-"""Inputs a user can get wrong, refused with one clear line before any work: `generate`'s numeric arguments, eos ids
-and prompts, tree sizes nothing could hold, and output store files; and the context rule, which counts only the
-positions a step can really reach."""
+"""Inputs a user can get wrong, refused with one clear line before any work: `generate`'s numeric arguments, eos ids,
+prompts (one on the meta device too), empty stop strings, tree sizes nothing could hold, and output store files; and
+the context rule, which counts only the positions a step can really reach."""
 
 import json
 
@@ -95,10 +95,18 @@ def test_eos_ids_that_are_not_token_ids_of_the_target_are_refused(model, eos):
         (torch.tensor([[1.0, 2.0]]), TypeError, "float32"),
         ([[1, 500]], ValueError, r"\[0, 97\)"),
         ([], ValueError, "empty"),
+        (torch.empty(1, 3, dtype=torch.long, device="meta"), ValueError, "on the meta device.*target's device"),
     ],
 )
 def test_prompts_of_the_wrong_kind_shape_or_ids_are_refused(model, input_ids, error, match):
     refused_before_any_work(model, error, match, input_ids=input_ids, max_new_tokens=4)
+
+
+@pytest.mark.parametrize("stop_strings", ["", [""], ["ab", ""]])
+def test_an_empty_stop_string_is_refused_not_ignored(model, stop_strings):
+    """Any text contains "": accepted, it would either stop generation at once or be dropped without a word."""
+    message = refused_before_any_work(model, ValueError, "empty string", max_new_tokens=4, stop_strings=stop_strings)
+    assert repr(stop_strings) in message and "at once" in message
 
 
 @pytest.mark.parametrize("tree", ["dinamic", 5, {"depth": 2, "top_k": 2, "nodes": 4}])

@@ -84,6 +84,11 @@ def check_prompt(target, input_ids) -> None:
         raise ValueError("the prompt is empty: give at least one token")
     if input_ids.dtype not in (torch.int64, torch.int32):
         raise TypeError(f"input_ids must hold integer token ids (torch.long), got dtype {input_ids.dtype}")
+    if input_ids.device.type == "meta":  # before any value is read: torch's own error would say nothing of the prompt
+        raise ValueError(
+            f"input_ids is on the meta device, which holds shapes, not values: give the prompt's token ids on the CPU "
+            f"or the target's device ({target.device})"
+        )
     if input_ids.dim() != 2 or input_ids.shape[0] != 1:
         raise ValueError(f"speculative decoding takes one sequence, input_ids [1, T]; got {tuple(input_ids.shape)}")
     vocab = target.config.get_text_config().vocab_size

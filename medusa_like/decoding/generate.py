@@ -127,7 +127,7 @@ class PlainProposer:
 class StopChecker:
     """EOS ids and stop strings; `cut(tokens)` returns where to cut the generated tokens, or None to go on.
 
-    `stop_strings`: one string or a list of them (as transformers takes them)."""
+    `stop_strings`: one string or a list of them (as transformers takes them), none empty."""
 
     def __init__(self, eos_token_ids=(), stop_strings=(), tokenizer=None):
         self.eos = set(int(t) for t in eos_token_ids)
@@ -135,7 +135,12 @@ class StopChecker:
             stop_strings = [stop_strings]
         if not isinstance(stop_strings, (list, tuple)) or not all(isinstance(s, str) for s in stop_strings):
             raise TypeError(f"stop_strings must be a string or a list of strings, got {stop_strings!r}")
-        self.stop_strings = [s for s in stop_strings if s]
+        if "" in stop_strings:  # ignoring it would be a guess, and so would stopping before the first token
+            raise ValueError(
+                f"stop_strings {stop_strings!r} holds an empty string, which any text contains: it would stop "
+                "generation at once; give non-empty strings (none: None or [])"
+            )
+        self.stop_strings = list(stop_strings)
         if self.stop_strings and tokenizer is None:
             raise ValueError("stop_strings need a tokenizer to decode the generated text")
         self.tokenizer = tokenizer
