@@ -16,7 +16,7 @@ from medusa_like.decoding.cost_model import CostModel
 from medusa_like.decoding.draft_tree import DraftTree, grow_dynamic, grow_static
 from medusa_like.decoding.tree import DynamicTreeSpec
 from medusa_like.drafters.medusa import HeadsConfig, MedusaHeads
-from medusa_like.forward.cpu import fp32_linear, tree_attention
+from medusa_like.forward.cpu import bf16_linear, extension, fp32_linear, tree_attention
 from medusa_like.forward.cpu.machine import machine_identity
 from medusa_like.io import user_cache_dir
 from medusa_like.targets import DEFAULT_TARGET, weights_fingerprint
@@ -32,26 +32,55 @@ FAMILIES = ("llama", "qwen2", "mistral", "gemma3")
 torch.set_num_threads(1)
 
 # Row plans and cost models measured by the tests stay out of the user's cache (one directory, `io.user_cache_dir`);
-# the default target converted there already is linked in, not converted again.
+# the default target converted there already is linked in, not converted again, and so are the kernels the session
+# built first (pytest-xdist's workers load the controller's: `pytest_configure`).
 # A process a test starts that imports this module (a DDP rank unpickling the test's code) keeps that test's directory.
 _USER_CACHE = user_cache_dir()
 _TEST_CACHE = (
     None if os.environ.get("PYTEST_CURRENT_TEST") else Path(tempfile.mkdtemp(prefix="medusa_like_test_cache_"))
 )
+_SESSION_KERNELS = "MEDUSA_LIKE_TEST_KERNELS"  # the directory of the kernels the session's first process built
 if _TEST_CACHE is not None:
     os.environ["MEDUSA_LIKE_CACHE_DIR"] = str(_TEST_CACHE)
     if (_USER_CACHE / DEFAULT_TARGET / "config.json").is_file():
         (_TEST_CACHE / DEFAULT_TARGET).symlink_to(_USER_CACHE / DEFAULT_TARGET)
+    if os.environ.get(_SESSION_KERNELS):
+        (_TEST_CACHE / "kernels").symlink_to(os.environ[_SESSION_KERNELS])
+
+
+def required_kernels() -> list:
+    """The kernels this machine must build: on an x86 CPU with AVX2 and a C++ compiler, the fp32 products' and the
+    attention's, and the bf16 products' where the CPU has AVX512-BF16. Elsewhere a kernel's tests skip, saying why."""
+    if fp32_linear.cpu_unsupported() is not None or extension.compiler_missing() is not None:
+        return []
+    kernels = [fp32_linear.KERNEL, tree_attention.KERNEL]
+    if bf16_linear.cpu_unsupported() is None:
+        kernels.append(bf16_linear.KERNEL)
+    return kernels
 
 
 def pytest_configure(config):
-    """The fp32 and attention kernels built now, where the CPU runs the first, in each process that runs tests (the
+    """The kernels this machine must build (`required_kernels`), built now by the session's first process, where a
+    failed build fails the session with the compiler's output: the library would fall back (SDPA, the row plans) and
+    their tests would skip, so the suite would pass without them. pytest-xdist's workers load the same builds (the
     library builds them in the background on first use, for later processes: a test process would run without)."""
-    if getattr(config.option, "numprocesses", None) and not hasattr(config, "workerinput"):
-        return  # pytest-xdist's controller runs no test
-    if fp32_linear.cpu_unsupported() is None:
-        fp32_linear.KERNEL.load()
-        tree_attention.KERNEL.load()
+    kernels = required_kernels()
+    if hasattr(config, "workerinput"):
+        for kernel in kernels:
+            kernel.load()  # the controller's build, linked in: milliseconds
+        return
+    failed = [(kernel, why) for kernel in kernels if (why := kernel.load()) is not None]
+    if failed:
+        if _TEST_CACHE is not None:
+            shutil.rmtree(_TEST_CACHE, ignore_errors=True)  # pytest_unconfigure does not run after this error
+        builds = "\n\n".join(f"{why}\n{kernel.error or ''}" for kernel, why in failed)
+        raise pytest.UsageError(
+            f"{len(failed)} kernel(s) failed to build on a machine meant to build them (an x86 CPU with AVX2 and a "
+            f"C++ compiler, $CXX else c++); the compiler said:\n\n{builds}"
+        )
+    if _TEST_CACHE is not None:
+        (_TEST_CACHE / "kernels").mkdir(exist_ok=True)
+        os.environ[_SESSION_KERNELS] = str(_TEST_CACHE / "kernels")  # for pytest-xdist's workers, started next
 
 
 def pytest_unconfigure(config):

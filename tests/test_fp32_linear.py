@@ -1,8 +1,14 @@
 """The fp32 kernel of the eager few-row layers (forward/cpu/fp32_linear.py): fp32 products to rounding, the same
 bits for a row at any row count and thread count, in its AVX512 and its AVX2 code alike, the layers that run it (no
-row plans, oneDNN for prompts), and clear errors for inputs it does not take. Skipped where the CPU has no AVX2."""
+row plans, oneDNN for prompts), clear errors for inputs it does not take, and a failed build: the library falls back
+with one line saying to what, the test suite fails with the compiler's error. Skipped where the CPU has no AVX2."""
 
+import logging
+import os
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -22,7 +28,7 @@ from medusa_like.forward.cpu.few_row_linear import (
 )
 from medusa_like.model import MedusaLikeModel
 
-from .conftest import at_one_and_two_threads, random_prompts, tiny_target
+from .conftest import at_one_and_two_threads, random_prompts, required_kernels, tiny_target
 
 pytestmark = pytest.mark.skipif(fp32_linear.unavailable() is not None, reason=f"{fp32_linear.unavailable()}")
 
@@ -158,3 +164,50 @@ def test_a_first_process_builds_it_in_the_background_and_a_failed_build_is_not_t
     (kernel.directory() / extension.BUILD_FAILED).write_text("a compiler error")
     monkeypatch.setattr(extension.subprocess, "Popen", lambda *a, **k: pytest.fail("a failed build started again"))
     assert fp32_linear.unavailable.__wrapped__() == "the fp32_linear kernel could not be built (a compiler error)"
+
+
+# A C++ compiler whose every compile fails, as a broken toolchain's would; anything else it is asked (its version)
+# the real one answers.
+BROKEN_COMPILER = """#!/bin/sh
+for arg in "$@"; do
+  if [ "$arg" = "-c" ]; then echo "fp32_linear.cpp:1:1: error: a deliberately broken compiler" >&2; exit 1; fi
+done
+exec c++ "$@"
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not required_kernels(), reason="not a machine meant to build the kernels (x86, AVX2, c++)")
+def test_a_kernel_that_fails_to_build_fails_the_suite_with_the_compilers_error(tmp_path):
+    """The test suite on a broken compiler, with a cache of its own (nothing built yet): it stops before any test
+    with the compiler's error, rather than running with the kernels' tests skipped and SDPA attending."""
+    compiler = tmp_path / "c++"
+    compiler.write_text(BROKEN_COMPILER)
+    compiler.chmod(0o755)
+    session = ("PYTEST_CURRENT_TEST", "MEDUSA_LIKE_CACHE_DIR", "MEDUSA_LIKE_TEST_KERNELS")  # this session's cache
+    env = {key: value for key, value in os.environ.items() if key not in session} | {"CXX": str(compiler)}
+    root = Path(__file__).resolve().parents[1]
+    command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:randomly", "tests/test_io.py"]
+    run = subprocess.run(command, cwd=root, env=env, capture_output=True, text=True, timeout=600)
+    output = run.stdout + run.stderr
+    assert run.returncode == pytest.ExitCode.USAGE_ERROR, output[-2000:]
+    assert "the fp32_linear kernel could not be built" in output and "error: a deliberately broken compiler" in output
+    assert " passed" not in output  # no test ran
+
+
+def test_a_failed_build_falls_back_with_one_line_saying_to_what_and_why(tmp_path, monkeypatch, caplog):
+    """A build that failed here (kept in its build directory) leaves the eager fp32 step on the row plans and SDPA,
+    logged once as one warning that names the kernel, the compiler's line and the fallback."""
+    monkeypatch.setenv("MEDUSA_LIKE_CACHE_DIR", str(tmp_path))
+    directory = fp32_linear.KERNEL.directory()
+    directory.mkdir(parents=True)
+    (directory / extension.BUILD_FAILED).write_text("fp32_linear.cpp:1:1: error: a deliberately broken compiler")
+    with caplog.at_level(logging.INFO):
+        why = fp32_linear.unavailable.__wrapped__()
+    assert (
+        why == "the fp32_linear kernel could not be built (fp32_linear.cpp:1:1: error: a deliberately broken compiler)"
+    )
+    lines = [record for record in caplog.records if record.name == fp32_linear.__name__]
+    assert len(lines) == 1 and lines[0].levelno == logging.WARNING, [r.getMessage() for r in lines]
+    message = lines[0].getMessage()
+    assert message.startswith(why) and "row plans" in message and "SDPA" in message and "\n" not in message

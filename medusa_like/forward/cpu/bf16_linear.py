@@ -23,6 +23,7 @@ and summed in fp32, like oneDNN's: its outputs are within one bf16 unit, as ofte
 """
 
 import functools
+import logging
 
 import torch
 import torch.nn.functional as F
@@ -30,6 +31,8 @@ from torch import nn
 
 from .extension import Extension
 from .layer_swap import copy_replacing
+
+log = logging.getLogger(__name__)
 
 OP = "medusa_like::bf16_linear"
 LABEL = "bf16 dot-product kernel"  # how logs and compiled steps' labels name it
@@ -47,10 +50,24 @@ KERNEL = Extension("bf16_linear", fakes={OP: _shape})
 @functools.cache
 def unavailable() -> str | None:
     """None where the kernel runs (built and loaded once per process), else why not: this CPU has no bf16 dot
-    product, or the kernel could not be built."""
+    product, or the kernel could not be built (logged once per process, with what computes the products instead)."""
+    if (why := cpu_unsupported()) is not None:
+        return why
+    why = KERNEL.load()
+    if why is not None:
+        log.warning(
+            "%s: bf16 products run on Inductor's C++ GEMM template in compiled steps and on oneDNN's bf16 pack in eager "
+            "ones, which may round a tree row apart from its one-node step",
+            why,
+        )
+    return why
+
+
+def cpu_unsupported() -> str | None:
+    """Why this CPU cannot run the kernel (no AVX512-BF16 dot product), or None."""
     if not getattr(torch.cpu, "_is_avx512_bf16_supported", lambda: False)():
         return "this CPU has no AVX512-BF16 dot product"
-    return KERNEL.load()
+    return None
 
 
 def pack(weight: torch.Tensor) -> torch.Tensor:

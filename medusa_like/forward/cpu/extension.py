@@ -4,11 +4,17 @@
     why = kernel.load()                                          # None once loaded; else why it cannot be built here
     kernel.build_key()                                           # a build's source, flags, torch, machine
     kernel.built(); build_in_background(kernel, ...)            # kernels the first call should not wait for
+    kernel.error                                                 # a failed build's whole output (the compiler's)
 
 A kernel is built (a few seconds) into the user cache, in a directory named by its build key, so a later process of
 the same source, flags, torch and machine loads the built library, and a changed one builds anew. Each kernel
 registers its operators in the `medusa_like` namespace (`torch.ops.medusa_like.<op>`) and gives their shapes for
 tracing (`fakes`).
+
+A build that fails leaves the step on its fallback (each kernel's module logs one line saying which, and why): the
+library runs on, a little slower or less exact against greedy decoding where a near-tie falls. The test suite does not
+run on: on a machine meant to build the kernels (an x86 CPU with AVX2 and a C++ compiler, `compiler_missing`), a
+failed build fails it with the compiler's output (tests/conftest.py).
 """
 
 import hashlib
@@ -45,6 +51,7 @@ class Extension:
     def __init__(self, name: str, fakes: dict):
         self.name, self.fakes = name, fakes
         self.source = Path(__file__).with_name(f"{name}.cpp")
+        self.error: str | None = None  # the whole output of this process's failed build (the compiler's), if one failed
 
     def build_key(self) -> str:
         """What a build depends on: the kernel's source, the flags, torch's version and the machine (digest)."""
@@ -78,8 +85,8 @@ class Extension:
                 is_python_module=False,
             )
         except Exception as err:  # no compiler, no ninja, a failed build: each raises its own type
-            text = str(err).strip().splitlines()
-            return f"the {self.name} kernel could not be built ({type(err).__name__}: {text[-1] if text else ''})"
+            self.error = f"{type(err).__name__}: {err}"
+            return f"the {self.name} kernel could not be built ({type(err).__name__}: {first_error(str(err))})"
         for op, fake in self.fakes.items():
             torch.library.register_fake(op)(fake)
         (directory / BUILD_FAILED).unlink(missing_ok=True)  # an earlier failure no longer holds
@@ -95,6 +102,22 @@ class Extension:
         if not failed.is_file():
             return None
         return failed.read_text(encoding="utf-8").strip() or "failed"
+
+
+def first_error(output: str) -> str:
+    """The line of a build's `output` that says what went wrong: the compiler's first error, else the last line
+    (torch's builder ends it with ninja's "build stopped", which says nothing of the cause)."""
+    lines = [line.strip() for line in output.splitlines() if line.strip()]
+    errors = [line for line in lines[1:] if "error:" in line.lower()]  # the first line is torch's "Error building"
+    return errors[0] if errors else (lines[-1] if lines else "")
+
+
+def compiler_missing() -> str | None:
+    """Why torch's extension builder finds no C++ compiler here (it runs `$CXX`, else `c++`), or None."""
+    compiler = os.environ.get("CXX", "c++")
+    if shutil.which(compiler) is None:
+        return f"no C++ compiler: {compiler!r} ($CXX, else c++) is not on the PATH"
+    return None
 
 
 def build_in_background(*kernels: Extension) -> None:

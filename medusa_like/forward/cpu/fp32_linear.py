@@ -16,12 +16,15 @@ oneDNN: every method prefills the same prompt the same way.
 """
 
 import functools
+import logging
 
 import torch
 import torch.nn.functional as F
 
 from . import tree_attention
 from .extension import Extension, build_in_background
+
+log = logging.getLogger(__name__)
 
 OP = "medusa_like::fp32_linear"  # AVX512 where the CPU has it, else AVX2
 OP_AVX2 = "medusa_like::fp32_linear_avx2"  # AVX2 on any CPU: what an AVX2-only CPU computes
@@ -36,22 +39,33 @@ def _shape(x, packed, bias, out_features):
 KERNEL = Extension("fp32_linear", fakes={OP: _shape, OP_AVX2: _shape})
 
 
+FALLBACK = "the eager fp32 step computes its products on the row plans' kernels and attends by SDPA"
+
+
 @functools.cache
 def unavailable() -> str | None:
     """None where the kernel runs (loaded once per process), else why not: this CPU has no AVX2, the kernel could
     not be built, or it is not built yet. The eager fp32 step is row-invariant with it and the attention kernel, and
     it is the Python API's default, so a process does not wait for their first builds (seconds each): it starts them
-    in the background, keeps the row kernels and SDPA, and a later process loads both."""
+    in the background, keeps the row kernels and SDPA, and a later process loads both. A failed build is logged once
+    per process, with what the step runs instead: a tree row may then round apart from its one-node step."""
     if (why := cpu_unsupported()) is not None:
+        log.info("%s: %s", why, FALLBACK)
         return why
     kernels = (KERNEL, tree_attention.KERNEL)
     for kernel in kernels:
         if (failure := kernel.build_failure()) is not None:
-            return f"the {kernel.name} kernel could not be built ({failure})"
+            return _fell_back(f"the {kernel.name} kernel could not be built ({failure})")
     if missing := [kernel for kernel in kernels if not kernel.built()]:
-        build_in_background(*missing)
+        build_in_background(*missing)  # logs that this process runs without them
         return f"the {' and '.join(k.name for k in missing)} kernels are being built here, for later processes"
-    return KERNEL.load()
+    why = KERNEL.load()
+    return None if why is None else _fell_back(why)
+
+
+def _fell_back(why: str) -> str:
+    log.warning("%s: %s, which may round a tree row apart from its one-node step", why, FALLBACK)
+    return why
 
 
 def operator(qualified: str = OP):
