@@ -11,7 +11,7 @@ RUN_DIR ?= runs/make_run
 # On a machine shared with other busy processes, `OMP_WAIT_POLICY=PASSIVE make run` keeps idle OpenMP workers from
 # spinning against them; on an idle machine the default (spinning) is faster for small tree steps (docs/results.md).
 
-.PHONY: install run test test-all test-fast bench llamacpp llamacpp-build vllm-install test-vllm vllm vllm-profile lint clean
+.PHONY: install run test test-all test-fast mt-bench llamacpp llamacpp-build vllm-install test-vllm vllm vllm-profile lint clean
 
 install: $(STAMP)
 
@@ -79,15 +79,15 @@ test-fast: $(STAMP)
 # same layers), transformers greedy as it ships, llama.cpp's plain decoding where built, lookup alone and combined,
 # interleaved; resumable (run it again after a kill); its duration on the machines measured is in docs/benchmarks.md
 MT_BENCH ?= ../shared/data/mt_bench_question.jsonl
-bench: $(STAMP)
+mt-bench: $(STAMP)
 	$(PY) -m eval.evaluate data.source=jsonl data.path=$(MT_BENCH) drafter.path=$(RUN_DIR)/train/drafter \
 	  tree=$(RUN_DIR)/tree.json eval.max_new_tokens=96 eval.sweep.prompts=0 eval.resume=true \
 	  'eval.methods=[hf_greedy,hf_prompt_lookup,hf_greedy_stock,hf_greedy_compiled,llamacpp_plain,lookup,speculative]' \
-	  hydra.run.dir=$(RUN_DIR)/bench
+	  hydra.run.dir=$(RUN_DIR)/mt_bench
 
 # llama.cpp on this CPU: build it from the llama-cpp-python source distribution (cached), export `make run`'s drafter
 # as GGUF and time speculative decoding with it against plain decoding and llama.cpp's own lookup (not part of CI);
-# once built (`make llamacpp-build`), `make run` and `make bench` time llama.cpp's plain decoding in their own
+# once built (`make llamacpp-build`), `make run` and `make mt-bench` time llama.cpp's plain decoding in their own
 # tables too (method (l))
 llamacpp: llamacpp-build
 	$(PY) -m eval.llamacpp drafter.path=$(RUN_DIR)/train/drafter hydra.run.dir=$(RUN_DIR)/llamacpp
@@ -136,7 +136,7 @@ vllm-profile: $(STAMP) $(VLLM_STAMP)
 	$(PY) -m eval.vllm drafter.path=$(RUN_DIR)/train/drafter vllm.profile.batch=8 hydra.run.dir=$(SERVING_DIR)/profile
 
 lint: $(STAMP)
-	$(VENV)/bin/ruff check medusa_like train eval tests
+	$(VENV)/bin/ruff check medusa_like benchmarks train eval tests
 
 clean:
 	rm -rf $(VENV) $(VLLM_VENV) outputs runs multirun .pytest_cache

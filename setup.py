@@ -1,5 +1,6 @@
 """The package list, which pyproject.toml cannot compute: every package under medusa_like/ and medusa_like.conf (the
-configs, mapped from conf/ by pyproject's package-dir). Everything else about the build is in pyproject.toml."""
+configs, mapped from conf/ by pyproject's package-dir); the checkout's train/, eval/ and benchmarks/ are left out.
+Everything else about the build is in pyproject.toml."""
 
 from setuptools import find_packages, setup
 

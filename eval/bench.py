@@ -6,10 +6,10 @@
     python -m eval.bench learning_curve runs/curve/train
 
 Each prints its tables and writes its figures as JSON (`--out`); docs/benchmarks.md says what each measures. The work
-is `medusa_like.benchmarks` (one module per benchmark, the shared setup and timing loop in `harness.py`).
+is the checkout's `benchmarks` package (one module per benchmark, the shared setup and timing loop in `harness.py`).
 """
 
-from medusa_like.benchmarks.command_line import main
+from benchmarks.command_line import main
 
 if __name__ == "__main__":
     main()

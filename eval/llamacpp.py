@@ -5,22 +5,13 @@
 
 Builds llama.cpp once into .llamacpp/ (from the `llama-cpp-python` source distribution on PyPI), exports the drafter
 as GGUF (f32, f16, q8_0), runs every setting on the held-out validation prompts and writes llamacpp.json and
-llamacpp.md into the run directory. Where llama.cpp cannot be built it says why and exits 0. The work is the llama.cpp
-engine's (`medusa_like/engines/llamacpp/comparison.py`).
+llamacpp.md into the run directory. Where llama.cpp cannot be built it says why and exits 0. The work is
+`medusa_like.apps.llamacpp_comparison`; this file keeps the command working from the checkout.
 """
 
-import hydra
-from omegaconf import DictConfig
+from medusa_like.apps.llamacpp_comparison import compare_llamacpp, main
 
-from medusa_like.config_checks import one_line_errors
-from medusa_like.engines.registry import ENGINES
-
-
-@hydra.main(version_base="1.3", config_path="../conf", config_name="llamacpp")
-def main(cfg: DictConfig) -> None:
-    with one_line_errors():
-        ENGINES["llamacpp"].measure(cfg)
-
+__all__ = ["compare_llamacpp", "main"]
 
 if __name__ == "__main__":
     main()

@@ -6,22 +6,13 @@
 
 Needs the vLLM environment (`make vllm-install`). Exports the drafter with format=eagle3, starts vLLM on the default
 target for each setting (plain, EAGLE-3 with 1-4 speculative tokens, n-gram), measures batch 1, 8 and 32, and writes
-vllm.json and vllm.md into the run directory. The work is the vLLM engine's (`medusa_like/engines/vllm/comparison.py`,
-`step_profile.py` beside it).
+vllm.json and vllm.md into the run directory. The work is `medusa_like.apps.vllm_comparison` (`vllm_step_profile.py`
+beside it); this file keeps the command working from the checkout.
 """
 
-import hydra
-from omegaconf import DictConfig
+from medusa_like.apps.vllm_comparison import compare_vllm, main
 
-from medusa_like.config_checks import one_line_errors
-from medusa_like.engines.registry import ENGINES
-
-
-@hydra.main(version_base="1.3", config_path="../conf", config_name="vllm")
-def main(cfg: DictConfig) -> None:
-    with one_line_errors():
-        ENGINES["vllm"].measure(cfg)
-
+__all__ = ["compare_vllm", "main"]
 
 if __name__ == "__main__":
     main()

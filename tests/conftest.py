@@ -11,7 +11,7 @@ from hydra import compose, initialize_config_dir
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import open_dict
 
-from medusa_like.config_checks import register_resolvers
+from medusa_like.apps.config_checks import register_resolvers
 from medusa_like.decoding.cost_model import CostModel
 from medusa_like.decoding.draft_tree import DraftTree, grow_dynamic, grow_static
 from medusa_like.decoding.tree import DynamicTreeSpec

@@ -1,4 +1,4 @@
-"""The benchmarks as a library (`medusa_like.benchmarks`): one command line read off each function's signature, the
+"""The benchmarks (the checkout's `benchmarks` package): one command line read off each function's signature, the
 harness's timing loop and output, and each benchmark's measurement on tiny random models (what it times, never how
 fast: tests time nothing)."""
 
@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 
-from medusa_like.benchmarks import (
+from benchmarks import (
     attention,
     core,
     draft,
@@ -20,8 +20,8 @@ from medusa_like.benchmarks import (
     verify,
     vocab,
 )
-from medusa_like.benchmarks.command_line import ENTRIES, call, main, parser_for
-from medusa_like.benchmarks.harness import Report, median_ms, show, table
+from benchmarks.command_line import ENTRIES, call, main, parser_for
+from benchmarks.harness import Report, median_ms, show, table
 from medusa_like.decoding.tree import DynamicTreeSpec
 from medusa_like.drafters.lookup_sources import OutputStore
 from medusa_like.forward import PROFILER_NAME
@@ -269,7 +269,7 @@ def test_plot_results_draws_a_results_file_and_refuses_a_malformed_one(tmp_path)
 def test_agreement_counts_equal_outputs_and_first_differences_and_refuses_other_prompts(tmp_path):
     """Each method of one evaluation against a reference method of another, prompt by prompt: equal outputs counted,
     the first differing token of the others (a shorter output differs where it ends); other prompts are refused."""
-    from medusa_like.benchmarks import agreement
+    from benchmarks import agreement
 
     def write(run, records):
         run.mkdir()

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from medusa_like.config_checks import DISTILL_CHECKS, EVAL_CHECKS, TRAIN_CHECKS, ConfigError, Number, check_config
+from medusa_like.apps.config_checks import DISTILL_CHECKS, EVAL_CHECKS, TRAIN_CHECKS, ConfigError, Number, check_config
 from medusa_like.data.naming import source_name
 from tests.conftest import TINY_TRAIN, compose_config
 

@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 
 from eval.evaluate import evaluate
+from medusa_like.apps.config_checks import ConfigError, check_config, unset_keys
 from medusa_like.apps.export import EXPORT_CHECKS, export
-from medusa_like.config_checks import ConfigError, check_config, unset_keys
 from medusa_like.data.split import training_answers
 from medusa_like.evaluation.questions import QuestionSetError, load_jsonl_questions, select
 from medusa_like.evaluation.report import store_sentence

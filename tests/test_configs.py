@@ -9,7 +9,7 @@ import torch
 from hydra.utils import get_method, instantiate
 from omegaconf import DictConfig, ListConfig, OmegaConf, open_dict
 
-from medusa_like.config_checks import computes_in_bf16
+from medusa_like.apps.config_checks import computes_in_bf16
 from medusa_like.data import split
 from medusa_like.data.datamodule import TrainingDataModule
 from medusa_like.data.generation import GenerationConfig

@@ -1,21 +1,25 @@
-"""Every external engine behind its one interface (`engines.engine.Engine`): its command and config exist, it says in
-one line whether it can run here, and llama.cpp's says why not where its build tools are missing."""
+"""Every external engine behind its one interface (`engines.engine.Engine`): its command, comparison app and config
+exist, it says in one line whether it can run here, and llama.cpp's says why not where its build tools are missing."""
+
+import importlib
 
 import pytest
 from hydra import compose, initialize_config_dir
 
 from medusa_like.engines.llamacpp import runner
 from medusa_like.engines.registry import ENGINES
-from medusa_like.engines.report import batch_entry, machine
+from medusa_like.engines.run_stamp import batch_entry, machine
 
 from .conftest import CONF
 
 
 @pytest.mark.parametrize("name", sorted(ENGINES))
-def test_every_engine_has_its_command_and_config_and_says_whether_it_runs_here(name):
+def test_every_engine_has_its_command_app_and_config_and_says_whether_it_runs_here(name):
     engine = ENGINES[name]
     assert engine.name == name and engine.what
     assert (CONF.parent / "eval" / f"{name}.py").is_file()
+    app = importlib.import_module(f"medusa_like.apps.{name}_comparison")
+    assert callable(app.main) and callable(getattr(app, f"compare_{name}"))
     with initialize_config_dir(str(CONF), version_base="1.3"):
         cfg = compose(name, overrides=["drafter.path=somewhere"])
     assert cfg.task_name == name and name in cfg

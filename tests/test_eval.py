@@ -448,7 +448,7 @@ def test_combined_evaluation_times_each_source_and_never_leaks_an_answer_into_th
     """drafter.mode=combined (the default): the learned drafter alone, lookup alone and combined on the same prompts,
     each lossless, with per-source shares; and while any method runs a prompt, the output store holds only the
     answers of the prompts before it (a store fed inside `generate` would show the count rise mid-prompt)."""
-    from medusa_like.evaluation import benchmark
+    from medusa_like.evaluation import prompt_loop
     from medusa_like.evaluation.methods import make_runners
 
     questions = write_jsonl(tmp_path / "questions.jsonl", QUESTIONS)
@@ -468,7 +468,7 @@ def test_combined_evaluation_times_each_source_and_never_leaks_an_answer_into_th
         return wrapped
 
     spied = {name: spy(name, run) for name, run in runners.items()}
-    records = benchmark.run_questions(
+    records = prompt_loop.run_questions(
         model, question_set(cfg.data, cfg.validation), spied, 12, 2, tree, tmp_path / "prompts.jsonl"
     )
     per_prompt = [seen[i : i + len(runners)] for i in range(0, len(seen), len(runners))]

@@ -14,7 +14,7 @@ from medusa_like.decoding.tree_files import resolve_tree
 from medusa_like.drafters.base import DrafterMismatchError
 from medusa_like.drafters.lookup import LookupDrafter
 from medusa_like.drafters.lookup_sources import DEFAULT_STORE_TOKENS
-from medusa_like.evaluation.benchmark import context_overflow
+from medusa_like.evaluation.prompt_loop import context_overflow
 from medusa_like.targets import weights_fingerprint
 
 from .conftest import VOCAB, greedy_reference, random_heads, random_prompts, tiny_target

@@ -22,8 +22,8 @@ import yaml
 from transformers import AutoTokenizer
 
 from medusa_like.apps import EXTRA_HINT, MISSING_EXTRA_STATUS
+from medusa_like.apps.config_checks import ConfigError
 from medusa_like.apps.export import export
-from medusa_like.config_checks import ConfigError
 from medusa_like.targets import default_target_gguf
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -94,7 +94,8 @@ def wheel(wheelhouse) -> Path:
 def test_wheel_ships_the_package_and_its_configs_only(wheel):
     names = zipfile.ZipFile(wheel).namelist()
     top_level = {n.split("/")[0] for n in names if not n.split("/")[0].endswith(".dist-info")}
-    assert top_level == {PACKAGE}
+    assert top_level == {PACKAGE}  # the checkout's benchmarks/, train/ and eval/ stay out
+    assert not [n for n in names if "/benchmarks/" in n]
     configs = {str(p.relative_to(ROOT / "conf")) for p in (ROOT / "conf").rglob("*.yaml")}
     assert {n.removeprefix(f"{PACKAGE}/conf/") for n in names if n.startswith(f"{PACKAGE}/conf/")} == configs
     modules = {str(p.relative_to(ROOT)) for p in (ROOT / PACKAGE).rglob("*.py")}

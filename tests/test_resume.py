@@ -13,7 +13,7 @@ import torch
 
 from eval.evaluate import evaluate
 from medusa_like.drafters.medusa import HeadsConfig, MedusaHeads
-from medusa_like.evaluation.resume import SETTINGS_FILE, ResumeMismatchError
+from medusa_like.evaluation.run_settings import SETTINGS_FILE, ResumeMismatchError
 from medusa_like.formats import load_drafter, save_drafter
 from medusa_like.targets import load_target, weights_fingerprint
 from medusa_like.tiny import tiny_chat_target

@@ -369,9 +369,9 @@ def test_token_milestones_make_a_learning_curve(tmp_path, data_dir):  # noqa: F8
     the table, curve.json and the plot."""
     from matplotlib import image
 
+    from benchmarks import learning_curve
+    from benchmarks.harness import show
     from medusa_like import MedusaLikeModel
-    from medusa_like.benchmarks import learning_curve
-    from medusa_like.benchmarks.harness import show
     from medusa_like.training.build import build_module as build_drafter_module
 
     cfg = compose_train(
@@ -438,8 +438,8 @@ def test_the_ablation_table_compares_each_arm_with_the_base(tmp_path, capsys):
     """The ablation table (`python -m eval.bench ablations`) reads each finished arm's metrics and overrides and reports its change against the base arm;
     an arm with fewer unrolled steps shows no deeper depths, an unfinished arm is left out, and a folder without the
     base arm is one error line."""
-    from medusa_like.benchmarks import ablations
-    from medusa_like.benchmarks.harness import show
+    from benchmarks import ablations
+    from benchmarks.harness import show
 
     def arm(name, top1, overrides):
         (tmp_path / name / ".hydra").mkdir(parents=True)

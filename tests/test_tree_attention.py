@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from medusa_like.benchmarks.attention import TREES, drifting_rows, tree_inputs
+from benchmarks.attention import TREES, drifting_rows, tree_inputs
 from medusa_like.decoding.step import EagerStep
 from medusa_like.decoding.tree import BudgetedTreeSpec
 from medusa_like.decoding.tree_files import resolve_tree

@@ -10,7 +10,7 @@ import torch
 from medusa_like.decoding.tree_files import load_tree
 from medusa_like.decoding.tree_presets import expected_acceptance
 from medusa_like.drafters.lookup import LookupDrafter
-from medusa_like.evaluation.tree_search import (
+from medusa_like.evaluation.tree_choice import (
     depth_rank_counts,
     depth_topk_accuracy,
     fastest,

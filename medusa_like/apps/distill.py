@@ -14,8 +14,9 @@ import hydra
 from omegaconf import DictConfig
 
 from medusa_like.apps import CONFIG_DIR
-from medusa_like.config_checks import DISTILL_CHECKS, check_config, one_line_errors
+from medusa_like.apps.config_checks import DISTILL_CHECKS, check_config
 from medusa_like.data.prepare import build_dataset, load_model
+from medusa_like.errors import one_line_errors
 from medusa_like.runs import resolved, save_config
 
 log = logging.getLogger(__name__)

@@ -3,7 +3,7 @@
     medusa-evaluate data.path=/path/to/mt_bench_question.jsonl drafter.path=runs/<run>/drafter
     medusa-evaluate data.source=validation drafter.path=... tree=auto eval.max_new_tokens=64
 
-The methods timed (`evaluation.methods`), the prompt loop with resume (`evaluation.benchmark`), the timing harness
+The methods timed (`evaluation.methods`), the prompt loop with resume (`evaluation.prompt_loop`), the timing harness
 (`evaluation.timing`) and the report (`evaluation.summary`, `evaluation.report`) live in `medusa_like.evaluation`;
 this module wires them to a config. `evaluate(cfg)` is importable; `main` is the Hydra app behind `medusa-evaluate`
 and `python -m eval.evaluate`.
@@ -18,11 +18,12 @@ from omegaconf import DictConfig, OmegaConf
 from tqdm.auto import tqdm
 
 from medusa_like.apps import CONFIG_DIR
-from medusa_like.config_checks import EVAL_CHECKS, check_config, one_line_errors
-from medusa_like.evaluation.benchmark import run_questions
+from medusa_like.apps.config_checks import EVAL_CHECKS, check_config
+from medusa_like.errors import one_line_errors
 from medusa_like.evaluation.methods import METHODS, make_runners
+from medusa_like.evaluation.prompt_loop import run_questions
 from medusa_like.evaluation.report import failure_line
-from medusa_like.evaluation.resume import check_resume, config_settings, loaded_settings, write_settings
+from medusa_like.evaluation.run_settings import check_resume, config_settings, loaded_settings, write_settings
 from medusa_like.evaluation.setup import (
     apply_tree_settings,
     load_eval_setup,

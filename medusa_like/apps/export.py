@@ -14,8 +14,9 @@ import torch
 from omegaconf import DictConfig
 
 from medusa_like.apps import CONFIG_DIR
-from medusa_like.config_checks import Accepted, Flag, FloatDtype, check_config, one_line_errors
+from medusa_like.apps.config_checks import Accepted, Flag, FloatDtype, check_config
 from medusa_like.data.prepare import load_model
+from medusa_like.errors import one_line_errors
 from medusa_like.formats import export_drafter, read_drafter
 from medusa_like.formats.gguf import PRECISIONS, gguf_precision
 from medusa_like.runs import resolved, save_config

@@ -17,8 +17,9 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig
 
 from medusa_like.apps import CONFIG_DIR
-from medusa_like.config_checks import TRAIN_CHECKS, check_config, one_line_errors
+from medusa_like.apps.config_checks import TRAIN_CHECKS, check_config
 from medusa_like.data.prepare import ensure_dataset, load_model
+from medusa_like.errors import one_line_errors
 from medusa_like.formats import save_drafter
 from medusa_like.forward import use_read_kernel
 from medusa_like.io import read_training_checkpoint, write_json

@@ -28,9 +28,10 @@ from rich.console import Console
 from rich.table import Table
 
 from medusa_like.apps import CONFIG_DIR
-from medusa_like.config_checks import EVAL_CHECKS, Accepted, check_config, one_line_errors
+from medusa_like.apps.config_checks import EVAL_CHECKS, Accepted, check_config
+from medusa_like.errors import one_line_errors
 from medusa_like.evaluation.setup import load_eval_model, run_dir, run_search, set_threads
-from medusa_like.evaluation.tree_search import budgeted_candidates, dynamic_candidates
+from medusa_like.evaluation.tree_choice import budgeted_candidates, dynamic_candidates
 
 log = logging.getLogger(__name__)
 

@@ -120,7 +120,7 @@ def loop_runner(model, tree, eos: list[int]) -> Runner:
     """This project's decoding loop with `tree` (any spec `model.generate` takes; "none": no drafter)."""
 
     def run(ids: torch.Tensor, max_new_tokens: int):
-        # remember=False: the benchmark hands each prompt's answer to the output store after every method ran it
+        # remember=False: the prompt loop hands each prompt's answer to the output store after every method ran it
         out = model.generate(ids, max_new_tokens=max_new_tokens, tree=tree, eos_token_id=eos, remember=False)
         return out.new_tokens.tolist(), out.stats.as_dict()
 
@@ -181,7 +181,7 @@ METHODS: dict[str, Method] = {
         "(Inductor's defaults), on the target's own nn.Linear layers: what a transformers user can do alone; a speed "
         "baseline (its compiled code rounds otherwise than (a)'s, so its outputs are not compared)",
         lambda c: hf_compiled_runner(c.model.forward.stock(), c.eos, c.pad),
-        by_default=False,  # minutes of compiling: make run and make bench name it
+        by_default=False,  # minutes of compiling: make run and make mt-bench name it
     ),
     LLAMACPP_PLAIN: Method(
         "(l) llama.cpp plain, same precision",

@@ -18,7 +18,7 @@ from medusa_like.drafters.protocol import sized_by_cost_model
 from medusa_like.drafters.registry import kind_of
 from medusa_like.evaluation.methods import alone
 from medusa_like.evaluation.questions import Question, load_questions, select
-from medusa_like.evaluation.tree_search import fastest_prompt_lookup, search
+from medusa_like.evaluation.tree_choice import fastest_prompt_lookup, search
 from medusa_like.formats import load_drafter
 from medusa_like.model import MedusaLikeModel
 from medusa_like.targets import weights_fingerprint

@@ -1,4 +1,4 @@
-"""The evaluation report's content, assembled from the per-prompt records of `benchmark.run_questions`.
+"""The evaluation report's content, assembled from the per-prompt records of `prompt_loop.run_questions`.
 
 `build_report` makes the dict that report.json holds (summary, setup, definitions, acceptance, head accuracy, speed,
 losslessness, tree sweep, per-prompt rows, skipped prompts), then writes report.json, report.md and the plots
@@ -18,7 +18,7 @@ from medusa_like.evaluation.losslessness import LOSSLESSNESS, losslessness_secti
 from medusa_like.evaluation.methods import BASELINES, METHODS, REFERENCE, SPECULATIVE, STOCK, not_run_for
 from medusa_like.evaluation.plots import write_plots
 from medusa_like.evaluation.report import print_report, write_report
-from medusa_like.evaluation.tree_search import (
+from medusa_like.evaluation.tree_choice import (
     budgeted_candidates,
     depth_topk_accuracy,
     dynamic_candidates,

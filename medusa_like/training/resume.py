@@ -41,8 +41,8 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 from torch.optim.lr_scheduler import LambdaLR
 
-from medusa_like.config_checks import one_line_errors
 from medusa_like.drafters.base import CHECKPOINT_KEY
+from medusa_like.errors import one_line_errors
 from medusa_like.io import read_training_checkpoint, write_json
 from medusa_like.training.target_cache import vocab_digest
 

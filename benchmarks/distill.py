@@ -22,7 +22,7 @@ import torch
 from medusa_like.data import generation
 from medusa_like.data.masks import render
 from medusa_like.data.sources import user_turns
-from medusa_like.engines.report import machine, stamp
+from medusa_like.engines.run_stamp import machine, stamp
 from medusa_like.engines.vllm.driver import VllmEngine, target_directory
 from medusa_like.targets import DEFAULT_TARGET, eos_token_ids
 

@@ -16,7 +16,7 @@ shape, 262k-token vocabulary, built from a config: nothing downloaded; a prompt 
 empty cache directory: the first compiles the step on its first call, the second (a later process) loads what the
 first saved; each row's first call is from `from_pretrained` to its tokens.
 
-The fresh process runs this module (`python -m medusa_like.benchmarks.first_call <target> <default dir> <new tokens>
+The fresh process runs this module (`python -m benchmarks.first_call <target> <default dir> <new tokens>
 <threads>`), which prints one target's figures as JSON.
 """
 
@@ -26,6 +26,7 @@ import os
 import subprocess
 import sys
 import tempfile
+from pathlib import Path
 from typing import Annotated
 
 import torch
@@ -35,6 +36,10 @@ from medusa_like.model import MedusaLikeModel
 from medusa_like.targets import DEFAULT_TARGET, chat_input_ids, load_target, resolve_target
 
 from .harness import Report, table, timed, use_threads
+
+CHECKOUT = (
+    Path(__file__).resolve().parents[1]
+)  # where `benchmarks` imports from (a checkout's package, not the wheel's)
 
 TARGETS = ("default", "gemma3-270m")
 QUESTION = "Explain how a hash map works, in a few paragraphs."
@@ -103,7 +108,8 @@ def one_target(name: str, default_dir: str | None, max_new_tokens: int, compile:
 def in_fresh_process(name: str, default_dir, max_new_tokens: int, threads: int | None, cache: str, compile: bool):
     """`one_target` in a new Python process with the cache directory `cache`."""
     command = [sys.executable, "-m", __name__, name, str(default_dir or ""), str(max_new_tokens), str(threads or "")]
-    env = {**os.environ, "MEDUSA_LIKE_CACHE_DIR": cache}
+    path = os.pathsep.join(p for p in (str(CHECKOUT), os.environ.get("PYTHONPATH")) if p)
+    env = {**os.environ, "MEDUSA_LIKE_CACHE_DIR": cache, "PYTHONPATH": path}
     done = subprocess.run([*command, str(int(compile))], env=env, stdout=subprocess.PIPE, text=True, check=True)
     return json.loads(done.stdout.strip().splitlines()[-1])
 

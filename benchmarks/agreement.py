@@ -18,7 +18,7 @@ from medusa_like.evaluation.metrics import first_divergence
 
 from .harness import Report, table
 
-PROMPTS = "prompts.jsonl"  # what an evaluation run directory holds per prompt (evaluation/benchmark.py)
+PROMPTS = "prompts.jsonl"  # what an evaluation run directory holds per prompt (evaluation/prompt_loop.py)
 
 
 def outputs(run: Path) -> dict[tuple, dict]:

@@ -25,7 +25,7 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.utils import instantiate
 
 from medusa_like.apps import CONFIG_DIR
-from medusa_like.config_checks import register_resolvers
+from medusa_like.apps.config_checks import register_resolvers
 from medusa_like.data.prepare import load_model
 from medusa_like.targets import output_logits
 from medusa_like.training.build import build_module

@@ -1,27 +1,22 @@
-"""What the Hydra entry points share around their `main`: config values checked as soon as the config is composed,
-one-line errors for expected failures, and the resolvers the configs use.
+"""What the Hydra apps share around their `main`: config values checked as soon as the config is composed, the run
+directory checked before Hydra writes into it, and the resolvers the configs use.
 
     def train(cfg):
         check_config(cfg, TRAIN_CHECKS)
         ...
 
-    @hydra.main(version_base="1.3", config_path="../conf", config_name="train")
+    @hydra.main(version_base="1.3", config_path=CONFIG_DIR, config_name="train")
     def main(cfg):
-        with one_line_errors():
+        with one_line_errors():            # medusa_like/errors.py
             train(cfg)
 
-Expected failures (bad input: a missing file, a malformed dataset, a drafter for another target, a bad config value)
-are `OSError`s and `ValueError`s; they end the command with `error: <message>` on one line and exit status 1. Any other
-exception is a bug and keeps its traceback. `HYDRA_FULL_ERROR=1` shows the full traceback for every error. A run
-directory that cannot be created (`hydra.run.dir` on a read-only file system) fails the same way, before the run
-starts: `RunDirectoryCheck`, a Hydra callback that `conf/hydra/default.yaml` installs for every entry point.
+A bad config value is a `ConfigError` (a `ValueError`: one `error:` line). A run directory that cannot be created
+(`hydra.run.dir` on a read-only file system) fails the same way, before the run starts: `RunDirectoryCheck`, a Hydra
+callback that `conf/hydra/default.yaml` installs for every entry point.
 """
 
-import contextlib
-import logging
 import os
-import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -32,14 +27,11 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from medusa_like.data.generation import check_engine
 from medusa_like.data.naming import source_name
+from medusa_like.errors import one_line_errors
 from medusa_like.evaluation.precision import check_setting as check_fp32_reference
 from medusa_like.forward import check_read_kernel
 from medusa_like.targets import floating_dtype
 from medusa_like.training.ttt import loss_function
-
-log = logging.getLogger(__name__)
-
-EXPECTED_ERRORS = (OSError, ValueError)
 
 
 class ConfigError(ValueError):
@@ -257,19 +249,6 @@ def unset_keys(node, prefix: str = "") -> list[str]:
         items = node.items() if isinstance(node, dict) else enumerate(node)
         return [found for key, value in items for found in unset_keys(value, f"{prefix}{key}.")]
     return [prefix[:-1]] if node == "???" else []
-
-
-@contextlib.contextmanager
-def one_line_errors() -> Iterator[None]:
-    """Around an entry point's work: an expected failure ends the command with `error: <message>` and status 1."""
-    try:
-        yield
-    except EXPECTED_ERRORS as err:
-        if os.environ.get("HYDRA_FULL_ERROR") == "1":
-            raise
-        log.debug("expected failure", exc_info=err)
-        print(f"error: {err}\n(HYDRA_FULL_ERROR=1 shows the traceback)", file=sys.stderr)
-        sys.exit(1)
 
 
 class RunDirectoryCheck(Callback):

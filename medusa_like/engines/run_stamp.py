@@ -1,4 +1,5 @@
-"""What every engine's report records beside its rows: the machine and the date, and a batch size's figures read back."""
+"""What every engine comparison records beside its rows: the machine and the date, and a batch size's figures read
+back."""
 
 import os
 import time

@@ -31,7 +31,7 @@ import torch
 from hydra.utils import instantiate
 from omegaconf import OmegaConf
 
-from medusa_like.config_checks import register_resolvers
+from medusa_like.apps.config_checks import register_resolvers
 from medusa_like.data.prepare import load_model
 from medusa_like.evaluation.questions import load_questions, select
 from medusa_like.formats import load_drafter

@@ -13,6 +13,10 @@ greedy on the same fp32 target. The reports of the evaluation and of llama.cpp, 
 Where the time of a speculative step goes, from the same run: tokens per step = 1 + the sum of the acceptance per
 position (the bonus token and the accepted drafts), ms per step = tokens per step / tokens/s at batch 1. Against plain
 decoding's ms per token, the difference is what drafting k tokens and verifying k + 1 costs.
+
+Needs the vLLM environment (`make vllm-install`; the engine is `engines/vllm/`). `compare_vllm(cfg)` is importable
+(with `vllm.profile.batch` > 0 it profiles a step instead: `vllm_step_profile.py`); `main` is the Hydra app behind
+`python -m eval.vllm` (conf/vllm.yaml).
 """
 
 import json
@@ -20,18 +24,20 @@ import logging
 import os
 from pathlib import Path
 
+import hydra
 import torch
+from omegaconf import DictConfig
 
+from medusa_like.apps import CONFIG_DIR
+from medusa_like.apps.vllm_step_profile import profile
+from medusa_like.engines.run_stamp import batch_entry, machine, stamp
+from medusa_like.engines.vllm.driver import VllmEngine, check_export, eagle3, ngram, target_directory
+from medusa_like.errors import one_line_errors
 from medusa_like.evaluation.setup import question_set, run_dir
 from medusa_like.formats import export_drafter, load_drafter
 from medusa_like.io import write_json, write_text
 from medusa_like.model import MedusaLikeModel
 from medusa_like.targets import load_target
-
-from ..engine import Engine
-from ..report import batch_entry, machine, stamp
-from .driver import VllmEngine, check_export, eagle3, ngram, target_directory, unavailable_reason
-from .step_profile import profile
 
 log = logging.getLogger(__name__)
 
@@ -245,15 +251,12 @@ def _framework_speeds(evaluation: dict | None) -> dict[str, float]:
     return dict(evaluation["speed"]["median_tokens_per_second"])
 
 
-def run(cfg) -> dict:
-    """The comparison, or with `vllm.profile.batch` > 0 where a step's time goes instead (`step_profile.py`)."""
+def compare_vllm(cfg: DictConfig) -> dict:
+    """The comparison, or with `vllm.profile.batch` > 0 where a step's time goes instead (`vllm_step_profile.py`)."""
     return profile(cfg) if cfg.vllm.profile.batch else measure(cfg)
 
 
-VLLM = Engine(
-    "vllm",
-    "vLLM's CPU build in an environment of its own: our EAGLE-3 export and its n-gram speculation against plain "
-    "vLLM at batch 1, 8 and 32, joined with this framework's and llama.cpp's rows",
-    unavailable_reason,
-    run,
-)
+@hydra.main(version_base="1.3", config_path=CONFIG_DIR, config_name="vllm")
+def main(cfg: DictConfig) -> None:
+    with one_line_errors():
+        compare_vllm(cfg)

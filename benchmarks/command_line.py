@@ -20,7 +20,7 @@ import types
 import typing
 from collections.abc import Callable
 
-from medusa_like.config_checks import one_line_errors
+from medusa_like.errors import one_line_errors
 
 from . import (
     ablations,

@@ -2,7 +2,7 @@
 
     python -m eval.llamacpp drafter.path=runs/make_run/train/drafter        # or: make llamacpp
 
-Building and running llama.cpp is `runner.py`; this module exports the drafter as GGUF in each precision,
+Building and running llama.cpp is the llama.cpp engine's (`engines/llamacpp/runner.py`, `server.py`); this app exports the drafter as GGUF in each precision,
 runs every setting on the validation prompts and writes the table (llamacpp.json, llamacpp.md). The settings, each
 one `llama-speculative-simple` process per prompt, greedy, settings interleaved prompt by prompt:
 
@@ -13,27 +13,23 @@ one `llama-speculative-simple` process per prompt, greedy, settings interleaved 
 What llama.cpp prints at the end (`decoded N tokens in S seconds`, `n_drafted`, `n_accept`) is summed over the
 first `batch1_prompts` prompts: tokens/s = sum of tokens / sum of decode seconds (prompt processing excluded),
 acceptance = accepted draft tokens / drafted tokens. At batch 8 and 32, plain decoding and the f32 drafter at each
-chain length run in `llama-server` over all the prompts (server.py: throughput with prompt processing
+chain length run in `llama-server` over all the prompts (`server.py`: throughput with prompt processing
 included, as for vLLM). Beside it, this framework's own chain acceptance for the same drafter and prompts (fp32
-target, `tree=[[0], [0, 0], ...]`), where acceptance is accepted draft tokens / (steps * depth).
+target, `tree=[[0], [0, 0], ...]`), where acceptance is accepted draft tokens / (steps * depth). Where llama.cpp cannot
+be built it says why and exits 0. `compare_llamacpp(cfg)` is importable; `main` is the Hydra app behind
+`python -m eval.llamacpp` (conf/llamacpp.yaml).
 """
 
 import logging
 import os
 from pathlib import Path
 
+import hydra
 import torch
+from omegaconf import DictConfig
 
-from medusa_like.evaluation.setup import question_set, run_dir
-from medusa_like.formats import export_drafter, load_drafter
-from medusa_like.formats.gguf import GGUF_FILE, target_gguf
-from medusa_like.io import write_json
-from medusa_like.model import MedusaLikeModel
-from medusa_like.targets import load_target
-
-from ..engine import Engine
-from ..report import batch_entry, machine, stamp
-from .runner import (
+from medusa_like.apps import CONFIG_DIR
+from medusa_like.engines.llamacpp.runner import (
     EXECUTABLE,
     PLAIN,
     PLAIN_MAX_CONTEXT,
@@ -43,9 +39,16 @@ from .runner import (
     bench_lock,
     build,
     run_settings,
-    unavailable_reason,
 )
-from .server import check_slots, run_batched
+from medusa_like.engines.llamacpp.server import check_slots, run_batched
+from medusa_like.engines.run_stamp import batch_entry, machine, stamp
+from medusa_like.errors import one_line_errors
+from medusa_like.evaluation.setup import question_set, run_dir
+from medusa_like.formats import export_drafter, load_drafter
+from medusa_like.formats.gguf import GGUF_FILE, target_gguf
+from medusa_like.io import write_json
+from medusa_like.model import MedusaLikeModel
+from medusa_like.targets import load_target
 
 log = logging.getLogger(__name__)
 
@@ -143,7 +146,7 @@ def write_report(report: dict, out_dir: Path) -> None:
 # The whole run (conf/llamacpp.yaml)
 
 
-def measure(cfg) -> dict | None:
+def compare_llamacpp(cfg: DictConfig) -> dict | None:
     """Build llama.cpp (or reuse the build), export the drafter in each precision, run every setting on the
     validation prompts, measure this framework's chains; write llamacpp.json / llamacpp.md. None when llama.cpp
     cannot be built here (the reason is logged), or when `build_only` asks for the build alone."""
@@ -218,10 +221,7 @@ def measure(cfg) -> dict | None:
     return report
 
 
-LLAMACPP = Engine(
-    "llamacpp",
-    "llama.cpp's CPU build (from the llama-cpp-python sources): our drafter as GGUF against plain llama.cpp and its "
-    "lookup modes, one sequence and batches in llama-server",
-    unavailable_reason,
-    measure,
-)
+@hydra.main(version_base="1.3", config_path=CONFIG_DIR, config_name="llamacpp")
+def main(cfg: DictConfig) -> None:
+    with one_line_errors():
+        compare_llamacpp(cfg)

@@ -17,13 +17,12 @@ import logging
 from collections import defaultdict
 from pathlib import Path
 
+from medusa_like.engines.run_stamp import machine, stamp
+from medusa_like.engines.vllm.driver import VllmEngine, check_export, eagle3, target_directory
 from medusa_like.evaluation.setup import question_set, run_dir
 from medusa_like.formats import export_drafter, load_drafter
 from medusa_like.io import write_json, write_text
 from medusa_like.targets import chat_input_ids, eos_token_ids, load_target
-
-from ..report import machine, stamp
-from .driver import VllmEngine, check_export, eagle3, target_directory
 
 log = logging.getLogger(__name__)
 
