@@ -149,7 +149,9 @@ def test_every_registered_kind_reaches_its_codec_and_training_module(name, train
         assert kind.formats == ()
         with pytest.raises(ValueError, match=f"a {name} drafter has no weights to export"):
             kind.export(None, "out", "native", None, "tiny")
-        with pytest.raises(ValueError, match=rf"drafter.kind={name} needs no training; train one of \['eagle3'"):
+        with pytest.raises(
+            ValueError, match=rf"drafter.kind={name} needs no training; train one of \['block', 'eagle3'"
+        ):
             module_class(train_cfg("drafter=medusa", f"drafter.kind={name}"))
 
 

@@ -38,9 +38,16 @@ def read_drafter(path: str | Path, target) -> tuple[Drafter, dict]:
         return kind.from_checkpoint(checkpoint, path, target)
     config = read_config(path)
     kinds = all_kinds()
-    for kind in kinds.values():
-        if kind.formats and kind.recognises(config):
-            return kind.read(path, target)
+    found = [kind for kind in kinds.values() if kind.formats and kind.recognises(config)]
+    named = (config.get("medusa_like") or {}).get("kind") if isinstance(config.get("medusa_like"), dict) else None
+    if len(found) > 1 or (found and named is not None and found[0].name != named):
+        architectures = config.get("architectures")
+        raise FormatError(
+            f"{path / 'config.json'} contradicts itself: architectures {architectures} and medusa_like.kind "
+            f"{named!r} name different drafter kinds ({sorted(kind.name for kind in found)})"
+        )
+    if found:
+        return found[0].read(path, target)
     formats = {name: kind.formats for name, kind in kinds.items() if kind.formats}
     raise FormatError(f"{path / 'config.json'} is not a drafter config of any known format: {formats}")
 

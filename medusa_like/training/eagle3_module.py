@@ -2,7 +2,8 @@
 training-time-test loss (`ttt.py`) unrolled over `ttt_steps` draft steps, step j weighted by `decay ** j`.
 
 One frozen target forward per batch gives the aux hidden states (the drafter's input) and the labels: the target's
-distribution over the draft vocabulary, kept as its `top_k` most likely tokens (all of them when `top_k` is null).
+distribution over the draft vocabulary, kept as its `top_k` most likely tokens (all of them when `top_k` is null;
+`feature_labels.py`, shared with the block drafter's module).
 With `target_cache_dir`, both are computed once for every row before the first step (`target_cache.py`, through
 `drafter_module.DrafterModule`) and every epoch reads them back: training runs no target forward at all. When the data
 echoes rows (`data/echo.py`), the latest rows' outputs are kept in memory (`target_memo.py`) and each row is read once. Validation reports, besides the
@@ -24,15 +25,12 @@ from medusa_like.data.split import draft_vocab_from_training_split
 from medusa_like.drafters.base import check_fits
 from medusa_like.drafters.eagle3 import EAGLE3, Eagle3Config, Eagle3Drafter
 from medusa_like.drafters.vocab import DraftVocab
-from medusa_like.targets import output_logits
-from medusa_like.training.drafter_module import DrafterModule
+from medusa_like.training.feature_labels import TRAIN_ON, FeatureLabelsModule
 from medusa_like.training.losses import DECAY, decay_weights, shift_left
-from medusa_like.training.target_cache import BATCH_TOKENS, vocab_digest
-from medusa_like.training.ttt import loss_function, simulated_tau, supervised_rows, unrolled_mask
+from medusa_like.training.target_cache import BATCH_TOKENS
+from medusa_like.training.ttt import loss_function, simulated_tau, unrolled_mask
 
 log = logging.getLogger(__name__)
-TRAIN_ON = ("assistant", "all")  # the positions labelled in training (`Eagle3Module(train_on=...)`)
-_PROJECTION_ROWS = 1024  # positions per chunk of the target's full projection (bounds memory: 1024 x V floats)
 
 
 def layer_index(
@@ -56,7 +54,7 @@ def layer_index(
     return init_layer_from_target
 
 
-class Eagle3Module(DrafterModule):
+class Eagle3Module(FeatureLabelsModule):
     kind = EAGLE3.name
     checkpoint_prefix = "drafter"
     progress_metric = "acc_top1_depth1"
@@ -150,29 +148,9 @@ class Eagle3Module(DrafterModule):
             "draft_token_ids": self.drafter.token_ids.tolist(),
         }
 
-    # ---- the target's side, once ------------------------------------------------------------------------------
-    def cache_content(self) -> dict:
-        """The cache holds the aux states and the labels: they depend on the draft vocabulary, the aux layers, k and
-        the positions labelled (`train_on`: a cache labelled at the assistant's tokens only is never read by a run
-        that trains on every token). It is always built with the vocabulary check (`vocab_check` is training's)."""
-        return {
-            "fields": ["aux", "topk_ids", "topk_logp", "labelled"],
-            "draft_vocab": vocab_digest(self.drafter.token_ids),
-            "aux_layer_ids": [int(i) for i in self.drafter.config.aux_layer_ids],
-            "top_k": int(self.top_k),
-            "train_on": self.train_on,
-        }
-
-    @torch.no_grad()
-    def cacheable_outputs(self, batch: dict) -> dict[str, torch.Tensor]:
-        out = self._compute_target_outputs(batch, self._wanted(batch, training=True))
-        ids = out["topk_ids"].to(torch.int16 if self.drafter.config.draft_vocab_size <= 2**15 else torch.int32)
-        return {
-            "aux": out["aux"].to(torch.bfloat16),
-            "topk_ids": ids,
-            "topk_logp": out["topk_logp"].to(torch.float16),
-            "labelled": out["labelled"],
-        }
+    @property
+    def feature_layers(self) -> tuple[int, ...]:
+        return self.drafter.config.aux_layer_ids
 
     # ---- steps --------------------------------------------------------------------------------------------------
     def training_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
@@ -201,12 +179,6 @@ class Eagle3Module(DrafterModule):
         if all(m.update_count for m in top1):
             self.log("val/sim_tau_chain", simulated_tau([m.compute() for m in top1]))
         super().on_validation_epoch_end()
-
-    def _wanted(self, batch: dict, training: bool) -> torch.Tensor:
-        """[B, T] bool: the positions that get a label: those predicting an assistant token, or with `train_on="all"`
-        in training (and in the target cache, which serves both) every position predicting a real token."""
-        mask = batch["attention_mask"] if training and self.train_on == "all" else batch["loss_mask"]
-        return supervised_rows(mask, batch["attention_mask"])
 
     def _forward(self, batch: dict, training: bool = False):
         """Returns (weighted loss, loss per step [S], [(top-1 hits, top-4 hits, labelled rows)] per step, (labelled
@@ -249,53 +221,3 @@ class Eagle3Module(DrafterModule):
                 f"{batch['index'].tolist()}: lower the learning rate or check the data and precision"
             )
         return loss, per_step.detach(), accuracy, (labelled.sum(), wanted.sum())
-
-    @torch.no_grad()
-    def _target_outputs(self, batch: dict, wanted: torch.Tensor) -> dict[str, torch.Tensor]:
-        """The target's side of a batch (see `_compute_target_outputs`), from the target cache when there is one, or
-        in training from the memo of the latest rows when it holds them all (data echoing), labelled at the `wanted`
-        positions only (the cache holds training's labels, a superset of validation's)."""
-        vocab_check = self.vocab_check or not self.training  # validation keeps EAGLE-3's rule
-        out = dict(self.read_target(batch, lambda b: self._compute_target_outputs(b, wanted, vocab_check)))
-        out["labelled"] = out["labelled"].bool() & wanted
-        return out
-
-    @torch.no_grad()
-    def _compute_target_outputs(
-        self, batch: dict, wanted: torch.Tensor, vocab_check: bool = True
-    ) -> dict[str, torch.Tensor]:
-        """The target's side of a batch: `aux` hidden states [B, T, n*h]; at the `wanted` [B, T] positions (zero
-        elsewhere) its `top_k` most likely draft tokens `topk_ids` [B, T, k] with their log-probabilities
-        `topk_logp` [B, T, k] under the target's distribution restricted to the draft vocabulary, most likely first;
-        and which positions are `labelled` [B, T]: wanted, and with `vocab_check` the target's argmax over its full
-        vocabulary is a draft token (EAGLE-3's rule; without it only the draft vocabulary's logits are computed)."""
-        hidden = self.target_hidden(batch, self.drafter.config.aux_layer_ids)  # [B, T, (n+1)*h]
-        size = self.target.config.get_text_config().hidden_size
-        aux, last = hidden[..., :-size], hidden[..., -size:]
-        rows = self.drafter.token_ids
-        logps, ids, in_vocab = [], [], []
-        for chunk in last[wanted].split(_PROJECTION_ROWS):  # [n, h]
-            if vocab_check:
-                full = output_logits(self.target, chunk).float()  # [n, V]: soft-capped as the target decodes
-                draft = full[:, rows]  # [n, N]
-                in_vocab.append(self.drafter_vocab_mask[full.argmax(-1)])
-            else:
-                draft = output_logits(self.target, chunk, rows).float()  # [n, N]
-                in_vocab.append(torch.ones_like(draft[:, 0], dtype=torch.bool))
-            top = draft.log_softmax(-1).topk(self.top_k, dim=-1)  # [n, k]
-            logps.append(top.values)
-            ids.append(top.indices)
-        topk_logp = last.new_zeros(*last.shape[:-1], self.top_k, dtype=torch.float32)  # [B, T, k]
-        topk_ids = torch.zeros(*last.shape[:-1], self.top_k, dtype=torch.long, device=last.device)  # [B, T, k]
-        labelled = torch.zeros_like(wanted)
-        if logps:
-            topk_logp[wanted] = torch.cat(logps)
-            topk_ids[wanted] = torch.cat(ids)
-            labelled[wanted] = torch.cat(in_vocab)
-        return {"aux": aux, "topk_ids": topk_ids, "topk_logp": topk_logp, "labelled": labelled}
-
-    @property
-    def drafter_vocab_mask(self) -> torch.Tensor:
-        if getattr(self, "_t2d", None) is None or self._t2d.device != self.device:
-            self._t2d = self.drafter.vocab.t2d.to(self.device)
-        return self._t2d
