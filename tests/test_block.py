@@ -7,13 +7,14 @@ from functools import partial
 
 import pytest
 import torch
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from medusa_like import MedusaLikeModel, export_drafter, load_drafter
 from medusa_like.decoding.generate import speculative_generate
 from medusa_like.decoding.tree import DynamicTreeSpec
 from medusa_like.decoding.tree_files import resolve_tree
 from medusa_like.drafters.base import DrafterMismatchError
-from medusa_like.drafters.block import BlockConfig, BlockDrafter, BlockProposer, fresh_block
+from medusa_like.drafters.block import BlockConfig, BlockDrafter, BlockMask, BlockProposer, block_attention, fresh_block
 from medusa_like.drafters.combined import CombinedDrafter
 from medusa_like.drafters.lookup import LookupDrafter
 from medusa_like.drafters.vocab import DraftVocab
@@ -217,10 +218,33 @@ def test_the_anchors_and_the_block_mask():
     assert torch.equal(drawn, sample_anchors(valid, 3, torch.Generator().manual_seed(0)))  # the same seed draws alike
     attention = torch.ones(1, 6, dtype=torch.long)
     attention[0, 5] = 0
-    visible = block_visibility(torch.tensor([[2, 4]]), attention, size=2)[0, 0]  # [4, 6 + 4]
+    visible = block_visibility(torch.tensor([[2, 4]]), attention, size=2).dense()[0, 0]  # [4, 6 + 4]
     assert visible[:2, :6].tolist() == [[True, True, False, False, False, False]] * 2  # block 1: context before 2
     assert visible[2:, :6].tolist() == [[True, True, True, True, False, False]] * 2  # block 2: before 4
     assert visible[:, 6:].tolist() == [[True, True, False, False]] * 2 + [[False, False, True, True]] * 2
+
+
+def test_the_block_attention_equals_sdpa_over_the_dense_mask_and_its_gradients_too():
+    """Training's attention part by part (context keys, then the own block's) equals transformers' SDPA over the same
+    visibility as a dense mask, grouped-query heads included, forward and backward."""
+    g = torch.Generator().manual_seed(0)
+    batch, kv_heads, groups, blocks, size, width, dim = 2, 2, 3, 4, 3, 7, 8
+    rows = blocks * size
+    query = torch.randn(batch, kv_heads * groups, rows, dim, generator=g, requires_grad=True)
+    key = torch.randn(batch, kv_heads, width + rows, dim, generator=g, requires_grad=True)
+    value = torch.randn(batch, kv_heads, width + rows, dim, generator=g, requires_grad=True)
+    context = torch.rand(batch, rows, width, generator=g) < 0.5
+    context[:, :size] = False  # a block that sees no context: its own block alone
+    mask = BlockMask(context, size)
+    module = torch.nn.Module()
+    module.num_key_value_groups, module.is_causal = groups, False
+    ours, _ = block_attention(module, query, key, value, mask, scaling=0.3)
+    theirs, _ = sdpa_attention_forward(module, query, key, value, mask.dense(), scaling=0.3)
+    torch.testing.assert_close(ours, theirs)
+    grads = torch.autograd.grad(ours.square().sum(), (query, key, value))
+    expected = torch.autograd.grad(theirs.square().sum(), (query, key, value))
+    for mine, reference in zip(grads, expected, strict=True):
+        torch.testing.assert_close(mine, reference)
 
 
 def test_only_the_drafter_trains_and_checkpoints_record_the_kind():

@@ -29,8 +29,9 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 import torch.nn as nn
-from transformers import AutoConfig, AutoModel, PretrainedConfig
+from transformers import AttentionInterface, AutoConfig, AutoModel, PretrainedConfig
 from transformers.cache_utils import Cache, CacheLayerMixin
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.models.qwen3.modeling_qwen3 import apply_rotary_pos_emb
 
 from ..decoding.draft_tree import DraftTree
@@ -45,6 +46,7 @@ from .vocab import DraftVocab
 
 DEFAULT_BLOCK_SIZE = 8  # the root and 7 drafted positions
 LAYER_FAMILY = "qwen3"  # the layers' transformers family: DFlash's layout, what the serving engines load
+ATTENTION = "medusa_like_blocks"  # the layers' attention function (registered below)
 
 
 @dataclass(frozen=True)
@@ -125,7 +127,7 @@ class BlockConfig:
         fields.update(pad_token_id=None, bos_token_id=None, eos_token_id=None, sliding_window=None)
         config = AutoConfig.for_model(**fields)
         config.layer_types = ["full_attention"] * self.num_layers
-        config._attn_implementation = "sdpa"
+        config._attn_implementation = ATTENTION
         return config
 
 
@@ -142,6 +144,54 @@ def _rope_parameters(text) -> dict:
 
 # ---------------------------------------------------------------------------------------------------------------------
 # The keys a layer attends: the context's, then the block's own
+
+
+@dataclass(frozen=True)
+class BlockMask:
+    """Which keys the rows of many blocks see, without the dense mask: row r of block n sees the context keys where
+    `context[b, r]` holds and every row of its own block of `size` rows (the block-diagonal part), nothing of another
+    block. Training's many blocks per row attend this way; the attention never forms the blocks' masked-out pairs."""
+
+    context: torch.Tensor  # [B, R, T] bool, R = blocks * size
+    size: int
+
+    def dense(self) -> torch.Tensor:
+        """The same visibility as a dense mask [B, 1, R, T + R] bool (what `forward` takes otherwise)."""
+        batch, rows, _ = self.context.shape
+        eye = torch.eye(rows // self.size, dtype=torch.bool, device=self.context.device)
+        own = eye.repeat_interleave(self.size, 0).repeat_interleave(self.size, 1)  # [R, R] block-diagonal
+        return torch.cat([self.context, own.expand(batch, -1, -1)], dim=-1)[:, None]
+
+
+def block_attention(module, query, key, value, attention_mask, scaling=None, dropout: float = 0.0, **kwargs):
+    """The layers' attention: with a `BlockMask`, softmax attention over each row's context keys and its own block's
+    keys at once (the two parts' scores share one softmax), computed part by part so that the cost follows the keys a
+    row sees; with a dense boolean mask (a step at inference), transformers' SDPA. query [B, H, R, D], key and value
+    [B, H_kv, T + R, D] (the context's, then the rows') -> ([B, R, H, D], None)."""
+    if not isinstance(attention_mask, BlockMask):
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout, scaling, **kwargs)
+    batch, heads, rows, dim = query.shape
+    kv_heads, size = key.shape[1], attention_mask.size
+    groups, blocks, width = heads // kv_heads, rows // size, key.shape[2] - rows
+    scaling = dim**-0.5 if scaling is None else scaling
+    q = query.view(batch, kv_heads, groups, rows, dim)
+    k_context, v_context = key[:, :, None, :width], value[:, :, None, :width]  # [B, H_kv, 1, T, D]
+    context = (q @ k_context.transpose(-1, -2)) * scaling  # [B, H_kv, G, R, T]
+    context = context.masked_fill(~attention_mask.context[:, None, None], float("-inf"))
+    q_own = q.view(batch, kv_heads, groups, blocks, size, dim)
+    k_own = key[:, :, None, width:].view(batch, kv_heads, 1, blocks, size, dim)
+    v_own = value[:, :, None, width:].view(batch, kv_heads, 1, blocks, size, dim)
+    own = (q_own @ k_own.transpose(-1, -2)) * scaling  # [B, H_kv, G, N, S, S]
+    top = torch.maximum(context.amax(-1), own.amax(-1).flatten(-2))  # [B, H_kv, G, R]: a row sees its own block
+    p_context = (context - top[..., None]).exp()
+    p_own = (own - top.view_as(own[..., 0])[..., None]).exp()
+    total = p_context.sum(-1) + p_own.sum(-1).flatten(-2)  # [B, H_kv, G, R]
+    out = p_context.to(value.dtype) @ v_context + (p_own.to(value.dtype) @ v_own).flatten(-3, -2)  # [B, H_kv, G, R, D]
+    out = out / total[..., None].to(out.dtype)
+    return out.view(batch, heads, rows, dim).transpose(1, 2), None
+
+
+AttentionInterface.register(ATTENTION, block_attention)
 
 
 class _PrefixedLayer(CacheLayerMixin):

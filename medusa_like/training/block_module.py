@@ -7,7 +7,7 @@ positions before a, exactly what the drafter's cache holds when it drafts after 
 of the block is trained on the target's own distribution after token a + j - 1 (the labels of `feature_labels.py`,
 the same top-k soft labels, losses and target cache as EAGLE-3's), its loss weighted `decay ** (j - 1)`. Every block of
 a batch is one forward: the rows' context keys are computed once, and each block row sees the context before its
-anchor and its own block (a block-diagonal mask). So one read of the target supervises `anchors * (B - 1)` positions
+anchor and its own block (`drafters/block.BlockMask`: attention that never forms the other blocks' pairs). So one read of the target supervises `anchors * (B - 1)` positions
 a row, where EAGLE-3 supervises each read position once per unrolled step.
 
 Validation reports each position's top-1 accuracy (`val/acc_top1_pos{j}`), the share of blocks whose draft at j is
@@ -28,7 +28,7 @@ from torchmetrics import MeanMetric
 
 from medusa_like.data.split import draft_vocab_from_training_split
 from medusa_like.drafters.base import check_fits
-from medusa_like.drafters.block import BLOCK, DEFAULT_BLOCK_SIZE, BlockConfig, BlockDrafter
+from medusa_like.drafters.block import BLOCK, DEFAULT_BLOCK_SIZE, BlockConfig, BlockDrafter, BlockMask
 from medusa_like.drafters.vocab import DraftVocab
 from medusa_like.training.feature_labels import TRAIN_ON, FeatureLabelsModule
 from medusa_like.training.losses import DECAY, decay_weights
@@ -38,16 +38,12 @@ from medusa_like.training.ttt import loss_function, simulated_tau
 log = logging.getLogger(__name__)
 
 
-def block_visibility(anchors: torch.Tensor, attention_mask: torch.Tensor, size: int) -> torch.Tensor:
-    """anchors [B, N] (block starts), attention_mask [B, T] -> visible [B, 1, N * size, T + N * size] bool: each row of
-    block n sees the real context positions before its anchor and every row of its own block."""
-    batch, width = attention_mask.shape
-    count = anchors.shape[1]
-    positions = torch.arange(width, device=anchors.device)
+def block_visibility(anchors: torch.Tensor, attention_mask: torch.Tensor, size: int) -> BlockMask:
+    """anchors [B, N] (block starts), attention_mask [B, T] -> which keys the N blocks' rows see: each row of block n
+    the real context positions before its anchor, and every row of its own block."""
+    positions = torch.arange(attention_mask.shape[1], device=anchors.device)
     context = (positions[None, None] < anchors[..., None]) & attention_mask.bool()[:, None]  # [B, N, T]
-    context = context.repeat_interleave(size, dim=1)  # [B, N * size, T]
-    own = torch.block_diag(*[torch.ones(size, size, dtype=torch.bool, device=anchors.device)] * count)
-    return torch.cat([context, own.expand(batch, -1, -1)], dim=-1)[:, None]
+    return BlockMask(context.repeat_interleave(size, dim=1), size)  # [B, N * size, T]
 
 
 def sample_anchors(valid: torch.Tensor, count: int, generator: torch.Generator | None = None) -> torch.Tensor:
