@@ -1,5 +1,7 @@
-"""Shared fixtures: tiny random targets of several families, built from configs (nothing downloaded)."""
+"""Shared fixtures: tiny random targets of several families, built from configs (nothing downloaded), and the
+reference every losslessness test compares with: transformers' own greedy on an untouched copy (`stock_greedy`)."""
 
+import math
 import os
 import shutil
 import tempfile
@@ -204,7 +206,8 @@ def random_prompts(n: int, seed: int = 0, min_len: int = 2, max_len: int = 40) -
 
 
 def greedy_reference(target, input_ids: torch.Tensor, max_new_tokens: int) -> torch.Tensor:
-    """The target's own greedy continuation through transformers' generate."""
+    """The target's own greedy continuation through transformers' generate (on `target` as it is: a test's
+    reference takes an untouched copy, `stock_greedy`)."""
     out = target.generate(
         input_ids,
         attention_mask=torch.ones_like(input_ids),
@@ -213,6 +216,56 @@ def greedy_reference(target, input_ids: torch.Tensor, max_new_tokens: int) -> to
         do_sample=False,
     )
     return out[0, input_ids.shape[1] :]
+
+
+def untouched_target(family: str, seed: int = 0, dtype: torch.dtype = torch.float32, **overrides):
+    """A tiny target built again, as `tiny_target(family, seed, **overrides)` builds it, that nothing of this project
+    has touched: transformers' own layers and attention. Tests compare against it, never against the object they
+    decode with (whose layers `MedusaLikeModel` swaps in place) nor against this project's own greedy loop."""
+    return check_untouched(tiny_target(family, seed, **overrides).to(dtype))
+
+
+def check_untouched(model):
+    """`model`, after checking that its forward is transformers' own: every module a class of transformers or torch
+    (no few-row layer, no packed copy), its attention transformers' own, no hook on any module."""
+    foreign = {
+        type(m).__qualname__ for m in model.modules() if not type(m).__module__.startswith(("transformers.", "torch."))
+    }
+    hooked = [n for n, m in model.named_modules() if m._forward_hooks or m._forward_pre_hooks]
+    attention = model.config._attn_implementation
+    if foreign or hooked or attention not in ("sdpa", "eager"):
+        raise AssertionError(f"not an untouched target: modules {foreign}, hooks on {hooked}, attention {attention!r}")
+    return model
+
+
+def stock_greedy(model, prompts: list[torch.Tensor], max_new_tokens: int) -> list[list[int]]:
+    """The reference of every test that says "equals the target's greedy": transformers' own `generate`, greedy, on an
+    untouched target (`untouched_target`, or a model loaded again from the same files), for each prompt: exactly
+    `max_new_tokens` tokens (an EOS does not stop it; the tests decode with `eos_token_id=[]`)."""
+    check_untouched(model)
+    return [greedy_reference(model, prompt, max_new_tokens).tolist() for prompt in prompts]
+
+
+NEAR_TIE_STEPS = 4  # the widest margin at a first difference, in steps of the dtype at the row's largest logit
+
+
+@torch.inference_mode()
+def assert_greedy_or_near_tie(untouched, prompt: torch.Tensor, ours: list[int], reference: list[int]) -> None:
+    """fp32: `ours` equals `reference` (`stock_greedy` of the `untouched` target) token for token. A lower precision,
+    where two forwards of the same weights round apart: equal, or at the first difference the untouched target's
+    logits after the prompt and the common prefix give the reference's token and ours within NEAR_TIE_STEPS steps of
+    the dtype (its spacing at the row's largest logit): a wrong forward differs by whole logits."""
+    check_untouched(untouched)
+    if untouched.dtype == torch.float32 or ours == reference:
+        assert ours == reference
+        return
+    assert len(ours) == len(reference), (ours, reference)  # eos_token_id=[]: both run to max_new_tokens
+    index = next(i for i, (a, b) in enumerate(zip(ours, reference, strict=True)) if a != b)
+    ids = torch.cat([prompt[0], torch.tensor(reference[:index], dtype=torch.long, device=prompt.device)])[None]
+    row = untouched(ids).logits[0, -1].float()  # [V]
+    margin = float(row[reference[index]] - row[ours[index]])  # as the evaluation reports it
+    step = torch.finfo(untouched.dtype).eps * 2 ** math.floor(math.log2(float(row.abs().max())))
+    assert abs(margin) <= NEAR_TIE_STEPS * step, (index, margin, step, ours, reference)
 
 
 def greedy_rows(target, count: int, seed: int, width: int = 48) -> list[dict]:

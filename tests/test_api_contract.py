@@ -10,7 +10,7 @@ import torch
 from medusa_like.drafters.lookup import LookupDrafter
 from medusa_like.model import MedusaLikeModel
 
-from .conftest import greedy_reference, random_heads, random_prompts, tiny_target
+from .conftest import random_heads, random_prompts, stock_greedy, tiny_target, untouched_target
 from .test_lookup import flat_cost
 
 
@@ -92,19 +92,20 @@ def test_a_seeded_call_repeats_with_a_learned_drafter_on_a_static_tree():
 
 class Turns:
     """Two threads' proposer calls in strict alternation (thread 0's, then thread 1's, ...) while both generate, so
-    that generations which are not serialised interleave the same way in every run. A turn not taken within
-    `timeout` (the other thread is held back, as the model's lock holds it) ends the alternation: serialised calls
-    wait once, then run freely."""
+    that generations which are not serialised interleave the same way in every run. A thread waiting for its turn
+    while the other is held at the model's lock (`held`, told by `WatchedLock`) ends the alternation: serialised calls
+    then run one after the other. Every wait ends on an event, none on a timeout."""
 
-    def __init__(self, timeout: float = 3.0):
+    def __init__(self):
         self.changed = threading.Condition()
-        self.turn, self.off, self.timeout = 0, False, timeout
+        self.turn, self.off = 0, False
+        self.held: set[int] = set()  # the threads waiting at the model's lock
 
     @contextlib.contextmanager
     def take(self, who: int):
         with self.changed:
-            if not self.changed.wait_for(lambda: self.off or self.turn == who, self.timeout):
-                self.off = True
+            self.changed.wait_for(lambda: self.off or self.turn == who or (1 - who) in self.held)
+            self.off |= self.turn != who  # the other thread cannot take its turn: no more alternation
         try:
             yield
         finally:
@@ -112,11 +113,34 @@ class Turns:
                 self.turn = 1 - who
                 self.changed.notify_all()
 
+    def hold(self, who: int, waiting: bool) -> None:
+        with self.changed:
+            (self.held.add if waiting else self.held.discard)(who)
+            self.changed.notify_all()
+
     def leave(self) -> None:
         """A thread with nothing left to do: the other runs freely."""
         with self.changed:
             self.off = True
             self.changed.notify_all()
+
+
+class WatchedLock:
+    """The model's lock (`MedusaLikeModel._lock`, a `threading.Lock`), locking as it does, that tells `turns` while
+    the calling thread (`who()`) waits at it."""
+
+    def __init__(self, lock, turns: Turns, who):
+        self.lock, self.turns, self.who = lock, turns, who
+
+    def __enter__(self):
+        if not self.lock.acquire(blocking=False):
+            self.turns.hold(self.who(), True)
+            self.lock.acquire()
+            self.turns.hold(self.who(), False)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.lock.release()
 
 
 class RecordingProposer:
@@ -185,6 +209,7 @@ def test_two_threads_generating_on_one_model_draft_what_sequential_calls_draft(m
         monkeypatch.setattr(model, "_one_generation", contextlib.nullcontext)
     turns = Turns()
     threaded = Recorded(model, prompts, turns)
+    model._lock = WatchedLock(model._lock, turns, lambda: threaded.local.prompt)
     errors: list[BaseException] = []
 
     def work(i: int):
@@ -208,7 +233,7 @@ def test_two_threads_generating_on_one_model_draft_what_sequential_calls_draft(m
     if serialised:
         assert errors == [] and sorted(served) == [0, 0, 0, 1, 1, 1]
         assert threaded.records == sequential.records
-        references = [greedy_reference(model.target, p, 24).tolist() for p in prompts]
+        references = stock_greedy(untouched_target("mistral"), prompts, 24)
         assert all(record["tokens"] == references[record["prompt"]] for record in threaded.records)
         assert any(sum(record["accepted"]) for record in threaded.records)  # drafts were accepted: they mattered
         return

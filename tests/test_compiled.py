@@ -11,7 +11,7 @@ two families are left to make test-all (`family`)."""
 
 import json
 import logging
-import time
+import threading
 from pathlib import Path
 
 import pytest
@@ -35,7 +35,15 @@ from medusa_like.forward.platform import CompileUnsupported, compile_settings
 from medusa_like.model import MedusaLikeModel
 from medusa_like.targets import weights_fingerprint
 
-from .conftest import VOCAB, random_heads, random_prompts, tiny_target
+from .conftest import (
+    VOCAB,
+    assert_greedy_or_near_tie,
+    random_heads,
+    random_prompts,
+    stock_greedy,
+    tiny_target,
+    untouched_target,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -127,12 +135,14 @@ def test_every_tree_node_sees_exactly_its_path_compiled(compiled_targets, family
 
 @needs_compile
 def test_compiled_greedy_equals_eager_greedy_and_every_drafter_is_lossless_on_it(compiled_targets, family):
-    """Greedy on the compiled step gives the eager step's tokens; Medusa heads, the EAGLE-3 drafter, lookup and the
-    combined tree, static and dynamic, give the compiled greedy tokens (trees of 1 to many nodes, single nodes padded)."""
+    """Greedy on the compiled step gives transformers' own greedy tokens of an untouched copy, and so does the eager
+    step; Medusa heads, the EAGLE-3 drafter, lookup and the combined tree, static and dynamic, give them too (trees of
+    1 to many nodes, single nodes padded), each drafter with drafts accepted on the compiled step."""
     prepared, eager = compiled(compiled_targets, family)
     prompts = random_prompts(3, seed=11, min_len=1, max_len=30)
-    references = [greedy(prepared, p) for p in prompts]
-    assert references == [greedy(eager, p) for p in prompts]
+    references = stock_greedy(untouched_target(family), prompts, NEW_TOKENS)
+    assert [greedy(prepared, p) for p in prompts] == references
+    assert [greedy(eager, p) for p in prompts] == references
     eagle3 = eagle3_on(compiled_targets, family)
     heads = random_heads()
     runs = [
@@ -142,14 +152,14 @@ def test_compiled_greedy_equals_eager_greedy_and_every_drafter_is_lossless_on_it
         (LookupDrafter(), "dynamic"),
         (CombinedDrafter(eagle3, LookupDrafter()), "dynamic"),
     ]
-    accepted = 0
+    accepted = {drafter.kind: 0 for drafter, _ in runs}
     for drafter, tree in runs:
         model = MedusaLikeModel(prepared, None, drafter)
         for prompt, reference in zip(prompts, references, strict=True):
             out = model.generate(prompt, max_new_tokens=NEW_TOKENS, tree=tree, eos_token_id=[], remember=False)
             assert out.new_tokens.tolist() == reference, (drafter.kind, tree)
-            accepted += sum(out.stats.accepted_draft)
-    assert accepted > 0
+            accepted[drafter.kind] += sum(out.stats.accepted_draft)
+    assert all(accepted.values()), f"drafts accepted per drafter: {accepted} (0: only the all-rejected path tested)"
     # every run above ran compiled (a failed compile falls back to eager for good: equal tokens, nothing tested),
     # the EAGLE-3 drafter's levels and the Medusa heads too
     assert prepared.compiled.failed is None and prepared.step is prepared.compiled
@@ -164,8 +174,10 @@ def test_a_bf16_target_is_lossless_on_its_compiled_step(family):
     one-node step, or tree methods drift from greedy decoding at near-ties; the step's attention kernel and (where the
     CPU has a bf16 dot product) its products' kernel give them (their own contracts: tests/test_tree_attention.py,
     tests/test_bf16_linear.py). On bf16 targets with 64-wide heads over prompts of up to 120 tokens, lookup and Medusa
-    trees of 1 to 12 nodes give greedy's tokens on the same compiled step."""
-    target = tiny_target(family, hidden_size=256, num_attention_heads=4, num_key_value_heads=2, intermediate_size=256)
+    trees of 1 to 12 nodes give greedy's tokens on the same compiled step, each drafter's drafts accepted; that greedy
+    decoding is transformers' own on an untouched bf16 copy up to near-ties (two bf16 forwards round apart)."""
+    shape = dict(hidden_size=256, num_attention_heads=4, num_key_value_heads=2, intermediate_size=256)
+    target = tiny_target(family, **shape)
     prepared = prepare_target(target.to(torch.bfloat16), tuned_layers=False, compile=True)
     prepared.step.options = {**prepared.step.options, "max_autotune": False}
     prompts = random_prompts(8, seed=5, min_len=20, max_len=120)
@@ -174,14 +186,18 @@ def test_a_bf16_target_is_lossless_on_its_compiled_step(family):
     references = [
         plain.generate(p, max_new_tokens=40, tree="none", eos_token_id=[]).new_tokens.tolist() for p in prompts
     ]
-    accepted = 0
-    for drafter, tree in [(LookupDrafter(), BudgetedTreeSpec(None, 12, 8)), (heads, "medusa"), (heads, "chain")]:
+    untouched = untouched_target(family, dtype=torch.bfloat16, **shape)
+    for prompt, reference, theirs in zip(prompts, references, stock_greedy(untouched, prompts, 40), strict=True):
+        assert_greedy_or_near_tie(untouched, prompt, reference, theirs)
+    runs = [(LookupDrafter(), BudgetedTreeSpec(None, 12, 8)), (heads, "medusa"), (heads, "chain")]
+    accepted = {drafter.kind: 0 for drafter, _ in runs}
+    for drafter, tree in runs:
         model = MedusaLikeModel(prepared, None, drafter)
         for prompt, reference in zip(prompts, references, strict=True):
             out = model.generate(prompt, max_new_tokens=40, tree=tree, eos_token_id=[], remember=False)
             assert out.new_tokens.tolist() == reference, (drafter.kind, tree)
-            accepted += sum(out.stats.accepted_draft)
-    assert accepted > 0
+            accepted[drafter.kind] += sum(out.stats.accepted_draft)
+    assert all(accepted.values()), f"drafts accepted per drafter: {accepted} (0: only the all-rejected path tested)"
     assert prepared.step.failed is None and prepared.step is prepared.compiled
     # where the CPU has a bf16 dot product, the step's products ran this project's kernel (row-invariant too)
     assert ("bf16 dot-product kernel" in prepared.step.label) == (bf16_linear.unavailable() is None)
@@ -494,18 +510,36 @@ def test_an_unsupported_platform_runs_eager_and_says_why(monkeypatch, caplog):
 
 
 def test_a_long_compile_logs_its_progress_until_it_ends(caplog):
-    def still() -> int:
-        return sum("still building" in r.message for r in caplog.records)
+    """`progress` logs "still <doing>" while its block runs, and its reporter thread is gone once the block ends, a
+    failed one too. The test waits for the lines themselves and looks at the threads: no pause decides it."""
+    lines = threading.Semaphore(0)
 
-    with caplog.at_level(logging.INFO, logger="medusa_like.forward.compile_cache"):
-        with progress("building", every=0.05):
-            time.sleep(0.4)
-        during = still()
-        with pytest.raises(RuntimeError, match="broke"), progress("building", every=0.05):
-            raise RuntimeError("broke")
-        time.sleep(0.3)
-    assert during >= 3  # about 8 lines in 0.4 s
-    assert still() == during  # each reporter stopped with its block, the failed one too
+    class Counting(logging.Handler):
+        def emit(self, record):
+            if "still building" in record.getMessage():
+                lines.release()
+
+    def reporters() -> list:
+        return [t for t in threading.enumerate() if t.name == "compile progress" and t.is_alive()]
+
+    logger = logging.getLogger("medusa_like.forward.compile_cache")
+    counting = Counting()
+    logger.addHandler(counting)
+    try:
+        with caplog.at_level(logging.INFO, logger=logger.name):
+            with progress("building", every=0.01):
+                assert len(reporters()) == 1
+                for _ in range(
+                    3
+                ):  # three lines while the block runs (the wait is for a line: a loaded machine is slower)
+                    assert lines.acquire(timeout=600)
+            assert reporters() == []  # stopped with its block: no line can follow
+            with pytest.raises(RuntimeError, match="broke"), progress("building", every=0.01):
+                assert lines.acquire(timeout=600)
+                raise RuntimeError("broke")
+            assert reporters() == []  # the failed block's too
+    finally:
+        logger.removeHandler(counting)
     assert "s so far" in caplog.text
 
 

@@ -8,7 +8,7 @@ from medusa_like.decoding.tree_files import resolve_tree
 from medusa_like.model import MedusaLikeModel
 from medusa_like.targets import load_target, target_fingerprint
 
-from .conftest import ScriptedProposer
+from .conftest import ScriptedProposer, check_untouched
 
 PROMPTS = [
     [{"role": "user", "content": "What is the capital of France? Answer in one sentence."}],
@@ -36,9 +36,12 @@ def test_default_target_loads_frozen_with_its_chat_template(default_model):
 @pytest.mark.slow
 @pytest.mark.parametrize("messages", PROMPTS)
 def test_default_model_is_lossless_on_chat_prompts(default_model, messages):
+    """Equal to transformers' own greedy decoding of the default loaded again (its own nn.Linear layers: the model
+    decoding swapped its own for few-row ones), EOS included."""
     ids = default_model.chat_ids(messages)
     target = default_model.target
-    reference = target.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=40, do_sample=False)
+    untouched = check_untouched(load_target("smollm2-135m-instruct")[0])
+    reference = untouched.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=40, do_sample=False)
     out = default_model.generate(ids, max_new_tokens=40, tree="small")
     assert out.sequences.tolist() == reference.tolist()
     # drafts that are the target's own continuation are all accepted on the real model: 4 tokens per chain step

@@ -126,20 +126,24 @@ def test_fp32_layers_run_it_for_a_steps_rows_and_onednn_or_f_linear_for_a_prompt
 @pytest.mark.slow
 @pytest.mark.parametrize("family", ["llama", "qwen2", "mistral", "gemma3"])
 def test_eager_fp32_tree_decoding_on_it_equals_the_targets_greedy(family):
-    """The eager fp32 step (the Python API's default) on the kernel and `rows` attention: lookup, Medusa-style and
-    chain trees give greedy decoding's tokens on the same step, every prompt (exact at any row count, not only up to
-    near-ties; the bit-level check is tests/test_tree_attention.py's)."""
+    """The eager fp32 step (the Python API's default) on the kernel and `rows` attention: plain decoding, lookup,
+    Medusa-style and chain trees give transformers' own greedy tokens of an untouched copy, every prompt (exact at any
+    row count, not only up to near-ties; the bit-level check is tests/test_tree_attention.py's)."""
     from medusa_like.decoding.tree import BudgetedTreeSpec
     from medusa_like.drafters.lookup import LookupDrafter
 
-    from .conftest import random_heads
+    from .conftest import random_heads, stock_greedy, untouched_target
 
     prepared = prepare_target(tiny_target(family), compile=False)
     assert prepared.backend == "rows"
     heads = random_heads()
-    plain = MedusaLikeModel(prepared, None, heads)
     prompts = random_prompts(6, seed=3, min_len=10, max_len=80)
-    references = [plain.generate(p, max_new_tokens=30, tree="none", eos_token_id=[]).new_tokens for p in prompts]
+    references = [torch.tensor(tokens) for tokens in stock_greedy(untouched_target(family), prompts, 30)]
+    plain = MedusaLikeModel(prepared, None, heads)
+    for prompt, reference in zip(prompts, references, strict=True):
+        assert torch.equal(
+            plain.generate(prompt, max_new_tokens=30, tree="none", eos_token_id=[]).new_tokens, reference
+        )
     for drafter, tree in [(LookupDrafter(), BudgetedTreeSpec(None, 12, 8)), (heads, "medusa"), (heads, "chain")]:
         model = MedusaLikeModel(prepared, None, drafter)
         for prompt, reference in zip(prompts, references, strict=True):

@@ -21,7 +21,15 @@ from medusa_like.forward.cpu import extension, fp32_linear, tree_attention
 from medusa_like.forward.cpu.few_row_linear import DOT, bf16_pack
 from medusa_like.model import MedusaLikeModel
 
-from .conftest import VOCAB, random_heads, random_prompts, tiny_target
+from .conftest import (
+    VOCAB,
+    assert_greedy_or_near_tie,
+    random_heads,
+    random_prompts,
+    stock_greedy,
+    tiny_target,
+    untouched_target,
+)
 
 pytestmark = pytest.mark.skipif(tree_attention.unavailable() is not None, reason=f"{tree_attention.unavailable()}")
 
@@ -172,20 +180,25 @@ def test_on_row_plans_and_sdpa_an_fp32_tree_row_rounds_apart_from_its_one_node_s
 def test_an_eager_bf16_target_attends_by_rows_and_its_trees_give_greedys_tokens(monkeypatch):
     """A bf16 CPU target's eager step (the Python API's default) attends by the kernel, so a tree row gets its
     one-node step's bits and tree methods equal greedy decoding on the same step: with SDPA, tree rows rounded apart
-    and these trees left greedy's tokens (the same prompts, `backend="sdpa"`: the last assertion). An fp32 target
-    attends by the kernel too where the fp32 kernel runs (else SDPA), a bf16 one keeps SDPA where the kernel cannot be
-    built, and a backend asked for is the one used."""
-    target = tiny_target("llama", hidden_size=256, num_attention_heads=4, num_key_value_heads=2, intermediate_size=256)
-    target = target.to(torch.bfloat16)
+    and these trees left greedy's tokens (the same prompts, `backend="sdpa"`: the last assertion). That greedy
+    decoding is transformers' own on an untouched bf16 copy, up to near-ties (two bf16 forwards round apart; a wrong
+    kernel differs by whole logits). An fp32 target attends by the kernel too where the fp32 kernel runs (else SDPA),
+    a bf16 one keeps SDPA where the kernel cannot be built, and a backend asked for is the one used."""
+    shape = dict(hidden_size=256, num_attention_heads=4, num_key_value_heads=2, intermediate_size=256)
+    target = tiny_target("llama", **shape).to(torch.bfloat16)
     prepared = prepare_target(target, compile=False)
     assert prepared.backend == tree_attention.BACKEND and prepared.step is prepared.eager
     prompts = random_prompts(8, seed=5, min_len=20, max_len=120)
     heads = random_heads(hidden=256)
+    untouched = untouched_target("llama", dtype=torch.bfloat16, **shape)
+    stock = stock_greedy(untouched, prompts, 40)
 
     def mismatches(backend) -> int:
         prepare_target(target, backend=backend)
         plain = MedusaLikeModel(prepared, None, heads)
         references = [plain.generate(p, max_new_tokens=40, tree="none", eos_token_id=[]).new_tokens for p in prompts]
+        for prompt, reference, theirs in zip(prompts, references, stock, strict=True):
+            assert_greedy_or_near_tie(untouched, prompt, reference.tolist(), theirs)
         differ = 0
         for drafter, tree in [(LookupDrafter(), BudgetedTreeSpec(None, 12, 8)), (heads, "medusa"), (heads, "chain")]:
             model = MedusaLikeModel(prepared, None, drafter)
