@@ -8,8 +8,6 @@ import pytest
 import torch
 
 from medusa_like.decoding.cost_model import CostModel, CostModelMismatchError, non_decreasing_fit
-from medusa_like.decoding.generate import speculative_generate
-from medusa_like.decoding.sampling import warp_logits
 from medusa_like.decoding.tree import BudgetedTreeSpec, DynamicTreeSpec, TokenTree
 from medusa_like.decoding.tree_files import load_tree, save_tree, spec_from_json
 from medusa_like.drafters.base import DrafterMismatchError
@@ -17,7 +15,7 @@ from medusa_like.drafters.budget import best_rate, lookup_certainty
 from medusa_like.drafters.combined import CombinedDrafter
 from medusa_like.drafters.eagle3 import EAGLE3
 from medusa_like.drafters.lookup import LookupDrafter
-from medusa_like.drafters.lookup_sources import ContextLookup, OutputStore
+from medusa_like.drafters.lookup_sources import OutputStore
 from medusa_like.drafters.merged_tree import PROBE_EVERY, MergedTreeProposer, SessionState
 from medusa_like.drafters.ngram_index import SEPARATOR, Continuation, NgramIndex
 from medusa_like.drafters.protocol import sized_by_cost_model
@@ -26,7 +24,7 @@ from medusa_like.forward.cost_measure import measure_cost_model
 from medusa_like.model import MedusaLikeModel
 from medusa_like.targets import weights_fingerprint
 
-from .conftest import FAMILIES, VOCAB, flat_cost, greedy_reference, random_heads, random_prompts, tiny_target
+from .conftest import FAMILIES, flat_cost, greedy_reference, random_heads, random_prompts, tiny_target
 
 BACKENDS = ("eager", "sdpa", "flash")
 
@@ -440,50 +438,6 @@ def test_combined_tree_counts_each_sources_accepted_tokens():
     out = model.generate(prompt, max_new_tokens=40, eos_token_id=[])  # the store now holds the first answer
     assert out.stats.accepted_by_source.get("store", 0) > 0
     assert sum(out.stats.accepted_by_source.values()) >= sum(out.stats.accepted_draft)
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("family", ("mistral",))
-def test_sampling_through_the_combined_tree_follows_the_target(family):
-    """temperature > 0: the second token (the first a tree verifies) has the target's exact two-step marginal, while
-    the lookup store, seeded with the target's own likely continuations, gets its drafts accepted often."""
-    target = tiny_target(family)
-    prompt = random_prompts(1, seed=6, min_len=5, max_len=5)[0]
-    temperature, top_k = 0.05, 8
-    with torch.no_grad():
-        p1 = warp_logits(target(prompt).logits[0, -1], temperature, top_k)  # [V]
-        extended = torch.cat([prompt.expand(VOCAB, -1), torch.arange(VOCAB)[:, None]], dim=1)
-        p2 = warp_logits(target(extended).logits[:, -1], temperature, top_k)  # [V, V]
-    exact = p1 @ p2
-    n, accepted = 400, 0
-    counts = torch.zeros_like(exact)
-    seeds = [[int(t), int(p2[t].argmax())] for t in p1.topk(4).indices]  # "t -> its likeliest next token"
-    for seed in range(n):
-        store = OutputStore()
-        for doc in seeds:
-            store.add(doc)
-        drafter = LookupDrafter(store, ContextLookup())
-        drafter.state.cost_model = flat_cost(target)
-        proposer = drafter.proposer(target)
-        generator = torch.Generator().manual_seed(seed)
-        out = speculative_generate(
-            target,
-            proposer,
-            prompt,
-            BudgetedTreeSpec(None, 4, 2),
-            2,
-            temperature=temperature,
-            top_k=top_k,
-            generator=generator,
-        )
-        counts[out.new_tokens[1]] += 1
-        accepted += out.stats.accepted_draft[0]
-    assert accepted > n // 4
-    # 4 standard deviations of a bin's frequency, summed over the support: a TV bound that fails ~never by chance
-    support = int((exact > 0).sum())
-    bound = 0.5 * support * 4 * (0.25 / n) ** 0.5
-    total_variation = 0.5 * (counts / n - exact).abs().sum().item()
-    assert total_variation < min(bound, 0.2), (total_variation, bound)
 
 
 def test_budgeted_tree_json_round_trip_and_static_learned_part():

@@ -1,4 +1,6 @@
-"""Sampling verification (temperature > 0): tokens follow exactly the target's distribution."""
+"""Sampling verification (temperature > 0): tokens follow exactly the target's distribution: the acceptance rule on a
+hand-made tree, and three tokens through a combined drafter against the target's exact joint distribution, with the
+statistic's power shown on a biased rule in the same run (every kind, six tokens: tests/test_sampling_power.py)."""
 
 import math
 from collections.abc import Callable
@@ -14,12 +16,12 @@ from medusa_like.decoding.generate import DecodeStats, accept_greedy, speculativ
 from medusa_like.decoding.sampling import PositionNoise, race, warp_logits
 from medusa_like.decoding.tree import BudgetedTreeSpec, DynamicTreeSpec, TokenTree
 from medusa_like.drafters.combined import CombinedDrafter
-from medusa_like.drafters.eagle3 import EAGLE3, Eagle3Config, Eagle3Drafter
+from medusa_like.drafters.eagle3 import EAGLE3, Eagle3Drafter
 from medusa_like.drafters.lookup import LookupDrafter
 from medusa_like.drafters.lookup_sources import OutputStore
 from medusa_like.model import MedusaLikeModel
 
-from .conftest import VOCAB, greedy_reference, random_heads, random_prompts, tiny_target
+from .conftest import random_heads, random_prompts, stock_greedy, tiny_target, untouched_target
 from .test_lookup import flat_cost
 
 
@@ -76,17 +78,6 @@ def test_warp_logits():
         warp_logits(logits, 1.0, top_p=0.0)
 
 
-def two_step_distributions(
-    target, prompt, temperature: float, top_k: int = 0, top_p: float = 1.0
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """The target's warped distribution of the first new token [V] and of the second given the first [V, V]."""
-    with torch.no_grad():
-        p1 = warp_logits(target(prompt).logits[0, -1], temperature, top_k, top_p)  # [V]
-        extended = torch.cat([prompt.expand(VOCAB, -1), torch.arange(VOCAB)[:, None]], dim=1)
-        p2_given_1 = warp_logits(target(extended).logits[:, -1], temperature, top_k, top_p)  # [V, V]
-    return p1, p2_given_1
-
-
 def test_sampling_is_reproducible_and_near_zero_temperature_is_greedy():
     target = tiny_target("qwen2")
     model = MedusaLikeModel(target, None, random_heads(), backend="sdpa")
@@ -95,76 +86,16 @@ def test_sampling_is_reproducible_and_near_zero_temperature_is_greedy():
     b = model.generate(prompt, max_new_tokens=20, tree="small", temperature=1.0, seed=7, eos_token_id=[])
     assert a.new_tokens.tolist() == b.new_tokens.tolist()
     cold = model.generate(prompt, max_new_tokens=20, tree="small", temperature=1e-6, seed=7, eos_token_id=[])
-    assert cold.new_tokens.tolist() == greedy_reference(target, prompt, 20).tolist()
+    assert cold.new_tokens.tolist() == stock_greedy(untouched_target("qwen2"), [prompt], 20)[0]
     with pytest.raises(ValueError, match="temperature must be a finite number >= 0, got -1.0"):
         model.generate(prompt, max_new_tokens=4, temperature=-1.0)
 
 
-def tv_bound(exact: torch.Tensor, n: int, false_failure: float) -> float:
-    """A total-variation distance that n samples of `exact` exceed with probability below `false_failure`:
-    E[TV] <= 1/2 sum_i sqrt(p_i (1 - p_i) / n) (Jensen), and TV moves by at most 1/n per sample, so by McDiarmid's
-    inequality P(TV > E[TV] + eps) <= exp(-2 n eps^2)."""
-    mean = 0.5 * (exact * (1 - exact) / n).sqrt().sum().item()
-    return mean + math.sqrt(math.log(1 / false_failure) / (2 * n))
-
-
-def eagle3_from_target(target) -> Eagle3Drafter:
-    """An EAGLE-3 drafter started as training starts it (the target's projection and final norm) with its feature
-    taken from the target's highest aux layer: its guesses follow the target's own, so drafts often get accepted."""
-    torch.manual_seed(0)
-    drafter = Eagle3Drafter(Eagle3Config.for_target(target.config, VOCAB))
-    size = target.config.hidden_size
-    with torch.no_grad():
-        for p in drafter.parameters():
-            p.normal_(std=0.02)
-        layer = drafter.config.aux_layer_ids.index(max(drafter.config.aux_layer_ids))
-        drafter.fc.weight[:, layer * size : (layer + 1) * size] += torch.eye(size)
-        drafter.init_from_target(target)
-    return drafter
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize(
-    ("kind", "tree", "temperature", "top_k", "top_p", "n", "drafter_dtype"),
-    [
-        ("medusa", "small", 0.05, 4, 1.0, 400, None),
-        ("eagle3", "dynamic", 0.03, 0, 0.8, 600, None),
-        ("eagle3", "small", 0.05, 5, 0.9, 400, "bfloat16"),  # drafting in bf16, the target in fp32
-    ],
-)
-def test_both_drafters_sample_the_targets_two_token_distribution(
-    kind, tree, temperature, top_k, top_p, n, drafter_dtype
-):
-    """On a sliding-window target (Mistral, prompt longer than the window), the first two tokens drawn by speculative
-    sampling with each drafter (EAGLE-3 drafting in fp32 and in bf16), through `MedusaLikeModel.generate`, follow the target's exact joint distribution
-    p(t1) p(t2 | t1) under temperature, top-k and top-p: the empirical TV distance stays below a bound derived from
-    the sample size (false failure probability 1e-3), which the always-accept-the-top-candidate distribution exceeds."""
-    target = tiny_target("mistral")
-    prompt = random_prompts(1, seed=12, min_len=10, max_len=10)[0]
-    p1, p2_given_1 = two_step_distributions(target, prompt, temperature, top_k, top_p)
-    exact = (p1[:, None] * p2_given_1).flatten()  # [V * V]: the joint of (t1, t2)
-    bound = tv_bound(exact, n, 1e-3)
-    wrong = (p1[:, None] * torch.nn.functional.one_hot(p2_given_1.argmax(-1), VOCAB)).flatten()
-    assert 0.5 * (wrong - exact).abs().sum() > 2 * bound  # the test can tell a biased sampler apart
-
-    drafter = random_heads(std=0.0) if kind == "medusa" else eagle3_from_target(target)
-    model = MedusaLikeModel(target, None, drafter, backend="sdpa", drafter_dtype=drafter_dtype)
-    counts, accepted = torch.zeros_like(exact), 0
-    for seed in range(n):
-        out = model.generate(
-            prompt, 2, tree=tree, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, eos_token_id=[]
-        )
-        first, second = out.new_tokens.tolist()
-        counts[first * VOCAB + second] += 1
-        accepted += out.stats.accepted_draft[0]
-    assert accepted >= 10, accepted  # drafts were accepted (12 to 50 times here): the acceptance rule was sampled
-    total_variation = 0.5 * (counts / n - exact).abs().sum().item()
-    assert total_variation < bound, (total_variation, bound)
-
-
 # ---------------------------------------------------------------------------------------------------------------------
-# Through a combined drafter (a random-weight EAGLE-3 drafter and lookup in one tree): three tokens jointly, with a
-# sample size that catches a small bias, and the same statistic shown to catch a biased acceptance rule
+# Through a combined drafter (a random-weight EAGLE-3 drafter and lookup in one tree): three tokens jointly against the
+# target's exact joint distribution, with a sample size that catches a small bias, and the same statistic shown to
+# catch a biased acceptance rule in the same run. (Every kind on two families, six tokens, seed by seed against plain
+# decoding: tests/test_sampling_power.py.)
 
 SMALL_VOCAB = 8
 COMBINED_WARP = {"temperature": 1.0, "top_k": 2}  # two tokens possible at each position: 8 cells for three tokens
@@ -218,11 +149,11 @@ class CombinedSampling:
     exact: torch.Tensor  # [V ** 3]
     spec = BudgetedTreeSpec(DynamicTreeSpec(depth=2, top_k=3, num_nodes=6), num_nodes=8, lookup_depth=2)
 
-    def sample(self, n: int, before_each: Callable[[], None] = lambda: None) -> tuple[torch.Tensor, DecodeStats]:
-        """The empirical joint distribution of n generations' three tokens (seeds 0..n-1), and their summed stats;
+    def sample(self, seeds, before_each: Callable[[], None] = lambda: None) -> tuple[torch.Tensor, DecodeStats]:
+        """The cell of each seed's three tokens [len(seeds)] (cell (t1 * V + t2) * V + t3), and their summed stats;
         `before_each` is called before each generation."""
-        vocab, counts, total = self.target.config.vocab_size, torch.zeros_like(self.exact), DecodeStats()
-        for seed in range(n):
+        vocab, cells, total = self.target.config.vocab_size, [], DecodeStats()
+        for seed in seeds:
             before_each()
             # a fresh session each time (calibration, gate and cost model): every sample is drafted alike
             drafter = CombinedDrafter(self.learned, LookupDrafter(self.store), self.cost)
@@ -232,11 +163,15 @@ class CombinedSampling:
                 **COMBINED_WARP,
             )  # fmt: skip
             first, second, third = out.new_tokens.tolist()
-            counts[(first * vocab + second) * vocab + third] += 1
+            cells.append((first * vocab + second) * vocab + third)
             total.accepted_draft += out.stats.accepted_draft[:1]  # the first step's: the one every sample has
             for name, count in out.stats.accepted_by_source.items():
                 total.accepted_by_source[name] = total.accepted_by_source.get(name, 0) + count
-        return counts / n, total
+        return torch.tensor(cells, dtype=torch.long), total
+
+    def empirical(self, cells: torch.Tensor) -> torch.Tensor:
+        """The empirical joint distribution [V ** 3] of drawn cells."""
+        return torch.bincount(cells, minlength=self.exact.numel()) / cells.numel()
 
 
 @pytest.fixture(scope="module")
@@ -253,63 +188,74 @@ def combined_sampling() -> CombinedSampling:
     return CombinedSampling(target, prompt, EAGLE3.fresh(target).eval(), store, flat_cost(target), exact)
 
 
-@pytest.mark.slow
-def test_sampling_through_a_combined_drafter_follows_the_targets_joint_distribution(combined_sampling):
-    """Three tokens drawn through combined trees (the EAGLE-3 drafter's dynamic tree merged with context lookup and
-    the output store, drafts accepted at depths 1 and 2 from every source) follow the target's exact joint
-    distribution: the empirical TV distance stays under a threshold that a sampler biased by TV_BIAS would exceed
-    (`samples_to_catch`: both errors below FALSE_FAILURE)."""
-    exact = combined_sampling.exact
-    support = int((exact > 0).sum())
-    assert support == 8  # two tokens possible at each of three positions
-    n, threshold = samples_to_catch(support, TV_BIAS, FALSE_FAILURE)
-    empirical, stats = combined_sampling.sample(n)
-    accepted = stats.accepted_by_source
-    assert min(accepted.get(name, 0) for name in ("learned", "context", "store")) > n // 50, accepted
-    assert stats.accepted_draft.count(2) > n // 10  # a whole depth-2 path accepted in one step
-    total_variation = 0.5 * (empirical - exact).abs().sum().item()
-    assert total_variation < threshold, (total_variation, threshold, n)
-
-
 class CarelessAcceptance:
-    """A biased acceptance rule: at a generation's first verification, with probability `eps` (its own coin), the
-    root's first child is accepted untested; otherwise `accept_greedy` decides. Every token other than the second
-    keeps its exact distribution, and the second is the first child c1 with probability eps + (1 - eps) p(c1 | t1):
-    the joint is off by eps * E_t1[1 - p(c1 | t1)] >= eps * E_t1[1 - max_t p(t | t1)] in TV."""
+    """A biased acceptance rule: at a generation's first verification, with probability `eps`, the root's first child
+    is accepted untested; otherwise `accept_greedy` decides. Every token other than the second keeps its exact
+    distribution, and the second is the first child c1 with probability eps + (1 - eps) p(c1 | t1): the joint is off
+    by eps * E_t1[1 - p(c1 | t1)] >= eps * E_t1[1 - max_t p(t | t1)] in TV. Its coin is `fires(seed)` where a
+    generation's seed is set (`seed`), else its own generator's."""
 
     def __init__(self, eps: float):
         self.eps, self.coin = eps, torch.Generator().manual_seed(1)
         self.first_step, self.untested, self.childless = False, 0, 0
+        self.seed: int | None = None
+
+    def fires(self, seed: int) -> bool:
+        """Whether the coin of the generation seeded `seed` accepts untested: a function of the seed alone."""
+        return bool(torch.rand((), generator=torch.Generator().manual_seed(1_000_003 + seed)) < self.eps)
 
     def __call__(self, tokens, predictions, tree):
         first_step, self.first_step = self.first_step, False
         if first_step and not tree.children[0]:
             self.childless += 1
-        elif first_step and torch.rand((), generator=self.coin) < self.eps:
+        elif first_step and (
+            self.fires(self.seed) if self.seed is not None else torch.rand((), generator=self.coin) < self.eps
+        ):
             self.untested += 1
             return torch.tensor([0, tree.children[0][0]], device=tokens.device)
         return accept_greedy(tokens, predictions, tree)
 
 
-@pytest.mark.heavy  # the power of the statistic above, not of the code: 80 s of a core, in make test-all
-def test_the_joint_distribution_statistic_catches_a_slightly_biased_acceptance_rule(combined_sampling, monkeypatch):
-    """The power of the statistic above: the same sampling, sample size and threshold, with the acceptance rule
-    replaced by one whose output is off by at least TV_BIAS, fail it."""
+@pytest.mark.slow
+def test_sampling_through_a_combined_drafter_follows_the_targets_joint_distribution_and_a_biased_rule_fails(
+    combined_sampling, monkeypatch
+):
+    """Three tokens drawn through combined trees (the EAGLE-3 drafter's dynamic tree merged with context lookup and
+    the output store, drafts accepted at depths 1 and 2 from every source) follow the target's exact joint
+    distribution: the empirical TV distance stays under a threshold that a sampler biased by TV_BIAS exceeds
+    (`samples_to_catch`: both errors below FALSE_FAILURE).
+
+    And in the same run, the power: the acceptance rule replaced by `CarelessAcceptance`, whose output is off by at
+    least TV_BIAS, fails the same statistic at the same size. Its coin is a function of the seed and it equals
+    `accept_greedy` wherever the coin does not fire, so its draw of every other seed is the exact rule's draw above:
+    only the seeds whose coin fires are drawn again (about one in eps)."""
     exact = combined_sampling.exact
-    n, threshold = samples_to_catch(int((exact > 0).sum()), TV_BIAS, FALSE_FAILURE)
+    support = int((exact > 0).sum())
+    assert support == 8  # two tokens possible at each of three positions
+    n, threshold = samples_to_catch(support, TV_BIAS, FALSE_FAILURE)
+    cells, stats = combined_sampling.sample(range(n))
+    accepted = stats.accepted_by_source
+    assert min(accepted.get(name, 0) for name in ("learned", "context", "store")) > n // 50, accepted
+    assert stats.accepted_draft.count(2) > n // 10  # a whole depth-2 path accepted in one step
+    total_variation = 0.5 * (combined_sampling.empirical(cells) - exact).abs().sum().item()
+    assert total_variation < threshold, (total_variation, threshold, n)
+
     joint = exact.view(SMALL_VOCAB, SMALL_VOCAB, SMALL_VOCAB)
     p_first, p_second = joint.sum((1, 2)), joint.sum(2)  # [V], [V, V]: p(t1), p(t1, t2)
     conditional = p_second / p_first.clamp_min(1e-30)[:, None]  # p(t2 | t1)
     eps = TV_BIAS / float((p_first * (1 - conditional.max(1).values)).sum())  # the bias is at least TV_BIAS
     careless = CarelessAcceptance(eps)
     monkeypatch.setattr(generate, "accept_greedy", careless)  # the loop calls the rule through its own module
+    fired = [seed for seed in range(n) if careless.fires(seed)]
+    order = iter(fired)
 
     def next_generation():
-        careless.first_step = True
+        careless.first_step, careless.seed = True, next(order)
 
-    empirical, _ = combined_sampling.sample(n, before_each=next_generation)
+    biased = cells.clone()
+    biased[fired] = combined_sampling.sample(fired, before_each=next_generation)[0]
     assert careless.childless == 0  # every first step had a candidate to accept untested: the bias is as above
-    assert careless.untested > 0
-    total_variation = 0.5 * (empirical - exact).abs().sum().item()
+    assert careless.untested == len(fired) > 0
+    total_variation = 0.5 * (combined_sampling.empirical(biased) - exact).abs().sum().item()
     assert total_variation > threshold, (total_variation, threshold, n)
     assert total_variation < 4 * TV_BIAS  # a small bias, not a gross one, was caught
