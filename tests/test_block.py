@@ -21,7 +21,7 @@ from medusa_like.drafters.vocab import DraftVocab
 from medusa_like.formats.common import FormatError
 from medusa_like.training.block_module import BlockModule, block_visibility, sample_anchors
 
-from .conftest import VOCAB, flat_cost, greedy_reference, greedy_rows, random_prompts, tiny_target
+from .conftest import VOCAB, flat_cost, greedy_rows, random_prompts, stock_greedy, tiny_target, untouched_target
 
 BACKENDS = ["eager", "sdpa", "flash"]
 TREES = {
@@ -69,10 +69,9 @@ def trained_block(family: str) -> tuple:
 
 
 def references(family: str, count: int = 8) -> tuple:
-    """An untouched target of `family` (built again from its seed) and its greedy answers to random prompts."""
-    reference = tiny_target(family)
+    """Random prompts and transformers' own greedy answers on an untouched target of `family`."""
     prompts = random_prompts(count, seed=5, min_len=1, max_len=30)
-    return prompts, [greedy_reference(reference, p, NEW_TOKENS).tolist() for p in prompts]
+    return prompts, stock_greedy(untouched_target(family), prompts, NEW_TOKENS)
 
 
 @pytest.mark.slow

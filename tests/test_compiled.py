@@ -9,6 +9,7 @@ compiles an eager model's step and its drafter's level.
 Compiling takes half a minute per tiny target: every test here is slow, one compiled target per family is shared, and
 two families are left to make test-all (`family`)."""
 
+import copy
 import json
 import logging
 import threading
@@ -19,12 +20,12 @@ import torch
 
 from medusa_like.decoding.projection import VocabProjection
 from medusa_like.decoding.tree import BudgetedTreeSpec, DynamicTreeSpec
-from medusa_like.decoding.tree_files import resolve_tree, save_tree
+from medusa_like.decoding.tree_files import resolve_tree
 from medusa_like.drafters.combined import CombinedDrafter
 from medusa_like.drafters.eagle3 import EAGLE3, EagerLevel, Eagle3Proposer
 from medusa_like.drafters.lookup import LookupDrafter
 from medusa_like.drafters.vocab import DraftVocab
-from medusa_like.forward import compile_cache, prepare_target
+from medusa_like.forward import MachineProfile, compile_cache, prepare_target, write_profile
 from medusa_like.forward import platform as forward_platform
 from medusa_like.forward.compile_cache import progress
 from medusa_like.forward.compiled import CompiledStep
@@ -301,12 +302,12 @@ def test_a_failing_compiled_draft_runs_eagerly_with_a_log_line_never_a_wrong_tok
 
 
 @needs_compile
-def test_a_tree_file_measured_on_the_compiled_step_compiles_the_target_and_the_drafters_level(
+def test_a_profile_measured_on_the_compiled_step_compiles_the_target_and_the_drafters_level(
     compiled_targets, monkeypatch, tmp_path, caplog
 ):
-    """A model built eager and handed a tree file whose cost model was measured on the compiled step (a tree search
-    with `target.compile=auto`) runs the compiled step from then on, and its combined drafter drafts through the
-    EAGLE-3 level compiled beside it; the output is greedy's."""
+    """A model handed a machine profile measured on the compiled step (a tree search with `target.compile=auto`),
+    `compile` left to the profile, runs the compiled step, and its combined drafter drafts through the EAGLE-3 level
+    compiled beside it; the output is greedy's. The tree argument only names the tree."""
     prepared, _ = compiled(compiled_targets, "llama")
     # the fixture's options (no autotuning): the step's package on disk is loaded, not compiled again
     monkeypatch.setitem(forward_platform.CPU_OPTIONS, "max_autotune", False)
@@ -314,20 +315,21 @@ def test_a_tree_file_measured_on_the_compiled_step_compiles_the_target_and_the_d
     assert weights_fingerprint(target) == weights_fingerprint(prepared.target)
     learned = EAGLE3.fresh(target)
     learned.load_state_dict(eagle3_on(compiled_targets, "llama").state_dict())  # the same weights: its level's package
-    path = save_tree(
-        BudgetedTreeSpec(DynamicTreeSpec(depth=2, top_k=2, num_nodes=3), num_nodes=6, lookup_depth=4),
-        tmp_path / "tree.json",
-        cost_model=prepared.cost_model().to_json(),
-    )
-    assert json.loads(path.read_text())["cost_model"]["step"].startswith("compiled")
+    cost = prepared.cost_model()
+    path = tmp_path / "profile.json"
+    write_profile(MachineProfile("auto", prepared.identity(), cost), path)
+    assert json.loads(path.read_text())["identity"]["step"].startswith("compiled")
     eager = prepare_target(target, tuned_layers=False)
-    model = MedusaLikeModel(eager, None, CombinedDrafter(learned, LookupDrafter()))
-    assert eager.compiled is None and isinstance(learned.level(), EagerLevel)
+    assert eager.compiled is None
+    model = MedusaLikeModel(eager, None, CombinedDrafter(learned, LookupDrafter()), profile=path)
+    assert eager.compiled is not None and eager.profile.path == str(path)
     prompt = random_prompts(1, seed=12, min_len=9, max_len=9)[0]
+    tree = BudgetedTreeSpec(DynamicTreeSpec(depth=2, top_k=2, num_nodes=3), num_nodes=6, lookup_depth=4)
     with caplog.at_level(logging.INFO):
-        out = model.generate(prompt, max_new_tokens=NEW_TOKENS, tree=path, eos_token_id=[], remember=False)
+        out = model.generate(prompt, max_new_tokens=NEW_TOKENS, tree=tree, eos_token_id=[], remember=False)
     assert out.new_tokens.tolist() == greedy(prepared, prompt)
     assert eager.step is eager.compiled and eager.compiled.failed is None
+    assert model.drafter.cost_model.verify_ms == cost.verify_ms  # the profile's
     assert isinstance(learned.level(), CompiledLevel) and learned.level().failed is None
     assert learned.level().compiled is not None  # it drafted compiled, not only set up to
     assert "loaded the target's step compiled from" in caplog.text
@@ -629,3 +631,35 @@ def test_the_compile_cache_is_keyed_by_weights_and_versions_and_a_foreign_one_is
         rebuilt = compile_cache.checked_directory(step)
     assert rebuilt == directory and not marker.exists() and "rebuilding it" in caplog.text
     assert json.loads((directory / "key.json").read_text()) == key
+
+
+@needs_compile
+def test_the_block_drafter_drafts_through_its_compiled_block_and_stays_lossless(compiled_targets, family):
+    """Where the target's step is compiled, the block drafter's block is compiled beside it (`compile_drafting`): it
+    gives the eager graph's logits for the same context and root, and alone or merged with lookup it decodes
+    transformers' own greedy tokens, drafts accepted, every step but the first (the prompt's rows, eager) compiled."""
+    from .test_block import trained_block
+
+    prepared, _ = compiled(compiled_targets, family)
+    _, trained = trained_block(family)
+    block = prepared.adopt(copy.deepcopy(trained))
+    prompts = random_prompts(3, seed=12, min_len=3, max_len=30)
+    references = stock_greedy(untouched_target(family), prompts, NEW_TOKENS)
+    accepted = 0
+    for drafter, tree in ((block, "dynamic"), (block, "chain"), (CombinedDrafter(block, LookupDrafter()), "dynamic")):
+        model = MedusaLikeModel(prepared, None, drafter)
+        for prompt, reference in zip(prompts, references, strict=True):
+            out = model.generate(prompt, max_new_tokens=NEW_TOKENS, tree=tree, eos_token_id=[], remember=False)
+            assert out.new_tokens.tolist() == reference, (drafter.kind, tree)
+            accepted += sum(out.stats.accepted_draft)
+    step = block.block_step()  # the last model's adoption's: every adoption compiles it again, or loads the package
+    assert accepted > 0 and step.compiled is not None and step.failed is None
+    proposer = block.proposer(prepared.target)
+    features = torch.randn(9, block.fc.weight.shape[1])
+    proposer.begin(prompts[0][0], features, torch.tensor(3), 64)
+    proposer.block_log_probs(7)  # the prompt's rows, eager
+    proposer.accept(torch.tensor([3, 4]), features[:2], torch.tensor(5))
+    compiled_logp = proposer.block_log_probs(7)
+    proposer.cache.length -= 2  # the same step again, eagerly
+    proposer.pending, proposer.compiled = features[:2], None
+    torch.testing.assert_close(compiled_logp, proposer.block_log_probs(7), atol=1e-4, rtol=1e-4)

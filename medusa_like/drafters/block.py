@@ -45,6 +45,9 @@ from .registry import register
 from .vocab import DraftVocab
 
 DEFAULT_BLOCK_SIZE = 8  # the root and 7 drafted positions
+# the block graph's compiled shapes: new context rows MIN_ROWS .. MAX_ROWS (a dimension of 1 would be specialised, so
+# fewer are padded; more, the prompt's, run the graph eagerly) after at least MIN_ROWS committed entries
+MIN_ROWS, MAX_ROWS, MAX_CONTEXT = 2, 64, 1 << 20
 LAYER_FAMILY = "qwen3"  # the layers' transformers family: DFlash's layout, what the serving engines load
 ATTENTION = "medusa_like_blocks"  # the layers' attention function (registered below)
 
@@ -254,7 +257,9 @@ class BlockDrafter(LearnedDrafter, nn.Module):
                 f"({config.draft_vocab_size} over {config.vocab_size})"
             )
         self.register_buffer("token_ids", vocab.token_ids.clone(), persistent=False)
+        self.register_buffer("mask_token_embedding", torch.zeros(hidden), persistent=False)  # `use_target_embeddings`
         self._cache_keyword = cache_keyword(self.layers[0])
+        self._compiled = None  # the block's graph compiled where the target's step is (`compile_drafting`)
 
     @property
     def vocab(self) -> DraftVocab:
@@ -281,7 +286,18 @@ class BlockDrafter(LearnedDrafter, nn.Module):
             )
 
     def compile_drafting(self, compiler) -> None:
-        pass  # drafts eagerly: one forward of B rows a step
+        """Draft through the block's graph compiled by `compiler` (`forward/compiled_draft.DraftCompiler.graph`),
+        with the target's step's settings, from now on: compiled on its first draft, or loaded."""
+        self._compiled = None  # cleared first: the compiler copies this module, and must not copy an earlier one
+        graph = BlockGraph(self)
+        rows, live = ("rows", MIN_ROWS, MAX_ROWS), ("live", MIN_ROWS, MAX_CONTEXT)
+        dynamic = {"features": {0: rows}, "context_positions": {0: rows}, "real": {0: rows}, "seen": {0: live},
+                   "buffer": {3: ("capacity", MIN_ROWS, MAX_CONTEXT)}}  # fmt: skip
+        self._compiled = compiler.graph(graph, self, graph.example_inputs(), dynamic, "the block drafter's block")
+
+    def block_step(self):
+        """The compiled block graph where `compile_drafting` set one, else None (the proposer runs it eagerly)."""
+        return self._compiled
 
     @torch.no_grad()
     def init_from_target(self, target) -> None:
@@ -322,33 +338,39 @@ class BlockDrafter(LearnedDrafter, nn.Module):
         """context [B, T, h] at positions [B, T] -> every layer's (keys, values) [B, H_kv, T, D], rotated at their
         positions as the layers' attention rotates its own keys."""
         cos, sin = self.rotary_emb(context, positions)
-        out = []
+        heads, out = self.config.layer["num_key_value_heads"], []
         for layer in self.layers:
             attn = layer.self_attn
-            shape = (*context.shape[:-1], -1, attn.head_dim)
+            shape = (*context.shape[:-1], heads, attn.head_dim)
             keys = attn.k_norm(attn.k_proj(context).view(shape)).transpose(1, 2)  # [B, H_kv, T, D]
             values = attn.v_proj(context).view(shape).transpose(1, 2)
             keys, _ = apply_rotary_pos_emb(keys, keys, cos, sin)
             out.append((keys, values))
         return out
 
-    def block_embeddings(self, roots: torch.Tensor, embed: nn.Module) -> torch.Tensor:
-        """roots [...] (token ids) -> the blocks' inputs [..., B, h]: each root's embedding, then B - 1 masks."""
-        size, dtype = self.config.block_size, self.fc.weight.dtype
-        root = embed(roots).to(dtype)  # [..., h]
-        if self.mask_embedding is not None:
-            mask = self.mask_embedding.to(dtype)
-        else:
-            mask = embed(torch.tensor(self.config.mask_token_id, device=roots.device)).to(dtype)
-        masks = mask.expand(*roots.shape, size - 1, -1)  # [..., B - 1, h]
-        return torch.cat([root[..., None, :], masks], dim=-2)
+    def block_embeddings(self, roots: torch.Tensor) -> torch.Tensor:
+        """The roots' embeddings [..., h] (the target's) -> the blocks' inputs [..., B, h]: each root, then B - 1 mask
+        embeddings (`mask`)."""
+        dtype = self.fc.weight.dtype
+        masks = self.mask.to(dtype).expand(*roots.shape[:-1], self.config.block_size - 1, -1)  # [..., B - 1, h]
+        return torch.cat([roots.to(dtype)[..., None, :], masks], dim=-2)
 
-    def forward(
-        self, block: torch.Tensor, positions: torch.Tensor, context_keys, visible: torch.Tensor
-    ) -> torch.Tensor:
+    @property
+    def mask(self) -> torch.Tensor:
+        """The mask positions' input [h]: the learned embedding, or the target's embedding of its mask token (which
+        `use_target_embeddings` keeps)."""
+        return self.mask_embedding if self.mask_embedding is not None else self.mask_token_embedding
+
+    def use_target_embeddings(self, embed: nn.Module) -> None:
+        """With a mask token, keep its embedding from the target's (`embed`) as a buffer of this drafter."""
+        if self.config.mask_token_id is not None:
+            token = torch.tensor(self.config.mask_token_id, device=embed.weight.device)
+            self.mask_token_embedding = embed(token).detach().to(self.mask_token_embedding)
+
+    def forward(self, block: torch.Tensor, positions: torch.Tensor, context_keys, visible) -> torch.Tensor:
         """block [B, R, h] (the rows of one or several blocks) at positions [B, R], the layers' context keys
-        (`context_keys`), visible [B, 1, R, S + R] bool (which context keys, then which block rows, each row sees)
-        -> the rows' output states [B, R, h] after the final norm."""
+        (`context_keys`, over T positions), `visible`: a dense [B, 1, R, T + R] bool mask (which context keys, then
+        which block rows, each row sees) or a `BlockMask` -> the rows' output states [B, R, h] after the final norm."""
         position_embeddings = self.rotary_emb(block, positions)
         cache = PrefixedCache(context_keys)
         x = block
@@ -380,32 +402,72 @@ class ContextCache:
             drafter.config.num_layers, 2, heads, capacity, attn.head_dim, dtype=dtype, device=device
         )
 
-    def live(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """Every layer's committed (keys, values) [1, H_kv, length, D]."""
-        live = self.buffer[:, :, None, :, : self.length]  # [L, 2, 1, H_kv, length, D]
-        return [(layer[0], layer[1]) for layer in live]
-
-    def append(self, keys) -> None:
-        """Commit new context entries: every layer's (keys, values) [1, H_kv, n, D]."""
-        n = keys[0][0].shape[-2]
-        if self.length + n > self.capacity:
+    def check_room(self, new: int) -> None:
+        if self.length + new > self.capacity:
             raise CacheOverflowError(
-                f"the block drafter's context cache holds {self.capacity} tokens; {self.length} + {n} was refused"
+                f"the block drafter's context cache holds {self.capacity} tokens: {self.length} committed + {new} new "
+                "was refused"
             )
-        for i, (k, v) in enumerate(keys):
-            self.buffer[i, 0, :, self.length : self.length + n] = k[0]
-            self.buffer[i, 1, :, self.length : self.length + n] = v[0]
+
+    def append(self, entries: torch.Tensor) -> None:
+        """Commit new context entries [L, 2, H_kv, n, D] after the committed ones."""
+        n = entries.shape[3]
+        self.check_room(n)
+        self.buffer[:, :, :, self.length : self.length + n] = entries
         self.length += n
+
+
+class BlockGraph(nn.Module):
+    """One drafting step as a pure function of tensors (what `compile_drafting` compiles, and what runs eagerly
+    otherwise): the new context rows' keys and values, then the block's forward over every context entry and its own
+    rows. A module holding the drafter, so that compiling freezes its weights as constants."""
+
+    def __init__(self, drafter: BlockDrafter):
+        super().__init__()
+        self.drafter = drafter
+
+    def forward(self, features, root, context_positions, block_positions, real, seen, buffer):
+        """features [c, F] (the new context rows' target features, `real` [c] saying which are not padding) at
+        context_positions [c]; root [1, h] (the root's embedding) and block_positions [B]; seen [S] (the S committed
+        entries of `buffer` [L, 2, H_kv, capacity, D], all visible) -> (logits [B - 1, N] of the drafted positions,
+        fp32; the new rows' entries [L, 2, H_kv, c, D], for the caller to commit)."""
+        drafter = self.drafter
+        new = drafter.context_keys(drafter.context(features)[None], context_positions[None])  # L x ([1, H_kv, c, D],)
+        live = buffer[:, :, None, :, : seen.shape[0]]  # [L, 2, 1, H_kv, S, D]
+        keys = [(torch.cat([live[i, 0], k], 2), torch.cat([live[i, 1], v], 2)) for i, (k, v) in enumerate(new)]
+        block = drafter.block_embeddings(root)  # [1, B, h]
+        size = block.shape[1]
+        visible = torch.cat([seen, real, torch.ones(size, dtype=torch.bool, device=real.device)])  # [S + c + B]
+        state = drafter(block, block_positions[None], keys, visible.expand(size, -1)[None, None])[0, 1:]  # [B - 1, h]
+        entries = torch.stack([torch.stack([k[0], v[0]]) for k, v in new])  # [L, 2, H_kv, c, D]
+        return drafter.logits(state).float(), entries
+
+    def example_inputs(self) -> tuple:
+        """Inputs of the graph's shapes to trace it with: 3 new context rows after 5 committed in a buffer of 11."""
+        drafter = self.drafter
+        weight = drafter.fc.weight
+        config, rows, committed, capacity = drafter.config, 3, 5, 11
+        features = torch.zeros(rows, weight.shape[1], dtype=weight.dtype, device=weight.device)
+        root = torch.zeros(1, config.hidden_size, dtype=weight.dtype, device=weight.device)
+        context_positions = torch.arange(committed, committed + rows, device=weight.device)
+        block_positions = torch.arange(committed + rows, committed + rows + config.block_size, device=weight.device)
+        real = torch.ones(rows, dtype=torch.bool, device=weight.device)
+        seen = torch.ones(committed, dtype=torch.bool, device=weight.device)
+        buffer = ContextCache(drafter, capacity, weight.device).buffer
+        return features, root, context_positions, block_positions, real, seen, buffer
 
 
 class BlockProposer:
     """Drafts trees from one block forward a step (see `drafters/protocol.py`). The context cache holds the target's
     features of every committed token (the prompt's, then each step's accepted nodes'); the root, the target's next
-    token, sits at the position after them."""
+    token, sits at the position after them. A step runs the compiled block graph where the drafter has one and the
+    shapes fit it (at least MIN_ROWS committed entries, at most MAX_ROWS new rows: padded to MIN_ROWS), else the same
+    graph eagerly (the first step, which commits the prompt)."""
 
     def __init__(self, drafter: BlockDrafter, target):
-        self.drafter = drafter
+        self.drafter, self.eager, self.compiled = drafter, BlockGraph(drafter), drafter.block_step()
         self.embed = target.get_input_embeddings()
+        drafter.use_target_embeddings(self.embed)
         self.feature_layers = drafter.config.feature_layers
         self.max_depth = drafter.max_depth
         self.max_rank = drafter.config.draft_vocab_size
@@ -435,18 +497,23 @@ class BlockProposer:
     def block_log_probs(self, depth: int) -> torch.Tensor:
         """Commit the pending context, then draft one block after the root: log-probabilities [depth, N] of the
         positions root + 1 .. root + depth."""
-        drafter, cache = self.drafter, self.cache
-        if self.pending.shape[0]:
-            positions = torch.arange(cache.length, cache.length + self.pending.shape[0], device=self.root.device)
-            context = drafter.context(self.pending)[None]  # [1, a, h]
-            cache.append(drafter.context_keys(context, positions[None]))
-            self.pending = self.pending[:0]
-        size = drafter.config.block_size
-        block = drafter.block_embeddings(self.root.view(1), self.embed)  # [1, B, h]
-        positions = torch.arange(cache.length, cache.length + size, device=self.root.device)[None]  # [1, B]
-        visible = torch.ones(1, 1, size, cache.length + size, dtype=torch.bool, device=self.root.device)
-        state = drafter(block, positions, cache.live(), visible)[0, 1 : 1 + depth]  # [depth, h]
-        return drafter.logits(state).float().log_softmax(-1)
+        cache, device, count = self.cache, self.root.device, self.pending.shape[0]
+        cache.check_room(count)
+        compiled = self.compiled is not None and cache.length >= MIN_ROWS and count <= MAX_ROWS
+        rows = max(count, MIN_ROWS) if compiled else count
+        features = torch.cat([self.pending, self.pending.new_zeros(rows - count, self.pending.shape[1])])  # [rows, F]
+        real = torch.arange(rows, device=device) < count
+        committed = cache.length
+        context_positions = torch.arange(committed, committed + rows, device=device)
+        size = self.drafter.config.block_size
+        block_positions = torch.arange(committed + count, committed + count + size, device=device)
+        seen = torch.ones(committed, dtype=torch.bool, device=device)
+        root = self.embed(self.root.view(1)).to(features.dtype)  # [1, h]
+        step = self.compiled if compiled else self.eager
+        logits, entries = step(features, root, context_positions, block_positions, real, seen, cache.buffer)
+        cache.append(entries[:, :, :, :count])
+        self.pending = self.pending[:0]
+        return logits[:depth].log_softmax(-1)
 
 
 # ---------------------------------------------------------------------------------------------------------------------

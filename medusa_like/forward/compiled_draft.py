@@ -23,6 +23,9 @@ the same buffer, with a log line: only a slower draft, and drafts never change w
     heads = compiler.heads(medusa_heads, rows)        # rows: a draft vocabulary's token ids, or None
     logits = heads(hidden)                            # the target's last hidden state [H] -> every head's [K, N]
 
+    step = compiler.graph(graph, drafter, example_inputs, dynamic, what)   # any drafter's own graph (the block's)
+    outputs = step(*inputs)
+
 Medusa heads read one row, the target's last hidden state, so their graph has no dynamic dimension; it holds the
 target's projection (or its draft vocabulary's rows) as a constant of its own, and is keyed by the target's weights
 too. Every head is computed: a step that drafts fewer levels keeps the first ones (the projection's weights are read
@@ -30,6 +33,7 @@ once whatever the row count).
 """
 
 import hashlib
+import inspect
 import json
 import logging
 from contextlib import nullcontext
@@ -64,6 +68,18 @@ class DraftCompiler:
         """Medusa-style heads over the target's projection, restricted to `rows` (token ids) or not."""
         traced = self.traced(heads)
         return CompiledHeads(traced, self.target, rows, self.options, products_label(traced, self.label))
+
+    def graph(
+        self, graph: torch.nn.Module, drafter, example_inputs: tuple, dynamic: dict, what: str
+    ) -> "CompiledGraph":
+        """Any drafter's own graph (`graph`, an `nn.Module` of tensors in, tensors out, holding `drafter`), compiled
+        with the target's step's settings: `example_inputs` to trace it with, `dynamic` its dynamic dimensions by
+        input name ({input: {dim: (size name, min, max)}}: the same name, the same size), `what` what the log calls
+        it."""
+        traced = self.traced(graph)
+        return CompiledGraph(
+            traced, drafter, example_inputs, dynamic, what, self.options, products_label(traced, self.label)
+        )
 
 
 def products_label(module, label: str) -> str:
@@ -181,6 +197,54 @@ class _LevelGraph(torch.nn.Module):
         cache = LiveCache(buffer[:, :, :, :, : mask.shape[-1]], slots)
         state = self.drafter(feature, embeds, position_ids, mask, cache)[0]  # [T, h]
         return state, self.drafter.logits(state), torch.stack(cache.new)
+
+
+class CompiledGraph:
+    """A drafter's own graph (a drafter kind's drafting step: the block drafter's block) compiled with Inductor
+    `options` like the target's step, loaded from disk by a later process; where it cannot run, the same graph runs
+    eagerly, with a log line: only a slower draft. The caller pads its inputs to the dynamic dimensions' ranges."""
+
+    def __init__(self, graph, drafter, example_inputs: tuple, dynamic: dict, what: str, options: dict, label: str):
+        self.graph, self.drafter, self.inputs, self.dynamic = graph, drafter, example_inputs, dynamic
+        self.what, self.options, self.label = what, dict(options), label
+        self.min_rows, self.max_rows = MIN_ROWS, MAX_ROWS
+        self.compiled = None
+        self.compile_seconds = 0.0
+        self.failed: str | None = None  # why the compiled graph stopped being used, if it did
+
+    def graph_key(self) -> dict:
+        text = json.dumps(self.drafter.config.to_dict(), sort_keys=True, default=str)
+        return compile_cache.model_key(self.drafter, "drafter", text, code_of=type(self.drafter))
+
+    def __call__(self, *inputs):
+        if self.failed is None:
+            try:
+                return self._compiled()(*inputs)
+            except Exception as err:  # the compiler's errors have many types; the eager run is always correct
+                self.failed = compile_cache.failure(err)
+                log.warning("%s compiled failed (%s): it runs eagerly from now on", self.what, self.failed)
+        with torch.inference_mode():
+            return self.graph(*inputs)
+
+    def traced_attention(self):
+        return nullcontext()  # the drafter's layers attend by their own attention function
+
+    def _compiled(self):
+        if self.compiled is None:
+            on_cpu = next(self.drafter.parameters()).device.type == "cpu"
+            self.compiled = (compile_cache.Package if on_cpu else compile_cache.InProcess)(self.graph, self)
+        return self.compiled
+
+    def dynamic_sizes(self) -> dict:
+        """Every input of the graph's forward, in order, with its dynamic dimensions ({} for a static input); inputs
+        whose dimensions share a name share one size."""
+        sizes = {name: torch.export.Dim(name, min=low, max=high) for dims in self.dynamic.values()
+                 for name, low, high in dims.values()}  # fmt: skip
+        names = inspect.signature(self.graph.forward).parameters
+        return {name: {dim: sizes[size[0]] for dim, size in self.dynamic.get(name, {}).items()} for name in names}
+
+    def example_inputs(self) -> tuple:
+        return self.inputs
 
 
 class CompiledHeads:

@@ -254,7 +254,8 @@ class BlockModule(FeatureLabelsModule):
         positions = torch.arange(width, device=input_ids.device)[None].expand(batch_size, -1)  # [B, T]
         keys = drafter.context_keys(drafter.context(aux), positions)
         roots = input_ids.gather(1, anchors)  # [B, N]
-        block = drafter.block_embeddings(roots, self.target.get_input_embeddings()).flatten(1, 2)  # [B, N * B_s, h]
+        drafter.use_target_embeddings(self.target.get_input_embeddings())
+        block = drafter.block_embeddings(self.target.get_input_embeddings()(roots)).flatten(1, 2)  # [B, N * B_s, h]
         block_positions = (anchors[..., None] + torch.arange(size, device=anchors.device)).flatten(1)  # [B, N * B_s]
         state = drafter(block, block_positions, keys, block_visibility(anchors, attention_mask, size))
         return state.view(batch_size, anchors.shape[1], size, -1)[:, :, 1:]
