@@ -4,10 +4,14 @@ The layout is checked against a spec written here from llama.cpp's own source (s
 and their shapes, innermost dimension first; src/llama-arch.cpp: the key names; conversion/llama.py: the q/k
 permutation, d2t as absolute ids), not against the exporter. The forward below is llama.cpp's eagle3 decoder graph
 written again in torch from the file's tensors alone, with llama.cpp's RoPE (adjacent pairs); it must give the
-framework's first draft step.
+framework's first draft step. Where llama.cpp is built (`make llamacpp-build`), llama.cpp itself drafts with the
+export and decodes its plain decoding's text; elsewhere that test skips, saying so.
 """
 
+import importlib.util
 import math
+import subprocess
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -313,3 +317,55 @@ def test_refuses_a_tokenizer_that_is_not_the_targets(tmp_path, target, drafter):
         export_drafter(drafter, tmp_path / "b", "gguf", target, "HuggingFaceTB/SmolLM2-135M-Instruct-not-a-gguf")
     with pytest.raises(ValueError, match="f32, f16 or q8_0, not 'bfloat16'"):
         export_drafter(drafter, tmp_path / "c", "gguf", target, str(tmp_path / "other.gguf"), dtype=torch.bfloat16)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# llama.cpp itself, where `make llamacpp-build` built it: our export drafting for it
+
+LLAMACPP = Path(__file__).resolve().parents[1] / ".llamacpp"
+
+
+def llamacpp_missing() -> str | None:
+    """Why llama.cpp cannot run our export here (one line), or None."""
+    from medusa_like.engines.llamacpp import plain
+    from medusa_like.engines.llamacpp.runner import executable
+
+    if not executable(LLAMACPP).is_file():
+        return f"llama.cpp is not built here ({LLAMACPP}); `make llamacpp-build` builds it"
+    if plain.converter(LLAMACPP) is None or importlib.util.find_spec("sentencepiece") is None:
+        return "llama.cpp's converter or its sentencepiece is missing; `make llamacpp-build` installs them"
+    return None
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(llamacpp_missing() is not None, reason=f"{llamacpp_missing()}")
+def test_llamacpp_drafts_with_our_gguf_export_and_decodes_plain_decodings_tokens(tmp_path):
+    """`llama-speculative-simple --spec-type draft-eagle3` with our GGUF export of an EAGLE-3 drafter started from the
+    target's last layer and head (often right), on a tiny target converted by llama.cpp's own converter (logits
+    scaled x20: no near-ties between its single-token and batched arithmetic): the text of its plain decoding, and
+    drafts accepted."""
+    from medusa_like.drafters.eagle3 import EAGLE3
+    from medusa_like.engines.llamacpp import plain
+    from medusa_like.engines.llamacpp.runner import PLAIN, Setting, executable, parse_output, prompt_command
+    from medusa_like.tiny import tiny_chat_target
+
+    target, tokenizer = tiny_chat_target(num_layers=2, seed=3, tie_word_embeddings=False)
+    with torch.no_grad():
+        target.get_output_embeddings().weight.mul_(20)
+    (tmp_path / "src").symlink_to(LLAMACPP / "src")  # the converter's sources; the converted file stays here
+    target_file = plain.target_file(target, tokenizer, tmp_path)
+    drafter = EAGLE3.fresh(target)
+    drafter.init_layer_from_target(target, target.config.num_hidden_layers - 1)
+    drafter.init_from_target(target)
+    drafter_file = export_drafter(drafter, tmp_path / "gguf", "gguf", target, str(target_file)) / GGUF_FILE
+
+    def run(setting) -> tuple[str, dict]:
+        command = prompt_command(executable(LLAMACPP), target_file, "Write a haiku about rain.", setting, 1, 32, 512)
+        done = subprocess.run(command, capture_output=True, text=True, errors="replace", timeout=600)
+        assert done.returncode == 0, (done.stdout + done.stderr)[-2000:]
+        return done.stdout, parse_output(done.stdout + done.stderr)
+
+    plain_text, plain_figures = run(PLAIN)
+    text, figures = run(Setting("eagle3 d3", "draft-eagle3", drafter_file, 3))
+    assert text == plain_text and plain_figures["drafted"] == 0
+    assert figures["drafted"] > 0 and figures["accepted"] > 0, figures

@@ -1,7 +1,7 @@
-"""vLLM serves our EAGLE-3 export: a tiny target and a drafter trained here, exported with `format=eagle3`, loaded and
-run by vLLM's CPU build in its own environment (`make vllm-install`). Greedy with the drafter equals vLLM's greedy
-without it (and transformers' greedy), some drafts are accepted, and a drafter exported for another target is refused
-before vLLM sees it. The vLLM tests skip, with the reason, where vLLM is not installed; the refusal runs everywhere."""
+"""vLLM serves our EAGLE-3 and Medusa exports: a tiny target and a drafter trained here, exported with `format=eagle3`
+(or Medusa heads with `format=vllm`), loaded and run by vLLM's CPU build in its own environment (`make vllm-install`).
+Greedy with the drafter equals vLLM's greedy without it (and transformers' greedy), some drafts are accepted, and a
+drafter exported for another target is refused before vLLM sees it. The vLLM tests skip, with the reason, where vLLM is not installed; the refusal runs everywhere."""
 
 import lightning as L
 import pytest
@@ -13,12 +13,15 @@ from medusa_like.decoding.generate import speculative_generate
 from medusa_like.decoding.tree_files import resolve_tree
 from medusa_like.drafters.base import DrafterMismatchError
 from medusa_like.drafters.eagle3 import Eagle3Proposer
+from medusa_like.drafters.medusa import HeadsConfig, MedusaHeads
 from medusa_like.drafters.vocab import DraftVocab
 from medusa_like.engines.vllm.driver import VllmEngine, check_export, eagle3, ngram, unavailable_reason
+from medusa_like.formats import export_drafter
 from medusa_like.formats.common import FormatError
 from medusa_like.formats.eagle3 import write_eagle3
 from medusa_like.tiny import tiny_chat_target, tiny_model
 from medusa_like.training.eagle3_module import Eagle3Module
+from medusa_like.training.medusa_module import MedusaHeadsModule
 
 from .conftest import VOCAB, greedy_reference, greedy_rows, random_prompts
 from .test_distill import conversations
@@ -108,6 +111,39 @@ def test_vllm_serves_the_export_losslessly_and_accepts_its_drafts(served):
     drafts, theirs = spec.spec["drafts"], spec.spec["accepted_per_pos"]
     assert steps - len(prompts) <= drafts <= steps, (drafts, steps)
     assert all(a - n <= t <= a for t, a, n in zip(theirs, accepted, last, strict=True)), (theirs, accepted, last)
+
+
+def trained_heads(target, steps: int = 80) -> MedusaHeads:
+    """Two Medusa heads trained for `steps` AdamW steps on the target's greedy continuations of random prompts."""
+    torch.manual_seed(0)
+    config = HeadsConfig(target.config.hidden_size, VOCAB, num_heads=2)
+    module = MedusaHeadsModule(target, config, "tiny_llama", optimizer=lambda p: torch.optim.AdamW(p, lr=1e-2))
+    trainer = L.Trainer(
+        max_steps=steps, accelerator="cpu", logger=False, enable_checkpointing=False, enable_progress_bar=False,
+        enable_model_summary=False,
+    )  # fmt: skip
+    trainer.fit(module, DataLoader(greedy_rows(target, 32, seed=0), batch_size=8, shuffle=True))
+    return module.heads.eval()
+
+
+@pytest.mark.slow
+@needs_vllm
+def test_vllm_serves_our_medusa_export_with_plain_decodings_tokens_and_accepts_its_drafts(served, tmp_path):
+    """Medusa heads exported in vLLM's layout (`format=vllm`), drafting two tokens in vLLM: its plain decoding's
+    tokens, which are transformers' greedy, and drafts accepted (the layout alone is checked in tests/test_export.py)."""
+    target, _, target_dir, _ = served
+    export = export_drafter(trained_heads(target), tmp_path / "medusa", "vllm", target, "tiny_llama")
+    prompts = random_prompts(8, seed=123, min_len=4, max_len=12)
+    ids = [p[0].tolist() for p in prompts]
+    with VllmEngine(target_dir, tokenizer=False) as engine:
+        plain = engine.generate(ids, NEW_TOKENS, ignore_eos=True)
+    medusa = {"method": "medusa", "model": str(export), "num_speculative_tokens": 2}
+    with VllmEngine(target_dir, speculative=medusa, tokenizer=False) as engine:
+        spec = engine.generate(ids, NEW_TOKENS, ignore_eos=True)
+    plain_tokens = [o["token_ids"] for o in plain.outputs]
+    assert [o["token_ids"] for o in spec.outputs] == plain_tokens
+    assert plain_tokens == [greedy_reference(target, p, NEW_TOKENS).tolist() for p in prompts]
+    assert spec.spec["drafts"] > 0 and spec.spec["accepted"] > 0, spec.spec
 
 
 @pytest.mark.slow
