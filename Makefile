@@ -36,14 +36,20 @@ $(STAMP): pyproject.toml setup.py
 	@touch $(STAMP)
 
 # train the EAGLE-3-style drafter on ShareGPT conversations read by the target (resumable data build), then search the
-# combined tree (the drafter + lookup, one cost-aware tree), the drafter's own tree alone (its dynamic trees up to 9
-# nodes: larger ones are slower on a CPU) and transformers' prompt-lookup setting for this machine on validation
-# prompts, and evaluate on other validation prompts (never trained on): the drafter alone, lookup alone and combined,
+# combined tree (the drafter + lookup, one cost-aware tree: tree.json), the drafter's own tree alone (its dynamic trees
+# up to 9 nodes, larger ones are slower on a CPU: learned_tree.json) and this machine's profile of the target (its cost
+# model and kernels, the compile choice, transformers' fastest prompt lookup: profile.json) on validation prompts, and
+# evaluate on other validation prompts (never trained on), handed all three: the drafter alone, lookup alone and
+# combined,
 # against greedy on the same forward (compiled where this machine compiles it: forward/compiled.py), transformers'
 # prompt-lookup decoding, transformers' greedy as it ships (stock nn.Linear) and with a static cache and torch.compile,
 # and llama.cpp's plain decoding where it is built (`make llamacpp-build`; else a line says why not); tau, speed,
 # losslessness
 EVAL_METHODS := [hf_greedy,hf_prompt_lookup,hf_greedy_stock,hf_greedy_compiled,llamacpp_plain,learned,lookup,speculative]
+# the tree search's three files (tree_search.out, profile_out, learned_out) and the evaluation's settings that take them
+SEARCHED := out=$(RUN_DIR)/tree.json profile_out=$(RUN_DIR)/profile.json learned_out=$(RUN_DIR)/learned_tree.json
+SEARCH_FILES := tree=$(RUN_DIR)/tree.json target.profile=$(RUN_DIR)/profile.json \
+  learned_tree=$(RUN_DIR)/learned_tree.json
 run: $(STAMP)
 	@# a previous make run's directory is kept, renamed with its time (training refuses to start over a run)
 	@if [ -e $(RUN_DIR) ]; then kept=$(RUN_DIR)-$$(date -r $(RUN_DIR) +%Y%m%d-%H%M%S); \
@@ -51,9 +57,9 @@ run: $(STAMP)
 	$(PY) -m train.train experiment=smollm2_eagle3 hydra.run.dir=$(RUN_DIR)/train
 	$(PY) -m eval.tree_search drafter.path=$(RUN_DIR)/train/drafter tree_search.calibration.limit=4 \
 	  tree_search.timing_prompts=3 eval.max_new_tokens=64 'tree_search.dynamic=[[1,4,4],[2,2,2],[2,4,4],[3,4,6],[4,4,8]]' \
-	  tree_search.out=$(RUN_DIR)/tree.json hydra.run.dir=$(RUN_DIR)/tree_search
+	  $(SEARCHED:%=tree_search.%) hydra.run.dir=$(RUN_DIR)/tree_search
 	rm -rf $(RUN_DIR)/eval
-	$(PY) -m eval.evaluate drafter.path=$(RUN_DIR)/train/drafter tree=$(RUN_DIR)/tree.json data.source=validation \
+	$(PY) -m eval.evaluate drafter.path=$(RUN_DIR)/train/drafter $(SEARCH_FILES) data.source=validation \
 	  data.skip=8 data.limit=16 data.max_turns=1 eval.max_new_tokens=96 eval.sweep.prompts=0 \
 	  'eval.methods=$(EVAL_METHODS)' hydra.run.dir=$(RUN_DIR)/eval
 
@@ -81,7 +87,7 @@ test-fast: $(STAMP)
 MT_BENCH ?= ../shared/data/mt_bench_question.jsonl
 mt-bench: $(STAMP)
 	$(PY) -m eval.evaluate data.source=jsonl data.path=$(MT_BENCH) drafter.path=$(RUN_DIR)/train/drafter \
-	  tree=$(RUN_DIR)/tree.json eval.max_new_tokens=96 eval.sweep.prompts=0 eval.resume=true \
+	  $(SEARCH_FILES) eval.max_new_tokens=96 eval.sweep.prompts=0 eval.resume=true \
 	  'eval.methods=[hf_greedy,hf_prompt_lookup,hf_greedy_stock,hf_greedy_compiled,llamacpp_plain,lookup,speculative]' \
 	  hydra.run.dir=$(RUN_DIR)/mt_bench
 
@@ -122,7 +128,7 @@ test-vllm: $(STAMP) $(VLLM_STAMP)
 SERVING_DIR := $(RUN_DIR)/serving
 vllm: $(STAMP) $(VLLM_STAMP)
 	rm -rf $(SERVING_DIR)/eval
-	$(PY) -m eval.evaluate drafter.path=$(RUN_DIR)/train/drafter tree=$(RUN_DIR)/tree.json data.source=validation \
+	$(PY) -m eval.evaluate drafter.path=$(RUN_DIR)/train/drafter $(SEARCH_FILES) data.source=validation \
 	  data.skip=8 data.limit=16 data.max_turns=1 eval.max_new_tokens=96 eval.sweep.prompts=0 \
 	  'eval.methods=[hf_greedy,learned,lookup,speculative]' hydra.run.dir=$(SERVING_DIR)/eval
 	$(PY) -m eval.llamacpp drafter.path=$(RUN_DIR)/train/drafter 'llamacpp.chains=[1,2,3,4]' \

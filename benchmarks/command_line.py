@@ -3,7 +3,7 @@ of its function, what it returns shown by the harness (`harness.show`: tables, t
 
     python -m eval.bench                          # the list, one line each
     python -m eval.bench verify --help            # one benchmark's options
-    python -m eval.bench verify --tree runs/make_run/tree.json --nodes 1,2,3,6
+    python -m eval.bench verify --profile runs/make_run/profile.json --nodes 1,2,3,6
 
 A new benchmark is a module with a function `run(...) -> harness.Report`, listed in `BENCHMARKS`. Its positional
 parameters are positional arguments (`*args`: any number of them), its keyword-only parameters options

@@ -90,7 +90,7 @@ def one_target(name: str, default_dir: str | None, max_new_tokens: int, compile:
         seconds(lambda r=remember: ours.generate(ids, max_new_tokens=max_new_tokens, eos_token_id=[], remember=r))
         for remember in (False, True)
     ]
-    cost = ours.cost_model
+    cost = ours.drafter.cost_model  # what the lookup drafter sized its trees by
     return {
         "target": name,
         "vocab_size": model.config.get_text_config().vocab_size,

@@ -1,7 +1,7 @@
 """Verification benchmark: where one verification forward's time goes, over N tree nodes.
 
-    python -m eval.bench verify --tree runs/make_run/tree.json            # the kernels of a tree file's cost model
-    python -m eval.bench verify --nodes 1,3,6,13 --out bench_verify.json  # without --tree: a full cost model first
+    python -m eval.bench verify --profile runs/make_run/profile.json      # the kernels of a machine profile
+    python -m eval.bench verify --nodes 1,3,6,13 --out bench_verify.json  # without --profile: a full cost model first
     python -m eval.bench verify --compile --nodes 1,2,4,8,16,32           # the compiled step (forward/compiled.py)
 
 The forward is the cost model's (`forward/cost_measure.py Forwards`: the target's forward and vocabulary projection
@@ -69,7 +69,7 @@ def where_time_goes(prepared, nodes: list[int], repeats: int) -> list[dict]:
 def run(
     *,
     target: str = DEFAULT_TARGET,
-    tree: Annotated[str | None, "a tree file from the tree search: its cost model's kernels"] = None,
+    profile: Annotated[str | None, "a machine profile from the tree search: its kernels, its compile choice"] = None,
     nodes: Annotated[tuple[int, ...], f"node counts, 1..{MAX_NODES}"] = (1, 2, 3, 6, 13, 21),
     repeats: int = 10,
     threads: int | None = None,
@@ -82,11 +82,11 @@ def run(
     sizes = sorted(set(nodes))
     if not sizes or sizes[0] < 1 or sizes[-1] > MAX_NODES or repeats < 1:
         raise ValueError(f"nodes must lie in 1..{MAX_NODES} and repeats be at least 1, got {nodes} and {repeats}")
-    model = MedusaLikeModel.from_pretrained(target, drafter="lookup", dtype=dtype, compile=compile)
-    if tree:
-        model.use_tree_settings(tree)
-    elif not compile:  # the eager step's few-row kernels are a cost model's choice; the compiled step has its own
-        model.measure_cost_model()
+    model = MedusaLikeModel.from_pretrained(
+        target, drafter="lookup", dtype=dtype, compile=compile or (None if profile else False), profile=profile
+    )
+    if not (profile or compile):  # the eager step's few-row kernels are a cost model's choice; the compiled its own
+        model.forward.measure_cost_model(model.drafter)
     rows = where_time_goes(model.forward, sizes, repeats)
     cells = [
         [str(r["nodes"]), *(f"{r[k]:.1f}" for k in ("wall_ms", "products", "attention", "compiled", "rest", "total"))]
@@ -98,5 +98,5 @@ def run(
         ["nodes", "wall", "products", "attention", "compiled", "rest", "profiled total"],
         cells,
     )
-    data = {"target": target, "tree": tree, "threads": threads, "step": model.forward.describe(), "dtype": dtype}
+    data = {"target": target, "profile": profile, "threads": threads, "step": model.forward.describe(), "dtype": dtype}
     return Report({**data, "rows": rows}, [shown], out=out)

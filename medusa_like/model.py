@@ -5,12 +5,15 @@
     out = model.generate(ids, max_new_tokens=128, tree="dynamic")
     print(model.tokenizer.decode(out.new_tokens), out.stats.tau)
 
+How the target computes on this machine (its compiled step, its kernels, the cost model that sizes a lookup or
+combined drafter's trees) is `model.forward`'s (`forward.PreparedTarget`), set by `compile=` and a machine profile
+(`profile=`, the tree search's `profile.json`); a tree argument only says which tree to draft.
+
 The drafter is any kind of `drafters/registry.py`: Medusa heads, the EAGLE-3-style draft model, lookup, or a learned
 drafter and lookup combined in one tree. Without one, training-free lookup drafting (context and output store) is
 used. Every drafter is lossless; a good one is only faster.
 """
 
-import json
 import threading
 from contextlib import contextmanager
 from pathlib import Path
@@ -18,18 +21,16 @@ from pathlib import Path
 import torch
 
 from medusa_like.decoding.checks import check_inputs, prompt_tensor, sampling_generator, token_ids
-from medusa_like.decoding.cost_model import CostModel
 from medusa_like.decoding.generate import GenerateOutput, PlainProposer, StopChecker, decode
 from medusa_like.decoding.tree import TreeSpec, is_plain
 from medusa_like.decoding.tree_files import resolve_tree
-from medusa_like.drafters.protocol import Drafter, Proposer, sized_by_cost_model
+from medusa_like.drafters.protocol import Drafter, Proposer
 from medusa_like.formats import resolve_drafter
-from medusa_like.forward import PreparedTarget, prepare_target
+from medusa_like.forward import MachineProfile, PreparedTarget, prepare_target
+from medusa_like.forward.profile import as_profile
 from medusa_like.targets import DEFAULT_TARGET, chat_input_ids, eos_token_ids, freeze, load_target, target_dtype
 
 DEFAULT_DRAFTER = "lookup"  # without a trained drafter: lookup drafting from the context and earlier outputs
-# what a tree search's file holds besides the tree (`learned_alone`: the learned drafter's own tree, decoding alone)
-TREE_FILE_SETTINGS = ("cost_model", "prompt_lookup_num_tokens", "learned_alone")
 
 
 class MedusaLikeModel:
@@ -42,31 +43,42 @@ class MedusaLikeModel:
         target_name: str | None = None,
         tuned_layers: bool | None = None,
         drafter_dtype: torch.dtype | str | None = "auto",
-        compile: bool | str = False,
+        compile: bool | str | None = None,
+        profile: MachineProfile | str | Path | None = None,
     ):
         """Wrap `target` (frozen: eval mode, no gradients) and `drafter` for speculative decoding. `target` may be a
         model or a `forward.PreparedTarget` (another `MedusaLikeModel`'s `.forward`: the same step, kernels and
         compiled code, shared).
 
         How the target computes on this machine is `medusa_like.forward`'s (`prepare_target`): `compile` (False,
-        True or "auto") runs a compiled step where this platform supports one, and the drafter's own step (an
-        EAGLE-3 level, Medusa heads) compiled beside it (minutes of compiling on first use, logged, then loaded from
-        disk by later processes; eager otherwise, with a log line saying why); `tuned_layers` (None: where measured
-        faster) computes an eager step's few rows by this CPU's fastest kernels. That changes the model you pass: its `nn.Linear` layers,
-        and the drafter's, are replaced in place by layers that share their parameters (same state dict, no copy) and
-        differ from `nn.Linear` only in rounding; the log says so. Pass False to keep them.
+        True or "auto"; None: as `profile` says, else False) runs a compiled step where this platform supports one,
+        and the drafter's own step (an EAGLE-3 level, Medusa heads) compiled beside it (minutes of compiling on first
+        use, logged, then loaded from disk by later processes; eager otherwise, with a log line saying why);
+        `tuned_layers` (None: where measured faster) computes an eager step's few rows by this CPU's fastest kernels.
+        That changes the model you pass: its `nn.Linear` layers, and the drafter's, are replaced in place by layers
+        that share their parameters (same state dict, no copy) and differ from `nn.Linear` only in rounding; the log
+        says so. Pass False to keep them.
+
+        `profile`: a machine profile (`forward.profile`, the tree search's `profile.json`, or its path: read once)
+        measured here for this target: its kernels are set and a lookup or combined drafter sizes its trees by its
+        cost model; one measured for other weights, dtype, device, machine or step is refused with the differences
+        named (`forward.ProfileMismatchError`). Without one, such a drafter measures a quick cost model on first use
+        (logged, cached).
 
         `drafter_dtype`: what a learned drafter computes in (`PreparedTarget.drafting_dtype`; "auto": bf16 where that
         is cheaper and the drafter allows it, else the target's dtype). The drafter you pass is cast in place."""
+        profile = as_profile(profile)
         self.forward: PreparedTarget = (
             target if isinstance(target, PreparedTarget) else prepare_target(freeze(target), backend, tuned_layers)
         )
-        self.forward.use_compiled(compile)
+        if profile is not None:
+            self.forward.use_profile(profile, compile)
+        else:
+            self.forward.use_compiled(False if compile is None else compile)
         self.target = self.forward.target
         drafter.check_fits(self.target)
         self.drafter = self.forward.adopt(drafter, drafter_dtype)
         self.tokenizer = tokenizer
-        self._tree_files: dict[tuple, dict] = {}  # (path, mtime, size) of each tree file read -> its settings
         self.target_name = target_name or getattr(self.target.config, "name_or_path", None)
         self._lock, self._generating = threading.Lock(), None  # `generate` serves one thread at a time
 
@@ -81,13 +93,15 @@ class MedusaLikeModel:
         device: torch.device | str | None = None,
         tuned_layers: bool | None = None,
         drafter_dtype: torch.dtype | str | None = "auto",
-        compile: bool | str = False,
+        compile: bool | str | None = None,
+        profile: MachineProfile | str | Path | None = None,
         **drafter_options,
     ) -> "MedusaLikeModel":
         """`target`: a hub id, a local directory, the default's name, or a loaded model (then pass `tokenizer`). A
         model you pass is changed in place: its `nn.Linear` layers become this CPU's tuned layers sharing their
         parameters, unless `tuned_layers=False`, and a learned drafter is cast to `drafter_dtype`. `compile=True`
-        compiles the target's step (and the drafter's) on first use (see `__init__`).
+        compiles the target's step (and the drafter's) on first use; `profile=` is this machine's profile of the
+        target (the tree search's `profile.json`); see `__init__`.
 
         `drafter`: a drafter directory (native Medusa heads or EAGLE-3 drafter, the Medusa, vLLM, TGI or EAGLE-3
         serving layouts), a training checkpoint, a drafter object, or the name of a drafter kind for a fresh one built
@@ -112,6 +126,7 @@ class MedusaLikeModel:
             tuned_layers=tuned_layers,
             drafter_dtype=drafter_dtype,
             compile=compile,
+            profile=profile,
         )
 
     @property
@@ -154,80 +169,12 @@ class MedusaLikeModel:
     def resolve_tree(self, tree) -> TreeSpec:
         """The tree spec generation uses for `tree` (a preset name, a tree file, rank paths, a dict or a spec), as
         this drafter decodes with it (a lookup or combined drafter merges its sources into a budgeted tree; plain
-        decoding, `"none"`, stays plain whatever the drafter). A tree file's other settings are put to use too
-        (`use_tree_settings`)."""
-        spec = resolve_tree(tree, self.max_depth)
-        self.use_tree_settings(tree)
-        return self._as_drafted(spec)
+        decoding, `"none"`, stays plain whatever the drafter). A tree file is read as a tree, nothing else."""
+        return self._as_drafted(resolve_tree(tree, self.max_depth))
 
     def _as_drafted(self, spec: TreeSpec) -> TreeSpec:
         """`spec` as this drafter decodes with it; plain decoding stays plain, whatever the drafter."""
         return spec if is_plain(spec) else self.drafter.adapt_tree(spec)
-
-    def use_tree_settings(self, tree) -> dict:
-        """Put to use what a tree file from the tree search holds besides the tree (`tree`: its path; {} for any
-        other tree): its cost model, checked and refused (`CostModelMismatchError`) when measured for other target
-        weights, dtype, device, machine or step, becomes the one this model's budgeted trees are sized by, its kernels
-        set on the target (a cost model of the compiled step compiles it); returns the file's `TREE_FILE_SETTINGS` as
-        it holds them. The one rule for the Python API and the evaluation; a file is read once, and its cost model set
-        again whenever another was set since."""
-        if not (isinstance(tree, (str, Path)) and str(tree).endswith(".json") and Path(tree).is_file()):
-            return {}
-        path = Path(tree)
-        stat = path.stat()
-        stamp = (str(path.resolve()), stat.st_mtime_ns, stat.st_size)
-        if stamp not in self._tree_files:
-            data = json.loads(path.read_text(encoding="utf-8"))
-            self._tree_files[stamp] = {
-                key: data[key] for key in TREE_FILE_SETTINGS if isinstance(data, dict) and key in data
-            }
-        settings = self._tree_files[stamp]
-        if settings.get("cost_model") is not None:
-            cost = self.forward.active
-            if cost is None or cost.source != f"file:{path}":
-                compiled = self.forward.compiled
-                cost = self.forward.load_cost_model(settings["cost_model"], f"file:{path}")
-                if self.forward.compiled is not compiled:  # the file's cost model compiled the step: drafting too
-                    self.forward.compile_drafting(self.drafter)
-            if sized_by_cost_model(self.drafter):
-                self.drafter.use_cost_model(cost)
-        return settings
-
-    @property
-    def cost_model(self) -> CostModel | None:
-        """The cost model this model's budgeted trees are sized by (a lookup or combined drafter's; None before its
-        first generation, or for drafters that consult none). `cost_model.source` says where it came from."""
-        return self.drafter.cost_model if sized_by_cost_model(self.drafter) else None
-
-    def measure_cost_model(self, **options) -> CostModel:
-        """Measure this machine's full cost model of the target's step (every tree size, the fastest kernels chosen
-        and set, the layers tuned where missing) and use it from now on: it replaces the quick first estimate
-        measured on first use, on disk too, for every later process. Takes a while: it times many forwards.
-        `options`: `forward.cost_measure.measure_cost_model`'s."""
-        with self._one_generation():
-            cost = self.forward.measure_cost_model(self.drafter, **options)
-            if sized_by_cost_model(self.drafter):
-                self.drafter.use_cost_model(cost)
-            return cost
-
-    def tune_layers(self) -> None:
-        """Measure what this machine's tuned layers of the target and the drafter run fastest by, where its cache
-        lacks it (once per weight shape, then cached). Construction only reads the cache, so that a first call never
-        waits for it; `measure_cost_model` measures them too."""
-        with self._one_generation():
-            self.forward.tune_layers(self.drafter)
-
-    def settle_cost_model(self) -> None:
-        """Before a generation: a drafter that sizes its trees by a cost model gets this machine's (unless it holds
-        one that fits); for any other, the layers run the kernels of the one cached here, if any."""
-        if sized_by_cost_model(self.drafter):
-            cost = self.drafter.cost_model
-            if cost is None or not self.forward.fits(cost):
-                self.drafter.use_cost_model(self.forward.cost_model())
-            elif cost is not self.forward.active:
-                self.forward.activate(cost)
-        else:
-            self.forward.settle()
 
     def generate(
         self,
@@ -282,9 +229,7 @@ class MedusaLikeModel:
             capacity = check_inputs(
                 self.target, proposer, input_ids, spec, max_new_tokens, max_cache_len, temperature, top_k, top_p
             )
-            if self.use_tree_settings(tree) and not plain:  # a tree file's cost model sets the kernels (or compiles)
-                proposer = self.proposer()  # first: the drafter may now draft compiled
-            self.settle_cost_model()
+            self.forward.settle(self.drafter)  # a drafter sized by a cost model gets this machine's
             out = decode(
                 self.forward.step,
                 proposer,

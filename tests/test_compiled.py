@@ -329,7 +329,7 @@ def test_a_profile_measured_on_the_compiled_step_compiles_the_target_and_the_dra
         out = model.generate(prompt, max_new_tokens=NEW_TOKENS, tree=tree, eos_token_id=[], remember=False)
     assert out.new_tokens.tolist() == greedy(prepared, prompt)
     assert eager.step is eager.compiled and eager.compiled.failed is None
-    assert model.drafter.cost_model.verify_ms == cost.verify_ms  # the profile's
+    assert model.drafter.cost_model.verify_ms == pytest.approx(cost.verify_ms, abs=1e-3)  # the profile's
     assert isinstance(learned.level(), CompiledLevel) and learned.level().failed is None
     assert learned.level().compiled is not None  # it drafted compiled, not only set up to
     assert "loaded the target's step compiled from" in caplog.text

@@ -85,7 +85,7 @@ def test_a_directory_for_the_question_file_or_the_tree_file_is_refused_before_th
         load_jsonl_questions(tmp_path)
     questions = write_jsonl(tmp_path / "q.jsonl", QUESTIONS)
     cfg = eval_cfg(f"data.path={questions}", f"out_dir={tmp_path / 'run'}", f"tree_search.out={tmp_path}", *FAST)
-    with pytest.raises(IsADirectoryError, match=f"tree_search.out={tmp_path} is a directory: name the tree file"):
+    with pytest.raises(IsADirectoryError, match=f"tree_search.out={tmp_path} is a directory: name the file"):
         tree_search(cfg)
     blocked = tmp_path / "a_file"
     blocked.write_text("")

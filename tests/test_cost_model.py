@@ -1,29 +1,40 @@
 """Cost models as validated data: every bad field refused with its name, another setup's refused, provenance recorded,
 measured once per machine and cached on disk (a corrupt or foreign cache measured again), a quick first estimate on
 first use and a full one on request, implausible measurements repeated or fallen back on (a scripted timer, the
-decisions real), a tree file's cost model used by the Python API and the evaluation alike, decoding lossless."""
+decisions real), a machine profile's cost model used by the Python API and the evaluation alike (a tree file's never),
+decoding lossless."""
 
+import hashlib
 import json
 import logging
 import math
 import platform
+import re
+from pathlib import Path
 
 import pytest
 import torch
 
-from medusa_like.decoding.cost_model import CostModel, CostModelError, CostModelMismatchError, InvalidCostModelError
+from medusa_like.decoding.cost_model import (
+    IDENTITY,
+    CostModel,
+    CostModelError,
+    CostModelMismatchError,
+    InvalidCostModelError,
+)
 from medusa_like.decoding.tree import BudgetedTreeSpec
 from medusa_like.decoding.tree_files import save_tree
 from medusa_like.drafters.eagle3 import EAGLE3
 from medusa_like.drafters.lookup import LookupDrafter
 from medusa_like.evaluation.report import markdown
-from medusa_like.forward import prepare_target
+from medusa_like.forward import MachineProfile, ProfileMismatchError, prepare_target, read_profile, write_profile
 from medusa_like.forward.cost_cache import cache_key, cache_path, store
 from medusa_like.forward.cost_measure import QUICK_SIZES, measure_cost_model
 from medusa_like.forward.cpu import row_plans
 from medusa_like.forward.cpu.few_row_linear import FewRowLinear
 from medusa_like.forward.cpu.kernel_choice import current_kernels
 from medusa_like.forward.cpu.machine import machine_identity
+from medusa_like.forward.profile import InvalidProfileError
 from medusa_like.io import user_cache_dir
 from medusa_like.model import MedusaLikeModel
 from medusa_like.targets import DEFAULT_TARGET
@@ -267,7 +278,7 @@ def test_the_first_generation_measures_a_quick_estimate_and_no_row_plan_and_a_se
         model = lookup_model()
         assert not (cache_dir / "row_plans.json").exists()  # construction measured no row plan
         assert_lossless(model)
-    first = model.cost_model
+    first = model.drafter.cost_model
     assert first.quick and first.source == "measured" and first.measured_at and first.nodes == list(QUICK_SIZES)
     assert not (cache_dir / "row_plans.json").exists()  # nor did the first generation
     # the layers' unmeasured plans (F.linear for a row, weight-first for more), named as they ran
@@ -280,9 +291,9 @@ def test_the_first_generation_measures_a_quick_estimate_and_no_row_plan_and_a_se
 
     second = lookup_model()  # another copy of the target, as in a new process: read, not measured
     assert_lossless(second)
-    assert second.cost_model.source == f"cache:{cache_path(second.forward)}"
-    assert second.cost_model.verify_ms == pytest.approx(first.verify_ms, abs=1e-3)
-    assert second.cost_model.measured_at == first.measured_at
+    assert second.drafter.cost_model.source == f"cache:{cache_path(second.forward)}"
+    assert second.drafter.cost_model.verify_ms == pytest.approx(first.verify_ms, abs=1e-3)
+    assert second.drafter.cost_model.measured_at == first.measured_at
 
 
 def test_a_learned_drafter_alone_verifies_with_the_kernels_of_this_machines_cached_cost_model(cache_dir):
@@ -318,7 +329,7 @@ def test_construction_measures_no_row_plan_and_tune_layers_measures_the_target_a
     model = MedusaLikeModel(target, None, EAGLE3.fresh(target), backend="sdpa")
     layers = [m for m in (*model.target.modules(), *model.drafter.modules()) if isinstance(m, FewRowLinear) and m.plan]
     assert layers and not any(m.plan_measured for m in layers) and not (cache_dir / "row_plans.json").exists()
-    model.tune_layers()
+    model.forward.tune_layers(model.drafter)
     assert all(m.plan_measured for m in layers) and (cache_dir / "row_plans.json").exists()
     assert_lossless(model)
 
@@ -327,16 +338,17 @@ def test_construction_measures_no_row_plan_and_tune_layers_measures_the_target_a
 def test_a_full_measurement_replaces_the_quick_one_on_disk_too(cache_dir):
     model = lookup_model()
     assert_lossless(model, prompts=1)
-    assert model.cost_model.quick
-    full = model.measure_cost_model(sizes=(1, 2, 4, 8), repeats=1)
-    assert not full.quick and model.cost_model is full and full.kernels["rows"].keys() == {"1", "2", "4", "8"}
+    assert model.drafter.cost_model.quick
+    full = model.forward.measure_cost_model(model.drafter, sizes=(1, 2, 4, 8), repeats=1)
+    assert not full.quick and full.kernels["rows"].keys() == {"1", "2", "4", "8"}
     assert (cache_dir / "row_plans.json").exists()  # the full measurement measured the plans its kernels need
     assert all(m.plan_measured for m in model.target.modules() if isinstance(m, FewRowLinear) and m.plan)
     assert_lossless(model, prompts=1)
+    assert model.drafter.cost_model is full  # the drafter sizes its trees by it from its next generation
     later = lookup_model()
     assert_lossless(later, prompts=1)
-    assert not later.cost_model.quick and later.cost_model.source.startswith("cache:")
-    assert later.cost_model.kernels == full.kernels
+    assert not later.drafter.cost_model.quick and later.drafter.cost_model.source.startswith("cache:")
+    assert later.drafter.cost_model.kernels == full.kernels
 
 
 @pytest.mark.parametrize(
@@ -356,49 +368,131 @@ def test_a_corrupt_or_foreign_cache_file_is_refused_with_a_log_line_and_measured
     with caplog.at_level(logging.WARNING):
         assert_lossless(model, prompts=1)
     assert f"refusing the cached cost model {path}" in caplog.text
-    assert model.cost_model.source == "measured" and model.cost_model.quick
+    assert model.drafter.cost_model.source == "measured" and model.drafter.cost_model.quick
     stored = json.loads(path.read_text())  # measured again, and cached in its place
     assert (
         stored["key"] == cache_key(model.forward)
-        and stored["cost_model"]["measured_at"] == model.cost_model.measured_at
+        and stored["cost_model"]["measured_at"] == model.drafter.cost_model.measured_at
     )
 
 
 # ---------------------------------------------------------------------------------------------------------------------
-# Tree files: the Python API applies them as the evaluation does
+# Machine profiles: what the tree search measured about this machine, passed as such; a tree file holds a tree
 
 
-def tree_file(tmp_path, cost: dict, name: str = "tree.json"):
-    return save_tree(BudgetedTreeSpec(None, 6, 4), tmp_path / name, cost_model=cost, prompt_lookup_num_tokens=3)
+def write_test_profile(tmp_path, target, cost: dict | None, name: str = "profile.json", **identity) -> Path:
+    """A machine profile of `target`'s eager step on this machine (its identity as `changes` say), holding `cost`."""
+    prepared = prepare_target(target)
+    data = MachineProfile(False, prepared.identity() | identity, None, 3).to_json() | {"cost_model": cost}
+    path = tmp_path / name
+    path.write_text(json.dumps(data))
+    return path
 
 
-def test_the_api_sizes_trees_by_a_tree_files_cost_model_and_measures_none(cache_dir, tmp_path):
-    model = lookup_model()
-    path = tree_file(tmp_path, cost_json(model.target))
-    assert_lossless(model, tree=str(path))
-    assert model.cost_model.source == f"file:{path}" and model.cost_model.verify_ms[0] == 10.25
+def test_a_profile_round_trips_with_its_file_and_content_hash(tmp_path):
+    target = tiny_target("llama")
+    cost = CostModel.from_json(cost_json(target))
+    made = MachineProfile("auto", prepare_target(target).identity(), cost, 4, {"prompt_lookup_timings": [1.5]})
+    read = write_profile(made, tmp_path / "p.json")
+    assert read.to_json() == made.to_json() and read_profile(read.path).to_json() == made.to_json()
+    assert read.path == str(tmp_path / "p.json") and read.cost_model.source == f"file:{read.path}"
+    assert read.sha256 == hashlib.sha256((tmp_path / "p.json").read_bytes()).hexdigest()
+    assert (read.compile, read.prompt_lookup_num_tokens, read.measured) == ("auto", 4, {"prompt_lookup_timings": [1.5]})
+
+
+@pytest.mark.parametrize(
+    "changes, field",
+    [
+        ({"version": 0}, "version 0"),
+        ({"compile": "yes"}, "compile must be one of"),
+        ({"identity": {"dtype": "torch.float32"}}, "identity must hold"),
+        ({"prompt_lookup_num_tokens": 0}, "prompt_lookup_num_tokens"),
+        ({"colour": "red"}, r"unknown \['colour'\]"),
+        ({"cost_model": {"nodes": []}}, "cost model: missing fields"),
+    ],
+)
+def test_a_malformed_profile_is_refused_naming_the_field(tmp_path, changes, field):
+    target = tiny_target("llama")
+    path = write_test_profile(tmp_path, target, cost_json(target))
+    path.write_text(json.dumps(json.loads(path.read_text()) | changes))
+    with pytest.raises(InvalidProfileError, match=f"profile {path}: .*{field}"):
+        read_profile(path)
+
+
+def test_a_tree_file_passed_as_a_profile_is_refused_saying_so(tmp_path):
+    path = save_tree(BudgetedTreeSpec(None, 6, 4), tmp_path / "tree.json", timings=[])
+    with pytest.raises(InvalidProfileError, match="a tree file\\? pass it as tree="):
+        read_profile(path)
+
+
+def test_the_api_sizes_trees_by_a_profiles_cost_model_and_measures_none(cache_dir, tmp_path):
+    target = tiny_target("llama")
+    path = write_test_profile(tmp_path, target, cost_json(target))
+    model = MedusaLikeModel(target, None, LookupDrafter(), backend="sdpa", profile=str(path))
+    assert model.forward.profile.path == str(path) and model.forward.profile.prompt_lookup_num_tokens == 3
+    assert_lossless(model)
+    assert model.drafter.cost_model.source == f"file:{path}" and model.drafter.cost_model.verify_ms[0] == 10.25
     assert not cache_path(model.forward).exists()  # nothing was measured
-    assert model.use_tree_settings(str(path))["prompt_lookup_num_tokens"] == 3
-    model.measure_cost_model(sizes=(1, 2), repeats=1)  # another cost model since: naming the file sets its own again
-    model.generate(torch.tensor([[1, 2, 3]]), max_new_tokens=2, tree=str(path), eos_token_id=[])
-    assert model.cost_model.source == f"file:{path}"
+    measured = model.forward.measure_cost_model(model.drafter, sizes=(1, 2), repeats=1)
+    model.generate(torch.tensor([[1, 2, 3]]), max_new_tokens=2, eos_token_id=[])
+    assert model.drafter.cost_model is measured  # a later measurement replaces the profile's, for this model
 
 
-@pytest.mark.parametrize("changes", [{"dtype": "torch.float64"}, {"machine": "other-arch Some CPU"}])
-def test_the_api_refuses_a_tree_file_measured_for_another_setup_before_any_work(cache_dir, tmp_path, changes):
+@pytest.mark.parametrize(
+    "changes",
+    [{"dtype": "torch.float64"}, {"machine": "other-arch Some CPU"}, {"target_fingerprint": "0123456789abcdef"}],
+)
+def test_the_api_refuses_a_profile_measured_for_another_setup_naming_the_difference(cache_dir, tmp_path, changes):
+    target = tiny_target("llama")
+    (field, value), cost = next(iter(changes.items())), cost_json(target, **changes)
+    path = write_test_profile(tmp_path, target, cost, **changes)
+    with pytest.raises(ProfileMismatchError, match=f"profile {path} was measured for another setup: {field} '{value}'"):
+        MedusaLikeModel(target, None, LookupDrafter(), profile=path)
+    bad = write_test_profile(
+        tmp_path, target, cost_json(target, verify_ms=[10.0, math.nan, 12.0, 13.0, 14.0]), "n.json"
+    )
+    with pytest.raises(InvalidProfileError, match=r"verify_ms\[1\]"):
+        MedusaLikeModel(target, None, LookupDrafter(), profile=bad)
+    prepared = prepare_target(target)
+    assert prepared.active is None and prepared.profile is None and not cache_path(prepared).exists()
+
+
+def test_a_profile_of_the_compiled_step_is_refused_for_an_eager_one_naming_the_step(cache_dir, tmp_path):
+    target = tiny_target("llama")
+    step = "compiled (cpu, elsewhere)"
+    path = write_test_profile(tmp_path, target, cost_json(target, step=step), step=step)
+    with pytest.raises(ProfileMismatchError, match=f"step '{re.escape(step)}' \\(here 'eager"):
+        MedusaLikeModel(target, None, LookupDrafter(), compile=False, profile=path)
+    assert prepare_target(target).compiled is None
+
+
+def test_a_tree_file_alone_never_compiles_or_switches_kernels(cache_dir, tmp_path, caplog):
+    """A tree file of an earlier version that still holds a cost model (of the compiled step, with kernels) is read
+    as a tree: the target stays eager on its own kernels, no cost model comes from the file, one log line says so."""
+
+    def plans(model):  # a layer's plan for 1, 3 and 5 rows
+        return [model.target.model.layers[1].mlp.down_proj.plan[n - 1] for n in (1, 3, 5)]
+
     model = lookup_model()
-    path = tree_file(tmp_path, cost_json(model.target, **changes))
-    with pytest.raises(CostModelMismatchError, match=f"{path}.*{next(iter(changes))}"):
-        model.generate(torch.tensor([[1, 2, 3]]), max_new_tokens=4, tree=str(path))
-    bad = tree_file(tmp_path, cost_json(model.target, verify_ms=[10.0, math.nan, 12.0, 13.0, 14.0]), "nan.json")
-    with pytest.raises(InvalidCostModelError, match=r"verify_ms\[1\]"):
-        model.generate(torch.tensor([[1, 2, 3]]), max_new_tokens=4, tree=str(bad))
-    assert model.cost_model is None and not cache_path(model.forward).exists()
+    before = plans(model)
+    kernels = {"linears": "few_row", "rows": {"1": "weight_first", "3": "padded", "5": "padded"}, "prefill": None}
+    cost = cost_json(model.target, nodes=[1, 3, 5], verify_ms=[10.0, 11.0, 12.0], kernels=kernels)
+    path = save_tree(
+        BudgetedTreeSpec(None, 6, 4), tmp_path / "tree.json", cost_model=cost | {"step": "compiled (cpu, inductor)"}
+    )
+    with caplog.at_level(logging.WARNING, logger="medusa_like.decoding.tree_files"):
+        assert_lossless(model, tree=str(path))
+    assert model.forward.compiled is None and model.forward.step is model.forward.eager
+    assert plans(model) == before != [1, 4, 8]  # not the file's kernels: weight-first, padded to 4 and 8
+    assert model.drafter.cost_model.source == "measured"  # this machine's own quick estimate, not the file's
+    lines = [r for r in caplog.records if "also holds cost_model" in r.getMessage()]
+    assert len(lines) == 1 and "profile=" in lines[0].getMessage()  # once per file, however often it is read
 
 
 @pytest.mark.slow
-def test_the_evaluation_reports_each_methods_cost_model_and_its_source(cache_dir, tmp_path, eval_cfg):
-    """A lookup drafter on the dynamic tree: the quick estimate measured at start; then on a tree file: the file's."""
+def test_the_evaluation_reports_each_methods_cost_model_and_the_profile_it_ran_as(cache_dir, tmp_path, eval_cfg):
+    """A lookup drafter on the dynamic tree: the quick estimate measured at start, no profile; then with
+    `target.profile`: the profile's cost model and prompt lookup, the profile's file and content hash in the report."""
     from eval.evaluate import evaluate
 
     questions = tmp_path / "q.jsonl"
@@ -409,16 +503,23 @@ def test_the_evaluation_reports_each_methods_cost_model_and_its_source(cache_dir
         f"data.path={questions}",
         "eval.max_new_tokens=4",
         "eval.sweep.prompts=0",
+        "eval.warmup=false",
     )
-    report = evaluate(eval_cfg(*common, "tree=dynamic", "eval.warmup=false", out_dir=tmp_path / "dynamic"))
+    report = evaluate(eval_cfg(*common, "tree=dynamic", out_dir=tmp_path / "dynamic"))
     used = report["setup"]["cost_models"]["speculative"]
     assert used["source"] == "measured" and used["quick"] and report["summary"]["losslessness"] == 1.0
-    assert "a quick first estimate from `measured`" in markdown(report)
+    assert "a quick first estimate from `measured`" in markdown(report) and report["setup"]["profile"] is None
 
-    path = tree_file(tmp_path, used | {"verify_ms": [20.0 + n for n in used["nodes"]]})
-    report = evaluate(eval_cfg(*common, f"tree={path}", "eval.warmup=false", out_dir=tmp_path / "file"))
+    cost = used | {"verify_ms": [20.0 + n for n in used["nodes"]], "source": "measured"}
+    identity = {name: cost[name] for name in IDENTITY}
+    path = tmp_path / "profile.json"
+    path.write_text(json.dumps(MachineProfile(False, identity, CostModel.from_json(cost), 3).to_json()))
+    report = evaluate(eval_cfg(*common, "tree=dynamic", f"target.profile={path}", out_dir=tmp_path / "file"))
     used = report["setup"]["cost_models"]["speculative"]
     assert used["source"] == f"file:{path}" and used["verify_ms"][0] == 21.0
+    sha256 = hashlib.sha256(path.read_bytes()).hexdigest()
+    assert report["setup"]["profile"] == {"path": str(path), "sha256": sha256}
+    assert report["setup"]["step"].startswith("eager") and f"machine profile `{path}`" in markdown(report)
     assert report["summary"]["losslessness"] == 1.0 and report["setup"]["prompt_lookup_num_tokens"] == 3
 
 

@@ -69,7 +69,7 @@ def report(tmp_path_factory):
 
 @pytest.mark.slow
 def test_report_fields(report):
-    report, _ = report
+    report, run = report
     summary = report["summary"]
     for key in ("tau", "mean_accepted_draft", "speedup_vs_hf_greedy", "speedup_vs_hf_prompt_lookup", "losslessness"):
         assert isinstance(summary[key], float)
@@ -93,6 +93,9 @@ def test_report_fields(report):
     assert report["tree_sweep"][0]["tau"] == 1.0
     assert report["tree_search"]["label"] in (1, 2)
     assert report["setup"]["tree"]["nodes"] == report["tree_search"]["label"] + 1
+    # tree=auto: the search's tree and machine profile, each a file of the run directory; the report names the profile
+    assert report["tree_search"]["path"] == str(run / "tree.json")
+    assert report["setup"]["profile"]["path"] == report["tree_search"]["profile"] == str(run / "profile.json")
     assert [(p["question_id"], p["turn"]) for p in report["prompts"]] == [("1", 1), ("1", 2), ("2", 1)]
     assert all(set(p["new_tokens"]) == LEARNED_METHODS for p in report["prompts"])
     assert set(report["definitions"]) >= {"tau", "mean_accepted_draft", "speedup", "losslessness"}
@@ -424,20 +427,22 @@ def test_eagle3_drafter_is_evaluated_with_a_searched_tree(tmp_path, small_eval):
 
 
 def test_learned_alone_decodes_with_its_own_tree_resolved_by_the_learned_drafter(tmp_path, eval_cfg):
-    """make_runners' `learned_tree` (a tree file's `learned_alone`) is what the learned drafter alone decodes with, in
-    place of the combined tree's learned part: a tree deeper than its 4 heads is refused before the prompt runs, a
-    tree it can fill decodes losslessly."""
+    """make_runners' `learned_tree` (`learned_alone_tree`: the tree search's learned tree, `learned_tree=`) is what the
+    learned drafter alone decodes with, in place of the combined tree's learned part: a tree deeper than its 4 heads
+    is refused before the prompt runs, a tree it can fill decodes losslessly."""
     from medusa_like.decoding.tree import InvalidTreeError
-    from medusa_like.evaluation.methods import make_runners
+    from medusa_like.evaluation.methods import learned_alone_tree, make_runners
 
     cfg = eval_cfg(f"data.path={write_jsonl(tmp_path / 'q.jsonl', QUESTIONS)}", "eval.max_new_tokens=8")
     model = load_model(cfg)
     tree = model.resolve_tree({"dynamic": {"depth": 1, "top_k": 2, "num_nodes": 2}})
     ids = model.chat_ids([{"role": "user", "content": QUESTIONS[0]["turns"][0]}])
     too_deep = {"paths": [[0], [0, 0], [0, 0, 0], [0] * 4, [0] * 5]}
+    deep = learned_alone_tree(model, tree, too_deep)
     with pytest.raises(InvalidTreeError, match="depth 5 but .* 4 deep"):
-        make_runners(model, tree, 3, ["learned"], learned_tree=too_deep)["learned"](ids, 8)
-    runners = make_runners(model, tree, 3, ["learned"], learned_tree={"paths": [[0], [1], [0, 0]]})
+        make_runners(model, tree, 3, ["learned"], learned_tree=deep)["learned"](ids, 8)
+    learned = learned_alone_tree(model, tree, {"paths": [[0], [1], [0, 0]]})
+    runners = make_runners(model, tree, 3, ["learned"], learned_tree=learned)
     tokens, stats = runners["learned"](ids, 8)
     assert tokens == runners["hf_greedy"](ids, 8)[0]
     assert all(a <= 2 for a in stats["accepted_draft"])  # the static tree is 2 deep

@@ -20,10 +20,10 @@ import pytest
 import torch
 
 from medusa_like.apps import evaluate as app
-from medusa_like.decoding.tree_files import save_tree
 from medusa_like.evaluation.methods import REFERENCE, SPECULATIVE, STOCK
 from medusa_like.evaluation.report import markdown
 from medusa_like.evaluation.setup import load_eval_model
+from medusa_like.forward import MachineProfile, write_profile
 from medusa_like.forward.cost_measure import measure_cost_model
 from medusa_like.forward.cpu.few_row_linear import FewRowLinear, with_stock_linears
 
@@ -222,24 +222,25 @@ def test_a_report_without_stock_greedy_says_so(tmp_path, eval_cfg):
 
 
 # ---------------------------------------------------------------------------------------------------------------------
-# Every method runs the kernels the tree file chose
+# Every method runs the kernels the machine profile chose
 
 
 @pytest.mark.slow
 @pytest.mark.usefixtures("fp32_row_plans")  # kernels chosen per tree size: fp32 layers' where the fp32 kernel is off
-@pytest.mark.parametrize("tree", ["file", "preset"])
-def test_every_method_runs_the_kernels_the_cost_model_chose(tmp_path, eval_cfg, monkeypatch, tree):
+@pytest.mark.parametrize("profile", [True, False])
+def test_every_method_runs_the_kernels_the_cost_model_chose(tmp_path, eval_cfg, monkeypatch, profile):
     """A combined drafter's evaluation, through `evaluate`, watched around every call of every method (warm-up
     included): the target's kernels are the ones set before the first method ran, and lookup alone sizes its trees by
-    the combined drafter's cost model, the tree file's (`file`) or the one settled before timing (`preset`: a tree
-    with no cost model). A method that measured a cost model of its own would set other kernels for every later one."""
+    the combined drafter's cost model, the machine profile's (`target.profile`) or the one settled before timing
+    (none). A method that measured a cost model of its own would set other kernels for every later one."""
     overrides = [f"data.path={questions_file(tmp_path)}", *SHORT, f"out_dir={tmp_path / 'run'}"]
     saved = None
-    if tree == "file":
+    if profile:
         model = load_eval_model(eval_cfg(*overrides))
         saved = measure_cost_model(model.forward, sizes=(1, 2, 4, 8), prefix=8, repeats=1)
-        save_tree(model.resolve_tree("dynamic"), tmp_path / "tree.json", cost_model=saved.to_json())
-    cfg = eval_cfg(*overrides, f"tree={tmp_path / 'tree.json'}" if saved else "tree=dynamic")
+        write_profile(MachineProfile(False, model.forward.identity(), saved), tmp_path / "profile.json")
+        overrides.append(f"target.profile={tmp_path / 'profile.json'}")
+    cfg = eval_cfg(*overrides, "tree=dynamic")
     real_make_runners = app.make_runners
     seen = {}
 
@@ -268,7 +269,9 @@ def test_every_method_runs_the_kernels_the_cost_model_chose(tmp_path, eval_cfg, 
     assert len(calls) == 4 * len({name for name, _, _ in calls})  # a warm-up and 3 prompts each
     for name, same_kernels, costs in calls:
         assert same_kernels, f"{name} changed the target's kernels"
-        assert all(cost is seen["cost"] for cost in costs), f"{name} ran with another cost model"
+        # lookup alone gets the combined drafter's when it first generates (None before: none of its own)
+        assert costs[0] is seen["cost"] and costs[1] in (None, seen["cost"]), f"{name} ran with another cost model"
+    assert seen["model"].drafter.parts()["lookup"].cost_model is seen["cost"]
     assert kernels(seen["model"].target) == seen["kernels"]
     if saved is not None:
         assert seen["cost"].verify_ms == pytest.approx(saved.verify_ms, abs=1e-3)

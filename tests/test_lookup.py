@@ -7,9 +7,9 @@ import json
 import pytest
 import torch
 
-from medusa_like.decoding.cost_model import CostModel, CostModelMismatchError, non_decreasing_fit
+from medusa_like.decoding.cost_model import CostModel, non_decreasing_fit
 from medusa_like.decoding.tree import BudgetedTreeSpec, DynamicTreeSpec, TokenTree
-from medusa_like.decoding.tree_files import load_tree, save_tree, spec_from_json
+from medusa_like.decoding.tree_files import spec_from_json
 from medusa_like.drafters.base import DrafterMismatchError
 from medusa_like.drafters.budget import best_rate, lookup_certainty
 from medusa_like.drafters.combined import CombinedDrafter
@@ -19,7 +19,7 @@ from medusa_like.drafters.lookup_sources import OutputStore
 from medusa_like.drafters.merged_tree import PROBE_EVERY, MergedTreeProposer, SessionState
 from medusa_like.drafters.ngram_index import SEPARATOR, Continuation, NgramIndex
 from medusa_like.drafters.protocol import sized_by_cost_model
-from medusa_like.forward import prepare_target
+from medusa_like.forward import MachineProfile, ProfileMismatchError, prepare_target, write_profile
 from medusa_like.forward.cost_measure import measure_cost_model
 from medusa_like.model import MedusaLikeModel
 from medusa_like.targets import weights_fingerprint
@@ -326,25 +326,24 @@ def test_agreement_of_two_sources_is_calibrated_apart_from_either_source_alone()
 # The cost model
 
 
-def test_cost_model_is_saved_with_the_tree_and_refused_for_other_weights_or_dtype(tmp_path):
-    """A tree file's cost model holds for the weights it was measured on: another checkpoint of the same config
+def test_cost_model_is_saved_in_a_profile_and_refused_for_other_weights_or_dtype(tmp_path):
+    """A machine profile's cost model holds for the weights it was measured on: another checkpoint of the same config
     (another seed) or the same weights in another dtype is refused, naming the fingerprints or dtypes."""
     target = tiny_target("llama")
     prepared = prepare_target(target, tuned_layers=False)
     cost = measure_cost_model(prepared, sizes=(4, 1, 8), prefix=8, repeats=1)
     assert cost.nodes == [1, 4, 8] and all(ms > 0 for ms in cost.verify_ms)
     assert cost.verify_ms == sorted(cost.verify_ms) and cost.verify_ms == non_decreasing_fit(cost.measured_ms)
-    spec = BudgetedTreeSpec(DynamicTreeSpec(2, 2, 3), num_nodes=6, lookup_depth=5)
-    path = save_tree(spec, tmp_path / "tree.json", cost_model=cost.to_json())
-    assert load_tree(path) == spec
-    stored = json.loads(path.read_text())["cost_model"]
-    assert prepared.load_cost_model(stored, "file").verify_ms == pytest.approx(cost.verify_ms, abs=1e-3)
+    profile = write_profile(MachineProfile(False, prepared.identity(), cost), tmp_path / "profile.json")
+    prepared.use_profile(profile)
+    assert prepared.active.verify_ms == pytest.approx(cost.verify_ms, abs=1e-3) and prepared.profile is profile
     same_config = prepare_target(tiny_target("llama", seed=1), tuned_layers=False)
-    with pytest.raises(CostModelMismatchError, match=f"target_fingerprint '{cost.target_fingerprint}'"):
-        same_config.load_cost_model(stored, "file")
+    with pytest.raises(ProfileMismatchError, match=f"target_fingerprint '{cost.target_fingerprint}'"):
+        same_config.use_profile(profile)
     wider = prepare_target(tiny_target("llama").to(torch.float64), tuned_layers=False)
-    with pytest.raises(CostModelMismatchError, match="dtype 'torch.float32' \\(here 'torch.float64'\\)"):
-        wider.load_cost_model(stored, "file")
+    with pytest.raises(ProfileMismatchError, match="dtype 'torch.float32' \\(here 'torch.float64'\\)"):
+        wider.use_profile(profile)
+    assert same_config.active is wider.active is None  # refused: nothing changed
 
 
 def test_the_cost_fit_never_lets_more_nodes_cost_less_and_keeps_what_already_rises():

@@ -18,6 +18,7 @@ from medusa_like.evaluation.tree_choice import (
     time_trees,
     trees_for_budgets,
 )
+from medusa_like.forward import read_profile
 from medusa_like.forward.cost_measure import SIZES
 from medusa_like.model import MedusaLikeModel
 from medusa_like.tiny import tiny_chat_target
@@ -182,10 +183,10 @@ def test_tree_search_app_saves_a_tree_eval_uses(tmp_path, eval_cfg):
 
 
 @pytest.mark.slow
-def test_tree_search_of_a_combined_drafter_saves_its_cost_model_and_prompt_lookup(tmp_path, eval_cfg):
-    """drafter.mode=combined: budgeted trees are timed, the winner is saved with this machine's cost model, the
-    fastest prompt_lookup_num_tokens and the learned drafter's own fastest tree alone, and evaluation reads them back
-    from the tree file."""
+def test_tree_search_of_a_combined_drafter_writes_a_tree_a_profile_and_the_learned_tree(tmp_path, eval_cfg):
+    """drafter.mode=combined: budgeted trees are timed; the winner is saved as a tree file that holds the tree alone,
+    this machine's cost model and fastest prompt_lookup_num_tokens as a machine profile beside it, and the learned
+    drafter's own fastest tree alone as a tree file of its own; the evaluation is handed all three."""
     from eval.evaluate import evaluate
     from eval.tree_search import tree_search
 
@@ -193,7 +194,7 @@ def test_tree_search_of_a_combined_drafter_saves_its_cost_model_and_prompt_looku
     questions.write_text(
         "\n".join(json.dumps({"question_id": i, "category": "c", "turns": [f"Say {i} words."]}) for i in range(2))
     )
-    tree_path = tmp_path / "tree.json"
+    files = {"out": tmp_path / "tree.json", "profile_out": tmp_path / "profile.json"}
     result = tree_search(
         eval_cfg(
             "eval.max_new_tokens=6",
@@ -204,7 +205,7 @@ def test_tree_search_of_a_combined_drafter_saves_its_cost_model_and_prompt_looku
             "tree_search.budgets=[1,3]",  # the learned drafter alone: Medusa heads, static trees of these budgets
             "tree_search.prompt_lookup=[2,3]",
             "tree_search.timing_prompts=1",
-            f"tree_search.out={tree_path}",
+            *(f"tree_search.{key}={path}" for key, path in files.items()),
             out_dir=tmp_path / "search",
         )
     )
@@ -212,21 +213,29 @@ def test_tree_search_of_a_combined_drafter_saves_its_cost_model_and_prompt_looku
         "d1k2n2+lookup8n2",
         "d1k2n2+lookup8n4",
     }
-    saved = json.loads(tree_path.read_text())
-    assert saved["budgeted"]["num_nodes"] in (2, 4) and saved["prompt_lookup_num_tokens"] in (2, 3)
-    assert saved["cost_model"]["nodes"] == list(SIZES) and len(saved["cost_model"]["verify_ms"]) == len(SIZES)
-    # the learned drafter's own tree, timed alone: the fastest of its budgets, saved for the learned-alone method
-    assert {r["budget"] for r in saved["learned_alone_timings"]} == {1, 3}
-    assert len(saved["learned_alone"]["paths"]) == result["learned_alone"]["label"]
+    saved = json.loads(files["out"].read_text())
+    assert saved["budgeted"]["num_nodes"] in (2, 4) and not set(saved) & {"cost_model", "prompt_lookup_num_tokens"}
+    profile = read_profile(files["profile_out"])
+    assert profile.prompt_lookup_num_tokens in (2, 3) and profile.compile is False  # the tests' target.compile
+    assert profile.cost_model.nodes == list(SIZES) and len(profile.cost_model.verify_ms) == len(SIZES)
+    # the learned drafter's own tree, timed alone: the fastest of its budgets, in the run directory by default
+    learned = tmp_path / "search" / "learned_tree.json"
+    assert result["learned_tree"] == str(learned) and {
+        r["budget"] for r in json.loads(learned.read_text())["timings"]
+    } == {1, 3}
+    assert len(load_tree(learned).paths) == result["learned_alone"]["label"]
     report = evaluate(
         eval_cfg(
             "eval.max_new_tokens=6",
             "data.source=jsonl",
             f"data.path={questions}",
-            f"tree={tree_path}",
+            f"tree={files['out']}",
+            f"target.profile={files['profile_out']}",
+            f"learned_tree={learned}",
             out_dir=tmp_path / "run",
         )
     )
-    assert report["setup"]["prompt_lookup_num_tokens"] == saved["prompt_lookup_num_tokens"]
-    assert report["setup"]["tree"]["learned_alone"]["paths"] == saved["learned_alone"]["paths"]
+    assert report["setup"]["prompt_lookup_num_tokens"] == profile.prompt_lookup_num_tokens
+    assert report["setup"]["profile"] == {"path": profile.path, "sha256": profile.sha256}
+    assert report["setup"]["tree"]["learned_alone"]["paths"] == json.loads(learned.read_text())["paths"]
     assert report["summary"]["losslessness"] == 1.0

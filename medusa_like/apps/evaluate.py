@@ -20,41 +20,44 @@ from tqdm.auto import tqdm
 from medusa_like.apps import CONFIG_DIR
 from medusa_like.apps.config_checks import EVAL_CHECKS, check_config
 from medusa_like.errors import one_line_errors
-from medusa_like.evaluation.methods import METHODS, make_runners
+from medusa_like.evaluation.methods import METHODS, combined, learned_alone_tree, make_runners
 from medusa_like.evaluation.prompt_loop import run_questions
 from medusa_like.evaluation.report import failure_line
 from medusa_like.evaluation.run_settings import check_resume, config_settings, loaded_settings, write_settings
-from medusa_like.evaluation.setup import (
-    apply_tree_settings,
-    load_eval_setup,
-    question_set,
-    run_dir,
-    run_search,
-    set_threads,
-)
+from medusa_like.evaluation.setup import load_eval_setup, question_set, run_dir, run_search, search_files, set_threads
 from medusa_like.evaluation.summary import build_report
 from medusa_like.evaluation.timing import warm_up
+from medusa_like.forward import read_profile
 
 log = logging.getLogger(__name__)
 
-DEFAULT_PROMPT_LOOKUP = 10  # transformers' own default, when no tree search measured the fastest
+DEFAULT_PROMPT_LOOKUP = 10  # transformers' own default, where no machine profile measured the fastest
 
-__all__ = ["METHODS", "choose_tree", "evaluate", "exit_code", "main"]
+__all__ = ["METHODS", "choose_trees", "evaluate", "exit_code", "main"]
 
 
-def choose_tree(cfg: DictConfig, model, out_dir, searched: dict | None = None) -> tuple[object, str, dict | None]:
-    """The tree of `cfg.tree`; `auto` runs the tree search (calibrate, time, keep the fastest) first, unless the run
-    being resumed searched already (`searched`: its result), whose tree it keeps."""
+def choose_trees(cfg: DictConfig, model, searched: dict | None = None) -> tuple[object, object, str, dict | None]:
+    """(the evaluated tree, the learned drafter's own tree or None, the tree's name, the search's result or None),
+    each tree resolved once: `cfg.tree` and `cfg.learned_tree`; `tree=auto` runs the tree search first (the tree, the
+    machine profile and the learned drafter's own tree written into the run directory; the model then runs as that
+    profile says), unless the run being resumed searched already (`searched`: its result), whose files it uses."""
     if cfg.tree == "auto":
-        result = searched or jsonable(run_search(cfg, model, out_dir / "tree.json"), model)
-        return model.resolve_tree(result["path"]), f"auto ({result['path']})", result
-    tree = OmegaConf.to_container(cfg.tree) if OmegaConf.is_config(cfg.tree) else cfg.tree
-    return model.resolve_tree(tree), str(tree), None
+        result = searched or run_search(cfg, model, search_files(cfg))
+        if searched:
+            model.forward.use_profile(read_profile(result["profile"]))
+        tree, learned = result["spec"], result["learned_alone"] and result["learned_alone"]["spec"]
+        name = f"auto ({result['path']})"
+    else:
+        tree, learned, result = as_plain(cfg.tree), as_plain(cfg.learned_tree), None
+        name = str(tree)
+    tree = model.resolve_tree(tree)
+    learned = learned_alone_tree(model, tree, learned) if combined(model) else None
+    return tree, learned, name, result
 
 
-def jsonable(result: dict, model) -> dict:
-    """The tree search's result with its tree spec as the JSON that `save_tree` writes."""
-    return {**result, "spec": model.resolve_tree(result["spec"]).to_json()}
+def as_plain(value):
+    """A config value as plain Python (a list of rank paths from a ListConfig)."""
+    return OmegaConf.to_container(value) if OmegaConf.is_config(value) else value
 
 
 def evaluate(cfg: DictConfig) -> dict:
@@ -70,17 +73,17 @@ def evaluate(cfg: DictConfig) -> dict:
     resumed = check_resume(out_dir, run_settings)  # before anything is loaded: a run of other settings is refused
     questions = question_set(cfg.data, cfg.validation)
     model, store_filling = load_eval_setup(cfg)
-    tree, tree_name, search_result = choose_tree(cfg, model, out_dir, resumed and resumed["tree_search"])
-    run_settings |= loaded_settings(model, search_result and search_result["path"])
+    tree, learned_tree, tree_name, search_result = choose_trees(cfg, model, resumed and resumed["tree_search"])
+    run_settings |= loaded_settings(model, search_result)
     if resumed:
         check_resume(out_dir, run_settings, complete=True)
     else:
         write_settings(out_dir, run_settings, search_result)
-    settings = apply_tree_settings(model, search_result["path"] if search_result else cfg.tree)
     prompt_lookup = cfg.eval.prompt_lookup_num_tokens
     if prompt_lookup == "auto":
-        prompt_lookup = settings.get("prompt_lookup_num_tokens", DEFAULT_PROMPT_LOOKUP)
-    learned_tree = settings.get("learned_alone")  # the tree file's tree for the learned drafter alone, if any
+        profile = model.forward.profile
+        measured = profile and profile.prompt_lookup_num_tokens
+        prompt_lookup = measured or DEFAULT_PROMPT_LOOKUP
     runners = make_runners(model, tree, prompt_lookup, cfg.eval.methods, learned_tree)
 
     total = sum(min(len(q.turns), cfg.data.max_turns) for q in questions)

@@ -1,9 +1,8 @@
 """What a decoding step costs on this machine: the target's verification forward against the number of tree nodes,
-as plain data that is checked, saved with a tree and read back.
+as plain data that is checked, saved in a machine profile (`forward/profile.py`) and read back.
 
-    cost.verify(12)                                 # ms, interpolated between measured sizes
-    save_tree(spec, "tree.json", cost_model=cost.to_json())             # `tree_files.py`
-    cost = CostModel.from_json(data, source="file:tree.json")           # checked for form
+    cost.verify(12)                                             # ms, interpolated between measured sizes
+    cost = CostModel.from_json(data, source="file:profile.json")    # checked for form
 
 A budgeted tree (`drafters/budget.py`) picks each step's node budget to maximise expected tokens per second from it:
 where a forward over many nodes costs little more than one over a single token, deep trees pay; where it costs much
@@ -112,7 +111,7 @@ class CostModel:
         if missing:
             raise InvalidCostModelError(
                 f"cost model: missing fields {missing} (written by an earlier version? measure it again: "
-                "model.measure_cost_model(), or eval.tree_search)"
+                "model.forward.measure_cost_model(), or eval.tree_search)"
             )
         unknown = set(data) - set(cls.__dataclass_fields__)
         if unknown:
@@ -134,7 +133,7 @@ def mismatch_error(cost: CostModel, found: list[str]) -> CostModelMismatchError:
     """The refusal of `cost` for the differences `found` (`CostModel.mismatches` and the forward's own checks)."""
     return CostModelMismatchError(
         f"{cost.describe()} was measured for another setup: {'; '.join(found)}. Measure it again on this machine for "
-        "this target: model.measure_cost_model(), or eval.tree_search"
+        "this target: model.forward.measure_cost_model(), or eval.tree_search"
     )
 
 

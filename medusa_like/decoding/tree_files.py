@@ -1,22 +1,38 @@
 """Tree files and names: a tree spec written to and read from JSON, and resolved from whatever a caller passes as a
 tree (a preset name, a JSON tree file, a list of rank paths, a dict of `DynamicTreeSpec` fields, or a spec itself).
 
-    save_tree(spec, "tree.json", cost_model=cost.to_json())   # the spec's JSON and what measured it, beside it
-    spec = load_tree("tree.json")                             # what `save_tree` wrote, or a bare JSON list of paths
+    save_tree(spec, "tree.json", timings=rows)   # the spec's JSON and what the search measured about it
+    spec = load_tree("tree.json")                # what `save_tree` wrote, or a bare JSON list of paths
     spec = spec_from_json(data)                               # {"paths": ...}, {"dynamic": ...} or {"budgeted": ...}
     spec = resolve_tree("small", max_depth=4)                 # a preset, a file, paths, a dict or a spec
 
-A bad file or name is refused with an `InvalidTreeError` that says where it came from. The specs and their checks are
-`tree.py`'s; the static presets and how they are built are `tree_presets.py`'s.
+A tree file holds a tree (and what the search measured about it: timings, predicted tau, head accuracies), nothing
+that changes how the target computes: this machine's cost model, kernels and compile choice are a machine profile's,
+passed as such (`forward/profile.py`). A file of an earlier version that still holds them is read as a tree, those
+keys ignored with one log line. A bad file or name is refused with an `InvalidTreeError` that says where it came from.
+The specs and their checks are `tree.py`'s; the static presets and how they are built are `tree_presets.py`'s.
 """
 
+import functools
 import json
+import logging
 from pathlib import Path
 
 from medusa_like.io import existing_file, write_json
 
 from .tree import BudgetedTreeSpec, DynamicTreeSpec, InvalidTreeError, TokenTree, TreeSpec
 from .tree_presets import DEFAULT_DEPTH, PRESETS
+
+log = logging.getLogger(__name__)
+
+# what tree files of earlier versions held besides the tree: a machine profile's now, and the learned tree's own file
+MACHINE_KEYS = (
+    "cost_model",
+    "prompt_lookup_num_tokens",
+    "prompt_lookup_timings",
+    "learned_alone",
+    "learned_alone_timings",
+)
 
 
 def save_tree(spec: TreeSpec, path, **meta) -> Path:
@@ -58,7 +74,22 @@ def load_tree(path) -> TreeSpec:
         raise InvalidTreeError(f"tree file {str(path)!r} is not UTF-8 text: {err}") from err
     except json.JSONDecodeError as err:
         raise InvalidTreeError(f"tree file {str(path)!r} is not valid JSON: {err}") from err
+    ignored = tuple(key for key in MACHINE_KEYS if isinstance(data, dict) and key in data)
+    if ignored:
+        _ignoring(str(path.resolve()), ignored)
     return spec_from_json(data, f"tree file {str(path)!r}")
+
+
+@functools.cache
+def _ignoring(path: str, keys: tuple[str, ...]) -> None:
+    """The one log line (per file) for a tree file of an earlier version that holds more than the tree."""
+    log.warning(
+        "tree file %s also holds %s, which a tree file no longer carries: read as a tree, those ignored (a machine "
+        "profile is passed as profile=, the learned drafter's own tree as a tree file of its own; search again to "
+        "write both)",
+        path,
+        ", ".join(keys),
+    )
 
 
 def resolve_tree(tree, max_depth: int | None = None) -> TreeSpec:

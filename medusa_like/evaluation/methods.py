@@ -32,25 +32,27 @@ class MethodContext:
     eos: list[int]
     pad: int | None
     prompt_lookup_num_tokens: int
-    learned_tree: object = None  # the learned drafter's own tree decoding alone (a tree file's `learned_alone`)
+    learned_tree: object = None  # the tree the learned drafter decodes with alone (`learned_alone_tree`)
 
     @property
     def combined(self) -> bool:
-        """Whether the drafter merges parts that can each decode alone (a learned drafter and lookup)."""
-        return sized_by_cost_model(self.model.drafter) and bool(self.model.drafter.parts())
+        return combined(self.model)
 
     def alone(self, part: str):
         return alone(self.model, part)
 
 
+def combined(model) -> bool:
+    """Whether `model`'s drafter merges parts that can each decode alone (a learned drafter and lookup)."""
+    return sized_by_cost_model(model.drafter) and bool(model.drafter.parts())
+
+
 def alone(model, part: str):
     """A combined model's learned drafter or lookup decoding alone (`Drafter.parts`), on the same prepared target (its
-    step, kernels and compiled code shared). Lookup alone budgets its trees by the combined drafter's cost model
-    (`settle_cost_model`): it never measures one of its own, which would set other kernels on the shared target for
-    every method after it. The learned drafter alone fills a dynamic or static tree and consults no cost model."""
+    step, kernels, compiled code and cost model shared: lookup alone budgets its trees by the one the combined drafter
+    was settled on, `PreparedTarget.settle`). The learned drafter alone fills a dynamic or static tree and consults no
+    cost model."""
     drafter = model.drafter.parts()[part]
-    if sized_by_cost_model(drafter):
-        drafter.use_cost_model(model.drafter.cost_model)
     # drafter_dtype: the learned drafter's dtype stays the evaluated model's
     return type(model)(
         model.forward,
@@ -127,13 +129,17 @@ def loop_runner(model, tree, eos: list[int]) -> Runner:
     return run
 
 
+def learned_alone_tree(model, tree, learned_tree=None):
+    """The tree a combined model's learned drafter decodes with alone (method (e)): `learned_tree` (any tree
+    `generate` takes: the tree search's own tree for it, a file read here once) resolved by the learned drafter itself
+    (a combined drafter would merge lookup into it), else the part of the evaluated `tree` it fills."""
+    return tree.learned_part if learned_tree is None else alone(model, "learned").resolve_tree(learned_tree)
+
+
 def learned_alone_runner(c: MethodContext) -> Runner:
-    """Method (e): the learned drafter alone, with the tree the search found for it alone (`c.learned_tree`, resolved
-    by the learned drafter itself: a combined drafter would merge lookup into it), else with the part of the combined
-    tree it fills."""
-    model = c.alone("learned")
-    tree = c.tree.learned_part if c.learned_tree is None else model.resolve_tree(c.learned_tree)
-    return loop_runner(model, tree, c.eos)
+    """Method (e): the learned drafter alone, with `c.learned_tree` (`learned_alone_tree`), else with the part of the
+    combined tree it fills."""
+    return loop_runner(c.alone("learned"), c.tree.learned_part if c.learned_tree is None else c.learned_tree, c.eos)
 
 
 def llamacpp_why_not(c: MethodContext) -> str | None:
@@ -201,8 +207,8 @@ METHODS: dict[str, Method] = {
     ),
     "learned": Method(
         "(e) learned drafter alone",
-        "(e) the combined drafter's learned drafter alone, with its own searched tree (the tree file's "
-        "`learned_alone`), else with its part of the combined tree",
+        "(e) the combined drafter's learned drafter alone, with its own searched tree (`learned_tree`), else with "
+        "its part of the combined tree",
         learned_alone_runner,
         lambda c: c.combined,
     ),
@@ -225,14 +231,6 @@ def label(name: str) -> str:
     return METHODS[name].label if name in METHODS else name
 
 
-def settle_cost_model(model) -> None:
-    """Give a combined or lookup drafter its cost model before any method runs: the tree file's (loaded by
-    `setup.apply_tree_settings`), else this machine's; other drafters the kernels of the tree file's or this machine's
-    cached one. A cost model sets the target's kernels, so this happens once, here; every method, transformers'
-    included, then runs the same kernels."""
-    model.settle_cost_model()
-
-
 def not_run(context: MethodContext, names) -> dict[str, str]:
     """The methods `names` asks for that do not apply here, each with why (`Method.why_not`)."""
     return {name: METHODS[name].why_not(context) for name in sorted(names or ()) if not METHODS[name].applies(context)}
@@ -245,10 +243,12 @@ def not_run_for(model, tree, names) -> dict[str, str]:
 
 def make_runners(model, tree, prompt_lookup_num_tokens: int, names=None, learned_tree=None) -> dict[str, Runner]:
     """One runner per registered method that applies to `model`'s drafter (or per method of `names`), with the
-    evaluated `tree` (and `learned_tree`, any tree the learned drafter alone decodes with; None: `tree`'s learned
-    part). The reference, stock greedy (where it differs from the reference's layers), the baselines and the
-    speculative method always run. A combined or lookup drafter's cost model is settled first (`settle_cost_model`)."""
-    settle_cost_model(model)
+    evaluated `tree` (and `learned_tree`, the resolved tree the learned drafter alone decodes with,
+    `learned_alone_tree`; None: `tree`'s learned part). The reference, stock greedy (where it differs from the
+    reference's layers), the baselines and the speculative method always run. The target is settled first
+    (`PreparedTarget.settle`: a combined or lookup drafter gets this machine's cost model, whose kernels the layers
+    then run), so that every method, transformers' included, runs the same kernels."""
+    model.forward.settle(model.drafter)
     eos = model.eos_token_ids()
     pad = model.tokenizer.pad_token_id
     context = MethodContext(

@@ -235,9 +235,13 @@ def drafter_dtype_words(setup: dict) -> str:
 
 
 def step_words(setup: dict) -> str:
-    """The target's step (eager or compiled, and its layers), where the report records it."""
-    step = setup.get("step")  # absent in reports written before it was recorded
-    return f", the target's {step}" if step else ""
+    """The target's step (eager or compiled, and its layers) and the machine profile it ran as, where the report
+    records them."""
+    step, profile = setup.get("step"), setup.get("profile")  # absent in reports written before they were recorded
+    words = f", the target's {step}" if step else ""
+    if profile:
+        words += f" as the machine profile `{profile['path']}` (sha256 {profile['sha256'][:12]})"
+    return words
 
 
 def markdown(report: dict) -> str:

@@ -2,7 +2,7 @@
 
 An evaluation writes `run_settings.json` (atomically) into its run directory before its first prompt: every setting
 that decides a prompt's record (target, drafter, tree, question selection, tokens, dtype, methods, lookup store,
-threads), as flat dotted keys. The target and the learned drafter are recorded by their weights
+threads, the machine profile), as flat dotted keys. The target and the learned drafter are recorded by their weights
 (`targets.weights_fingerprint`), not by name or path: a drafter retrained at the same path, or target weights replaced
 under the same name, are other weights, and a drafter moved to another path is the same one. `eval.resume=true` compares the settings of the new command with that file and refuses,
 naming each differing key with both values, before any prompt runs:
@@ -10,7 +10,7 @@ naming each differing key with both values, before any prompt runs:
     settings = config_settings(cfg)              # from the config alone: compared before the model is loaded
     previous = check_resume(out_dir, settings)   # None for a fresh run
     ...                                          # load the model, choose the tree
-    settings |= loaded_settings(model, searched_tree)
+    settings |= loaded_settings(model, searched)
     check_resume(out_dir, settings, complete=True) if previous else write_settings(out_dir, settings, search_result)
 
 A tree search's result (`tree=auto`) is kept in the same file, so a resumed run decodes with the tree the first run
@@ -29,7 +29,7 @@ from medusa_like.io import write_json
 from medusa_like.targets import weights_fingerprint
 
 SETTINGS_FILE = "run_settings.json"
-SETTINGS_VERSION = 2  # 2: the target and the drafter by their weights (1: by architecture and path)
+SETTINGS_VERSION = 3  # 3: the machine profile apart from the tree (2: the target and the drafter by their weights)
 
 # config keys that decide every prompt's record, whatever the drafter
 COMMON_KEYS = (
@@ -40,11 +40,13 @@ COMMON_KEYS = (
     "target.backend",
     "target.tuned_layers",
     "target.compile",
+    "target.profile",
     "drafter.mode",
     "drafter.dtype",
     "drafter.draft_vocab_size",
     "drafter.vocab_data",
     "tree",
+    "learned_tree",
     "data.source",
     "data.path",
     "data.skip",
@@ -88,7 +90,8 @@ def flatten(value, prefix: str) -> dict:
 
 def config_settings(cfg: DictConfig) -> dict:
     """The settings of `cfg` (conf/eval.yaml) that decide a prompt's record, with the content hashes of the files it
-    names (question file, tree file, saved store): known before anything is loaded."""
+    names (question file, tree files, saved store; the machine profile's is read with it, `loaded_settings`): known
+    before anything is loaded."""
     keys = list(COMMON_KEYS)
     if cfg.drafter.path is None:
         keys.append("drafter.num_heads")  # fresh heads
@@ -105,24 +108,29 @@ def config_settings(cfg: DictConfig) -> dict:
         )
     settings["sha256(data.path)"] = file_sha256(cfg.data.path)
     settings["sha256(tree)"] = file_sha256(cfg.tree)
+    settings["sha256(learned_tree)"] = file_sha256(cfg.learned_tree)
     if uses_store:
         settings["sha256(drafter.store)"] = file_sha256(cfg.drafter.store)
     return json.loads(json.dumps(settings))  # as the file holds them: tuples as lists
 
 
-def loaded_settings(model, searched_tree: str | None) -> dict:
+def loaded_settings(model, searched: dict | None) -> dict:
     """The settings known once the model is loaded and the tree chosen: the target's weights fingerprint and dtype,
     the learned drafter's kind, weights fingerprint (None for a drafter without weights: lookup) and dtype
-    (`drafter.dtype=auto` depends on the machine), and the hash of the tree file that `tree=auto` searched (None for
-    other trees)."""
+    (`drafter.dtype=auto` depends on the machine), the content hash of the machine profile the target runs as (as it
+    was read), and those of the tree files that `tree=auto` searched (`searched`: the search's result; None for other
+    trees)."""
     drafter = kind_of(model.drafter).learned_part(model.drafter) or model.drafter
+    profile = model.forward.profile
     return {
         "target weights": weights_fingerprint(model.target),
         "target dtype": str(model.target.dtype),
         "drafter type": drafter.kind,
         "drafter weights": weights_fingerprint(drafter) if isinstance(drafter, torch.nn.Module) else None,
         "drafter dtype": str(model.drafter_dtype),
-        "sha256(searched tree)": file_sha256(searched_tree),
+        "sha256(profile)": None if profile is None else profile.sha256,
+        "sha256(searched tree)": file_sha256(searched and searched["path"]),
+        "sha256(searched learned tree)": file_sha256(searched and searched["learned_tree"]),
     }
 
 

@@ -1,4 +1,6 @@
-"""What the evaluation and tree-search apps share: the model from a config, the question sets, the run directory."""
+"""What the evaluation and tree-search apps share: the model from a config (on the machine profile `target.profile`
+names, read once), the question sets, the run directory, and the tree search's run: the tree, the machine profile and
+the learned drafter's own tree, each written to a file of its own."""
 
 import itertools
 from collections.abc import Iterable, Iterator
@@ -20,6 +22,7 @@ from medusa_like.evaluation.methods import alone
 from medusa_like.evaluation.questions import Question, load_questions, select
 from medusa_like.evaluation.tree_choice import fastest_prompt_lookup, search
 from medusa_like.formats import load_drafter
+from medusa_like.forward import MachineProfile, write_profile
 from medusa_like.model import MedusaLikeModel
 from medusa_like.targets import weights_fingerprint
 
@@ -27,7 +30,8 @@ from medusa_like.targets import weights_fingerprint
 def load_eval_model(cfg: DictConfig) -> MedusaLikeModel:
     """The target of `cfg.model` (in `model.dtype`) with the drafter of `cfg.drafter`: the drafter at `drafter.path`
     (zero-initialised heads when it is null), decoding as `drafter.mode` says: alone (`learned`), merged with lookup
-    (`combined`), or lookup only (`lookup`).
+    (`combined`), or lookup only (`lookup`); on `target.compile` and the machine profile `target.profile` names, if
+    any (refused, naming the differences, when measured for another setup).
 
     A drafter or store made for another target raises `medusa_like.drafters.base.DrafterMismatchError`.
     """
@@ -76,8 +80,9 @@ def load_eval_setup(cfg: DictConfig) -> tuple[MedusaLikeModel, dict | None]:
         tuned_layers=cfg.target.get("tuned_layers"),
         drafter_dtype=cfg.drafter.get("dtype", "auto"),
         compile=cfg.target.get("compile", False),
+        profile=cfg.target.get("profile"),
     )
-    model.tune_layers()  # every method runs layers measured on this machine (once per machine: then cached)
+    model.forward.tune_layers(model.drafter)  # every method runs layers measured here (once per machine: then cached)
     return model, store_filling
 
 
@@ -116,13 +121,6 @@ def tokenized(tokenizer, texts: Iterable[str], batch: int = 256) -> Iterator[lis
         yield from tokenizer(chunk, add_special_tokens=False)["input_ids"]
 
 
-def apply_tree_settings(model: MedusaLikeModel, tree) -> dict:
-    """What a tree file from the tree search holds besides the tree, put to use as the Python API puts it
-    (`MedusaLikeModel.use_tree_settings`: its cost model, refused when measured for another target, dtype, device or
-    machine, with its kernels) and returned with the fastest `prompt_lookup_num_tokens`; {} for other trees."""
-    return model.use_tree_settings(tree)
-
-
 def question_set(data: DictConfig, validation: DictConfig) -> list[Question]:
     """The questions of one `data`-like section (source, path, limit, per_category)."""
     split = {}
@@ -158,53 +156,66 @@ def calibration_prompts(cfg: DictConfig, model) -> list[torch.Tensor]:
     return [model.chat_ids([{"role": "user", "content": q.turns[0]}]) for q in questions]
 
 
-def run_search(cfg: DictConfig, model, out_path: Path) -> dict:
-    """Search with `cfg.tree_search`, save the chosen tree to `out_path` with what a run of it needs on this machine
-    (the cost model that sizes a budgeted tree or picked the target's few-row kernels, the fastest
-    `prompt_lookup_num_tokens`, and for a combined drafter with `tree_search.learned_alone` the learned drafter's own
-    tree when it decodes alone); return what was measured."""
+# what the tree search writes: {file: (its `tree_search` setting, its name in the run directory where that is null)}
+SEARCH_FILES = {
+    "tree": ("out", "tree.json"),
+    "profile": ("profile_out", "profile.json"),
+    "learned_tree": ("learned_out", "learned_tree.json"),
+}
+
+
+def search_files(cfg: DictConfig) -> dict[str, Path]:
+    """Where the tree search writes (`SEARCH_FILES`): the tree, the machine profile and the learned drafter's own
+    tree, each at its `tree_search` setting, else in the run directory."""
+    ts = cfg.tree_search
+    return {file: Path(ts[key]) if ts[key] else run_dir(cfg) / name for file, (key, name) in SEARCH_FILES.items()}
+
+
+def run_search(cfg: DictConfig, model, files: dict[str, Path]) -> dict:
+    """Search with `cfg.tree_search` and write each finding to a file of its own (`files`: `search_files`): the chosen
+    tree with what was measured about it; this machine's profile of the target (the compile choice, the cost model
+    that sizes a budgeted tree or picked the target's few-row kernels, the fastest `prompt_lookup_num_tokens`), which
+    the model runs as from then on; for a combined drafter with `tree_search.learned_alone`, the learned drafter's own
+    tree when it decodes alone. Returns what was measured, the trees as JSON and the files' paths."""
     prompts = calibration_prompts(cfg, model)
     ts = cfg.tree_search
     timing = prompts[: max(ts.timing_prompts, 1)]
     budgeted = ts.get("budgeted") is not None and sized_by_cost_model(model.drafter)
     cost = None
     if budgeted or model.forward.differs_from_stock:
-        # budgeted trees are sized by a full cost model; and any tree is timed, and saved, with the step and kernels
-        # measured on this machine, which the tree file sets again wherever it is used
-        cost = model.measure_cost_model()
-    result = search(
-        model,
-        prompts,
-        ts.timing_prompts,
-        cfg.eval.max_new_tokens,
-        ts.budget,
-        ts.budgets,
-        ts.dynamic,
-        cfg.eval.k_max,
-        ts.get("budgeted"),
-    )
+        # budgeted trees are sized by a full cost model; and any tree is timed on the step and kernels measured here,
+        # which the profile records
+        cost = model.forward.measure_cost_model(model.drafter)
+    args = (ts.timing_prompts, cfg.eval.max_new_tokens, ts.budget, ts.budgets, ts.dynamic, cfg.eval.k_max)
+    result = search(model, prompts, *args, ts.get("budgeted"))
     learned_alone = None
     if ts.get("learned_alone") and budgeted and "learned" in model.drafter.parts():
         # after the combined search: the learned drafter alone runs the kernels its cost model chose on the target
         alone_model = alone(model, "learned")
-        args = (ts.timing_prompts, cfg.eval.max_new_tokens, ts.budget, ts.budgets, ts.dynamic, cfg.eval.k_max)
         learned_alone = search(alone_model, prompts, *args)
+        learned_spec = alone_model.resolve_tree(learned_alone["spec"])
+        save_tree(learned_spec, files["learned_tree"], timings=learned_alone["timings"])
+        learned_alone["spec"] = learned_spec.to_json()
     prompt_lookup, prompt_lookup_rows = fastest_prompt_lookup(model, timing, cfg.eval.max_new_tokens, ts.prompt_lookup)
     meta = dict(
         calibration={"source": ts.calibration.source, "prompts": len(prompts)},
         target=str(cfg.model.name_or_path),
         drafter=None if cfg.drafter.path is None else str(cfg.drafter.path),
         timings=result["timings"],
-        prompt_lookup_num_tokens=prompt_lookup,
-        prompt_lookup_timings=prompt_lookup_rows,
     )
     if result["kind"] == "static":
         meta.update(budget=result["label"], predicted_tau=result["predicted_tau"], head_topk_accuracy=result["topk"])
-    if cost is not None:
-        meta.update(cost_model=cost.to_json())
-    if learned_alone is not None:
-        learned_spec = alone_model.resolve_tree(learned_alone["spec"])
-        meta.update(learned_alone=learned_spec.to_json(), learned_alone_timings=learned_alone["timings"])
-        learned_alone = {**learned_alone, "spec": learned_spec.to_json()}
-    save_tree(model.resolve_tree(result["spec"]), out_path, **meta)
-    return {**result, "path": str(out_path), "prompt_lookup_num_tokens": prompt_lookup, "learned_alone": learned_alone}
+    spec = model.resolve_tree(result["spec"])
+    save_tree(spec, files["tree"], **meta)
+    measured = {"target": meta["target"], "prompt_lookup_timings": prompt_lookup_rows}
+    profile = MachineProfile(cfg.target.compile, model.forward.identity(), cost, prompt_lookup, measured)
+    model.forward.use_profile(write_profile(profile, files["profile"]))
+    return {
+        **result,
+        "spec": spec.to_json(),
+        "path": str(files["tree"]),
+        "profile": str(files["profile"]),
+        "learned_tree": None if learned_alone is None else str(files["learned_tree"]),
+        "prompt_lookup_num_tokens": prompt_lookup,
+        "learned_alone": learned_alone,
+    }

@@ -10,7 +10,6 @@ import platform
 import torch
 import transformers
 
-from medusa_like.decoding.tree_files import spec_from_json
 from medusa_like.drafters.protocol import sized_by_cost_model
 from medusa_like.drafters.registry import kind_of
 from medusa_like.evaluation import metrics, precision
@@ -178,12 +177,14 @@ def setup_section(
 ) -> dict:
     """The run's setup; `lookup_store`: how the lookup store was filled before the first prompt, as it happened
     (`evaluation.setup.output_store`), None for a drafter without one; `tree.learned_alone`: the tree the learned
-    drafter decoded with alone (`learned_tree`, the tree file's, else the combined tree's learned part): its label and
-    JSON."""
+    drafter decoded with alone (`learned_tree`, else the combined tree's learned part): its label and JSON;
+    `profile`: the machine profile the target ran as (its file and content hash), None without one; `step`: the
+    target's step every method of this project ran on."""
     learned_alone = None
     if "learned" in methods:
-        spec = tree.learned_part if learned_tree is None else spec_from_json(learned_tree, "learned_alone")
+        spec = tree.learned_part if learned_tree is None else learned_tree
         learned_alone = {"label": spec.label, **spec.to_json()}
+    profile = model.forward.profile
     return {
         "target": str(cfg.model.name_or_path),
         "drafter": None if cfg.drafter.path is None else str(cfg.drafter.path),
@@ -198,8 +199,8 @@ def setup_section(
         "drafter_dtype": None if model.drafter_dtype is None else str(model.drafter_dtype),
         "device": str(model.device),
         "backend": model.backend,
-        "step": model.forward.describe(),  # the target's step every method of this project ran on (a tree file's
-        # cost model may have compiled it: `target.compile` alone does not say)
+        "step": model.forward.describe(),  # `target.compile=auto` alone does not say whether it compiled
+        "profile": None if profile is None else {"path": profile.path, "sha256": profile.sha256},
         "threads": torch.get_num_threads(),
         "torch": torch.__version__,
         "transformers": transformers.__version__,
@@ -212,8 +213,8 @@ def setup_section(
 
 def cost_models_section(model, methods: list[str]) -> dict:
     """The cost model each method sized its trees by (lookup and combined drafters: the speculative method, and lookup
-    alone), as used, with its source (`file:`, `cache:` or `measured`) and when it was measured; methods that consult
-    none are left out."""
+    alone), as used, with its source (`file:` a profile, `cache:` or `measured`) and when it was measured; methods
+    that consult none are left out."""
     if not sized_by_cost_model(model.drafter):
         return {}
     drafters = {SPECULATIVE: model.drafter, "lookup": model.drafter.parts().get("lookup")}

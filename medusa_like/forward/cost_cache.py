@@ -11,7 +11,7 @@ one is refused with a log line and measured again.
 
 On first use nothing is cached yet, and a full measurement (every tree size, every kernel, several rounds) takes far
 longer than a first answer: a quick first estimate is measured instead, logged and shown with a progress bar, and
-cached until a full one (`MedusaLikeModel.measure_cost_model`, the tree search) replaces it.
+cached until a full one (`PreparedTarget.measure_cost_model`, the tree search) replaces it.
 """
 
 import hashlib
@@ -78,7 +78,7 @@ def quick(prepared) -> CostModel:
     """A quick first estimate with the kernels as they are, measured now (logged, with a progress bar) and cached."""
     log.info(
         "no cost model of this target's %s step on this machine yet: measuring a quick first estimate (%d tree "
-        "sizes, %d rounds) to size the draft trees; model.measure_cost_model() or the tree search measures a full one",
+        "sizes, %d rounds) to size the draft trees; model.forward.measure_cost_model() or the tree search measures a full one",
         prepared.step.describe(),
         len(QUICK_SIZES),
         QUICK_REPEATS,

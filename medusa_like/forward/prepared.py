@@ -3,8 +3,9 @@ drafter computes with beside it.
 
     prepared = prepare_target(target, compile=False)   # one per target object: asked again, the same one
     prepared.step                    # the `TargetStep` the decoding loop runs (eager, or compiled)
-    prepared.cost_model()            # this machine's cost model of that step: active, cached, or a quick first estimate
-    prepared.load_cost_model(data, source)   # a tree file's: refused for another setup, its kernels set
+    prepared.use_profile(profile)    # a machine profile (`profile.py`): refused for another setup, its kernels set
+    prepared.settle(drafter)         # before a generation: this machine's cost model, for a drafter sized by one
+    prepared.measure_cost_model(drafter)    # a full measurement, cached and made active
     prepared.adopt(drafter, "auto")  # a drafter cast to its drafting dtype, its layers this machine's (or compiled)
     prepared.stock()                 # the target as transformers ships it, sharing every weight (a baseline)
 
@@ -25,14 +26,9 @@ from typing import Protocol, runtime_checkable
 import torch
 
 from medusa_like.decoding.attention import pick_backend
-from medusa_like.decoding.cost_model import (
-    CostModel,
-    CostModelError,
-    CostModelMismatchError,
-    InvalidCostModelError,
-    mismatch_error,
-)
+from medusa_like.decoding.cost_model import CostModel, CostModelError, CostModelMismatchError, mismatch_error
 from medusa_like.decoding.step import EagerStep, TargetStep
+from medusa_like.drafters.protocol import sized_by_cost_model
 from medusa_like.targets import floating_dtype, weights_fingerprint
 
 from . import cost_cache
@@ -45,14 +41,14 @@ from .cpu.few_row_linear import (
     with_stock_linears,
     worth_swapping,
 )
-from .cpu.kernel_choice import KernelMismatchError, KernelRecordError, apply_kernels, check_kernels, validate_record
+from .cpu.kernel_choice import KernelMismatchError, KernelRecordError, apply_kernels, check_kernels
 from .cpu.machine import machine_identity
 from .cpu.read_kernel import use_read_kernel
 from .platform import CompileUnsupported, compile_settings, native_bf16, traced_layers
+from .profile import COMPILE_CHOICES, MachineProfile, ProfileMismatchError, parse_cost_model
 
 log = logging.getLogger(__name__)
 
-COMPILE_CHOICES = (False, True, "auto")  # "auto": compiled where this platform runs it, else eager
 _PREPARED: "weakref.WeakKeyDictionary[torch.nn.Module, PreparedTarget]" = weakref.WeakKeyDictionary()
 _announced = []  # a layer swap was announced in this process: the first is a warning, later ones info
 
@@ -86,6 +82,7 @@ class PreparedTarget:
         self.eager = EagerStep(target, self.backend)
         self.compiled: CompiledStep | None = None
         self.active: CostModel | None = None  # the cost model whose kernels the layers run now
+        self.profile: MachineProfile | None = None  # the machine profile it runs as (`use_profile`), if any
         self._settled = False
 
     # ---- the step ----
@@ -196,12 +193,14 @@ class PreparedTarget:
         }
 
     def mismatches(self, cost: CostModel) -> list[str]:
-        found = cost.mismatches(self.identity())
+        return cost.mismatches(self.identity()) + self._kernel_mismatches(cost.kernels)
+
+    def _kernel_mismatches(self, record) -> list[str]:
         try:
-            check_kernels(cost.kernels, self.target)
+            check_kernels(record, self.target)
         except (KernelMismatchError, KernelRecordError) as err:
-            found.append(str(err))
-        return found
+            return [str(err)]
+        return []
 
     def fits(self, cost: CostModel) -> bool:
         return not self.mismatches(cost)
@@ -213,29 +212,44 @@ class PreparedTarget:
         return cost
 
     def load_cost_model(self, data, source: str) -> CostModel:
-        """A stored cost model (a tree file's, `source` naming it): checked for form, refused for another setup with
-        every difference named; made active. One measured on the compiled step switches this target to it."""
+        """A stored cost model (JSON, `source` naming it): checked for form, refused for another setup (another step
+        included: nothing compiles here) with every difference named; made active."""
         try:
-            cost = CostModel.from_json(data, source=source)
-            validate_record(cost.kernels)
-        except KernelRecordError as err:
-            raise InvalidCostModelError(f"{source}: cost model: {err}") from err
+            cost = parse_cost_model(data, source)
         except CostModelError as err:
             raise type(err)(f"{source}: {err}") from err
-        before = self.compiled, self.active
-        if cost.step.startswith("compiled") and self.compiled is None:
-            self.use_compiled(True)  # the step it was measured on, to compare identities
         found = self.mismatches(cost)
         if found:
-            self.compiled, self.active = before  # refused: this target runs on as it did
             raise CostModelMismatchError(f"{source}: {mismatch_error(cost, found)}")
         return self.activate(cost)
 
-    def cost_model(self) -> CostModel:
-        """This step's cost model here: the active one, else the one cached on disk (its kernels set), else a quick
-        first estimate measured now (logged, with a progress bar) and cached."""
+    def use_profile(self, profile: MachineProfile, compile: bool | str | None = None) -> None:
+        """Run as the machine profile `profile` says: its compile choice (unless `compile` names one), refused when it
+        was measured for another setup (weights, dtype, device, machine, step, kernels), every difference named
+        (`ProfileMismatchError`; this target then runs on as it did), else its cost model made active (its kernels
+        set). Where it holds none, this target's cost model is left as it is."""
+        before = self.compiled, self.active
+        self.use_compiled(profile.compile if compile is None else compile)
+        cost = profile.cost_model
+        found = profile.mismatches(self.identity()) + (self._kernel_mismatches(cost.kernels) if cost else [])
+        if found:
+            self.compiled, self.active = before
+            raise ProfileMismatchError(
+                f"{profile.source} was measured for another setup: {'; '.join(found)}. Search again on this machine "
+                "for this target (python -m eval.tree_search writes a profile), or pass none"
+            )
+        if cost is not None:
+            self.activate(cost)
+        self.profile = profile
+
+    def cost_model(self, own: CostModel | None = None) -> CostModel:
+        """This step's cost model here: the active one (a profile's, a measurement's), else `own` (a drafter's) where
+        it fits (made active), else the one cached on disk (its kernels set), else a quick first estimate measured now
+        (logged, with a progress bar) and cached."""
         if self.active is not None and self.fits(self.active):
             return self.active
+        if own is not None and self.fits(own):
+            return self.activate(own)
         cached = cost_cache.cached(self)
         if cached is not None:
             return self.activate(cached)
@@ -244,14 +258,22 @@ class PreparedTarget:
 
     def measure_cost_model(self, *drafters, **options) -> CostModel:
         """A full measurement (every tree size with each kernel this machine runs, the row plans of the target and
-        `drafters` measured first where missing), cached in place of any earlier one and made active."""
+        `drafters` measured first where missing), cached in place of any earlier one and made active: a drafter sized
+        by a cost model gets it before its next generation (`settle`). `options`: `cost_measure.measure_cost_model`'s."""
         self.tune_layers(*(d for d in drafters if d is not None))
         self.active = cost_cache.full(self, **options)  # the measurement set the kernels it chose
         return self.active
 
-    def settle(self) -> None:
-        """Before a generation whose drafter consults no cost model: unless one is active, set the kernels of the one
-        cached for this machine (looked up once), so that verification runs the kernels measured fastest here."""
+    def settle(self, drafter) -> None:
+        """Before a generation of `drafter` (and before anything else runs on this target's layers, so that every
+        baseline runs the same kernels): a drafter that sizes its trees by a cost model gets this machine's
+        (`cost_model`, the one it holds where none is active); for any other, unless a cost model is active, the
+        layers run the kernels of the one cached here (looked up once), measured fastest here."""
+        if sized_by_cost_model(drafter):
+            cost = self.cost_model(drafter.cost_model)
+            if drafter.cost_model is not cost:
+                drafter.use_cost_model(cost)
+            return
         if self._settled or self.active is not None:
             return
         self._settled = True
