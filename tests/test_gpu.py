@@ -16,11 +16,9 @@ from medusa_like.decoding.tree import DynamicTreeSpec
 from medusa_like.drafters.eagle3 import Eagle3Config, Eagle3Drafter
 from medusa_like.model import MedusaLikeModel
 
-from .conftest import random_heads, random_prompts, tiny_target
+from .conftest import assert_greedy_or_near_tie, random_heads, random_prompts, tiny_target, untouched_target
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
-
-NEAR_TIE_STEPS = 4  # the widest margin at a first difference, in steps of the dtype at the row's largest logit
 
 
 def cuda_greedy(target, prompt, n: int) -> list[int]:
@@ -28,23 +26,6 @@ def cuda_greedy(target, prompt, n: int) -> list[int]:
         prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=n, min_new_tokens=n, do_sample=False
     )
     return out[0, prompt.shape[1] :].tolist()
-
-
-@torch.inference_mode()
-def assert_greedy_or_near_tie(target, prompt: torch.Tensor, ours: list[int], reference: list[int]) -> None:
-    """fp32: `ours` equals greedy's `reference` token for token. Lower precision: equal, or at the first difference
-    the target's logits after the prompt and the common prefix (one full forward) give the reference's token and ours
-    within NEAR_TIE_STEPS steps of the dtype (its spacing at the row's largest logit)."""
-    if target.dtype == torch.float32 or ours == reference:
-        assert ours == reference
-        return
-    assert len(ours) == len(reference), (ours, reference)  # eos_token_id=[]: both run to max_new_tokens
-    index = next(i for i, (a, b) in enumerate(zip(ours, reference, strict=True)) if a != b)
-    ids = torch.cat([prompt[0], torch.tensor(reference[:index], dtype=torch.long, device=prompt.device)])[None]
-    row = target(ids).logits[0, -1].float()  # [V]
-    margin = float(row[reference[index]] - row[ours[index]])  # as the evaluation reports it
-    step = torch.finfo(target.dtype).eps * 2 ** math.floor(math.log2(float(row.abs().max())))
-    assert abs(margin) <= NEAR_TIE_STEPS * step, (index, margin, step, ours, reference)
 
 
 @pytest.fixture
@@ -69,12 +50,13 @@ def test_lossless_on_cuda(family, kind, dtype, true_fp32):
     target = tiny_target(family).to("cuda", dtype)
     drafter = random_heads() if kind == "medusa" else eagle3_drafter(target)
     model = MedusaLikeModel(target, None, drafter, backend="sdpa")
+    untouched = untouched_target(family, dtype=dtype).to("cuda")
     for prompt in random_prompts(6, seed=3):
         prompt = prompt.cuda()
-        expected = cuda_greedy(target, prompt, 20)
+        expected = cuda_greedy(untouched, prompt, 20)
         for tree in ("small", DynamicTreeSpec(4, 3, 10)):
             out = model.generate(prompt, max_new_tokens=20, tree=tree, eos_token_id=[])
-            assert_greedy_or_near_tie(target, prompt, out.new_tokens.tolist(), expected)
+            assert_greedy_or_near_tie(untouched, prompt, out.new_tokens.tolist(), expected)
 
 
 @pytest.mark.parametrize("drafter", ["medusa", "eagle3"])

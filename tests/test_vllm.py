@@ -42,17 +42,22 @@ def vllm_target(num_layers: int = 8, seed: int = 0):
     return target
 
 
+def fit(module, target, steps: int) -> None:
+    """`module` trained for `steps` steps on the target's greedy continuations of 32 random prompts, on the CPU."""
+    trainer = L.Trainer(
+        max_steps=steps, accelerator="cpu", logger=False, enable_checkpointing=False, enable_progress_bar=False,
+        enable_model_summary=False,
+    )  # fmt: skip
+    trainer.fit(module, DataLoader(greedy_rows(target, 32, seed=0), batch_size=8, shuffle=True))
+
+
 def trained_drafter(target, steps: int = 80):
     """An EAGLE-3 drafter trained for `steps` AdamW steps on the target's greedy continuations of random prompts."""
     torch.manual_seed(0)
     module = Eagle3Module(
         target, DraftVocab.full(VOCAB), "tiny_llama", optimizer=lambda p: torch.optim.AdamW(p, lr=1e-2), ttt_steps=3
     )
-    trainer = L.Trainer(
-        max_steps=steps, accelerator="cpu", logger=False, enable_checkpointing=False, enable_progress_bar=False,
-        enable_model_summary=False,
-    )  # fmt: skip
-    trainer.fit(module, DataLoader(greedy_rows(target, 32, seed=0), batch_size=8, shuffle=True))
+    fit(module, target, steps)
     return module.drafter.eval()
 
 
@@ -118,11 +123,7 @@ def trained_heads(target, steps: int = 80) -> MedusaHeads:
     torch.manual_seed(0)
     config = HeadsConfig(target.config.hidden_size, VOCAB, num_heads=2)
     module = MedusaHeadsModule(target, config, "tiny_llama", optimizer=lambda p: torch.optim.AdamW(p, lr=1e-2))
-    trainer = L.Trainer(
-        max_steps=steps, accelerator="cpu", logger=False, enable_checkpointing=False, enable_progress_bar=False,
-        enable_model_summary=False,
-    )  # fmt: skip
-    trainer.fit(module, DataLoader(greedy_rows(target, 32, seed=0), batch_size=8, shuffle=True))
+    fit(module, target, steps)
     return module.heads.eval()
 
 
