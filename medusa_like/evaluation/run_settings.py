@@ -22,10 +22,11 @@ import json
 from pathlib import Path
 
 import torch
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
 from medusa_like.drafters.registry import kind_of
 from medusa_like.io import write_json
+from medusa_like.runs import config_values
 from medusa_like.targets import weights_fingerprint
 
 SETTINGS_FILE = "run_settings.json"
@@ -78,16 +79,6 @@ def file_sha256(path) -> str | None:
     return digest.hexdigest()
 
 
-def flatten(value, prefix: str) -> dict:
-    """{dotted key: value} of a nested dict; lists and scalars are leaves."""
-    if not isinstance(value, dict):
-        return {prefix: value}
-    flat = {}
-    for key, item in value.items():
-        flat.update(flatten(item, f"{prefix}.{key}"))
-    return flat
-
-
 def config_settings(cfg: DictConfig) -> dict:
     """The settings of `cfg` (conf/eval.yaml) that decide a prompt's record, with the content hashes of the files it
     names (question file, tree files, saved store; the machine profile's is read with it, `loaded_settings`): known
@@ -100,12 +91,7 @@ def config_settings(cfg: DictConfig) -> dict:
         keys += STORE_KEYS
     if cfg.data.source == "validation" or (uses_store and cfg.drafter.seed_store) or cfg.drafter.draft_vocab_size:
         keys += SPLIT_KEYS
-    settings = {}
-    for key in keys:
-        value = OmegaConf.select(cfg, key)
-        settings.update(
-            flatten(OmegaConf.to_container(value, resolve=True) if OmegaConf.is_config(value) else value, key)
-        )
+    settings = config_values(cfg, keys)
     settings["sha256(data.path)"] = file_sha256(cfg.data.path)
     settings["sha256(tree)"] = file_sha256(cfg.tree)
     settings["sha256(learned_tree)"] = file_sha256(cfg.learned_tree)

@@ -30,7 +30,7 @@ whose checkpoint already reached its limits stops with one error line before it 
 import functools
 import json
 import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
@@ -44,6 +44,7 @@ from torch.optim.lr_scheduler import LambdaLR
 from medusa_like.drafters.base import CHECKPOINT_KEY
 from medusa_like.errors import one_line_errors
 from medusa_like.io import read_training_checkpoint, write_json
+from medusa_like.runs import config_values, flatten
 from medusa_like.training.target_cache import vocab_digest
 
 log = logging.getLogger(__name__)
@@ -139,24 +140,9 @@ class ResumeCheck(Callback):
             check_resume(path, settings)
 
 
-def flatten(value, prefix: str) -> dict:
-    """{dotted key: value} of nested mappings; lists and scalars are leaves."""
-    if not isinstance(value, Mapping):
-        return {prefix: value}
-    flat = {}
-    for key, item in value.items():
-        flat.update(flatten(item, f"{prefix}.{key}"))
-    return flat
-
-
 def config_settings(cfg: DictConfig) -> dict:
     """The recorded settings that `cfg` alone gives (known before the target is loaded)."""
-    settings = {}
-    for section in SECTIONS:
-        value = OmegaConf.select(cfg, section, default=None)
-        value = OmegaConf.to_container(value, resolve=True) if OmegaConf.is_config(value) else value
-        settings.update(flatten(value, section))
-    return {k: v for k, v in settings.items() if not k.startswith(IGNORED)}
+    return {k: v for k, v in config_values(cfg, SECTIONS).items() if not k.startswith(IGNORED)}
 
 
 def loaded_settings(module, cfg: DictConfig) -> dict:
