@@ -220,11 +220,15 @@ class BlockModule(FeatureLabelsModule):
         top = out["topk_ids"].shape[-1]
         ids = out["topk_ids"].gather(1, flat[..., None].expand(-1, -1, top)).view(*labels_at.shape, top)
         logp = out["topk_logp"].gather(1, flat[..., None].expand(-1, -1, top)).view(*labels_at.shape, top)
+        # every block row's logits in one product of a fixed shape (per batch: B x anchors x (B_s - 1)), the rows
+        # without a label included: oneDNN builds a kernel for each new shape it multiplies, and the count of labelled
+        # rows changes every batch
+        all_logits = drafter.logits(state)  # [B, N, B_s - 1, N_draft]
         running = real.clone()  # [B, N]: blocks whose drafts so far are all right
         losses, accuracy = [], []
         for j in range(size - 1):
             rows = valid[:, :, j]  # [B, N]
-            logits = drafter.logits(state[:, :, j][rows])  # [n, N_draft]: only rows with a label pay the projection
+            logits = all_logits[:, :, j][rows]  # [n, N_draft]
             row_ids, row_logp = ids[:, :, j][rows].long(), logp[:, :, j][rows].float()
             losses.append(self.loss_fn(logits, row_ids, row_logp))
             with torch.no_grad():
