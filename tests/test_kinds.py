@@ -11,7 +11,7 @@ import medusa_like.formats  # noqa: F401  (attaches every weights kind's codec)
 from medusa_like import MedusaLikeModel
 from medusa_like.decoding.draft_tree import DraftTree
 from medusa_like.drafters.kinds import Codec, TrainingFreeKind
-from medusa_like.drafters.registry import all_kinds, kind_named, register, unregister
+from medusa_like.drafters.registry import all_kinds, kind_named, register, trainable_kinds, unregister
 from medusa_like.evaluation.setup import load_eval_model
 from medusa_like.training.build import module_class
 from medusa_like.training.drafter_module import DrafterModule
@@ -188,3 +188,23 @@ def test_the_evaluation_names_its_decoding_mode_drafter_mode_and_refuses_drafter
         load_eval_model(eval_cfg("drafter.mode=eagle3"))
     model = load_eval_model(eval_cfg("drafter.mode=lookup", "target.tuned_layers=false"))
     assert model.drafter.kind == "lookup"
+
+
+@pytest.mark.parametrize("name", trainable_kinds())
+def test_a_drafter_for_other_weights_of_the_same_architecture_loads_with_a_warning_naming_both(name, tmp_path, caplog):
+    """Every kind with weights records the target's weights fingerprint in its files; loaded onto another checkpoint
+    of the same architecture (another seed here: a fine-tune in practice) it loads, lossless still, with one warning
+    naming both fingerprints; onto the weights it was made for, with none."""
+    import logging
+
+    from medusa_like.formats import load_drafter, save_drafter
+    from medusa_like.targets import weights_fingerprint
+
+    own, other = tiny_target("llama"), tiny_target("llama", seed=1)
+    saved = save_drafter(kind_named(name).fresh(own), tmp_path / name, own, "tiny")
+    with caplog.at_level(logging.WARNING, logger="medusa_like.drafters.base"):
+        load_drafter(saved, own)
+        assert "trained for target weights" not in caplog.text
+        load_drafter(saved, other)
+    assert f"trained for target weights {weights_fingerprint(own)}" in caplog.text
+    assert f"has weights {weights_fingerprint(other)}" in caplog.text

@@ -6,8 +6,12 @@ that must match too. Anything else is a `DrafterMismatchError` naming both value
 the trained drafters (Medusa heads, EAGLE-3), which answer the rest of the `Drafter` protocol's bookkeeping alike.
 """
 
+import logging
+
 from medusa_like.decoding.tree import TreeSpec
-from medusa_like.targets import target_fingerprint
+from medusa_like.targets import target_fingerprint, weights_fingerprint
+
+log = logging.getLogger(__name__)
 
 CHECKPOINT_KEY = "medusa_like"  # the training module's entry in a Lightning checkpoint
 
@@ -20,8 +24,16 @@ def target_name(target) -> str:
     return getattr(target.config, "name_or_path", None) or type(target).__name__
 
 
-def check_fits(hidden_size: int, vocab_size: int, target, fingerprint: str | None = None, source: str = "") -> None:
-    """Raise DrafterMismatchError naming what differs: hidden size, vocabulary or the architecture fingerprint.
+def check_fits(
+    hidden_size: int,
+    vocab_size: int,
+    target,
+    fingerprint: str | None = None,
+    source: str = "",
+    weights: str | None = None,
+) -> None:
+    """Raise DrafterMismatchError naming what differs: hidden size, vocabulary or the architecture fingerprint; warn
+    (`check_weights`) when the drafter records other target weights of the same architecture.
 
     `source` completes "drafter ... has": e.g. "from runs/x/drafter" or "being exported".
     """
@@ -42,6 +54,23 @@ def check_fits(hidden_size: int, vocab_size: int, target, fingerprint: str | Non
             f"{what} was trained on a target with fingerprint {fingerprint}, but target {name!r} has fingerprint "
             f"{actual}: same hidden size and vocabulary, another architecture (layers, attention heads or MLP size)"
         )
+    check_weights(weights, target, what)
+
+
+def check_weights(weights: str | None, target, what: str = "drafter") -> None:
+    """A drafter trained for other weights of the target's architecture (another checkpoint, a fine-tune) is loaded
+    with a warning naming both weights fingerprints, not refused: decoding stays lossless, since the target verifies
+    every draft, and a drafter trained on a base model may serve its fine-tune, but it drafts for the weights it
+    learned, so its acceptance here may be far lower. `weights`: what the drafter records (None: nothing recorded)."""
+    if weights is None:
+        return
+    actual = weights_fingerprint(target)
+    if weights != actual:
+        log.warning(
+            "%s was trained for target weights %s, but target %r has weights %s (same architecture, other weights: "
+            "lossless still, but expect lower acceptance; train it for these weights)",
+            what, weights, target_name(target), actual,
+        )  # fmt: skip
 
 
 class LearnedDrafter:

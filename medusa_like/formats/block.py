@@ -31,7 +31,7 @@ from medusa_like.drafters.block import BLOCK, LAYER_FAMILY, BlockConfig, BlockDr
 from medusa_like.drafters.kinds import Codec
 from medusa_like.drafters.vocab import DraftVocab, DraftVocabError
 from medusa_like.formats.common import FormatError, read_config, read_safetensors, write_export
-from medusa_like.targets import target_fingerprint
+from medusa_like.targets import target_fingerprint, weights_fingerprint
 
 FORMATS = ("native", "dflash")
 WEIGHTS = "model.safetensors"
@@ -114,6 +114,7 @@ def write_block(
         "config": drafter.config.to_dict(),
         "target": target_name,
         "target_fingerprint": target_fingerprint(target.config),
+        "target_weights": weights_fingerprint(target),
     }
     files = {
         WEIGHTS: lambda path: save_file(tensors, str(path), metadata={"format": "pt"}),
@@ -138,7 +139,14 @@ def read_block(directory: str | Path, target) -> tuple[BlockDrafter, dict]:
             ) from err
     else:
         block = _config_from_engine(config, tensors, target, directory)
-    check_fits(block.target_hidden_size, block.vocab_size, target, ours.get("target_fingerprint"), f"from {directory}")
+    check_fits(
+        block.target_hidden_size,
+        block.vocab_size,
+        target,
+        ours.get("target_fingerprint"),
+        f"from {directory}",
+        ours.get("target_weights"),
+    )
     layers = target.config.get_text_config().num_hidden_layers
     if any(not 0 <= i <= layers for i in block.feature_layers):
         raise FormatError(f"{directory}: feature layers {list(block.feature_layers)} lie outside the target's {layers}")
@@ -243,7 +251,14 @@ def block_from_checkpoint(checkpoint: dict, path: Path, target) -> tuple[BlockDr
         vocab = DraftVocab(torch.tensor(info["draft_token_ids"], dtype=torch.long), config.vocab_size)
     except (KeyError, TypeError, ValueError) as err:
         raise FormatError(f"{path}: {CHECKPOINT_KEY} does not describe a block drafter: {err}") from err
-    check_fits(config.target_hidden_size, config.vocab_size, target, info.get("target_fingerprint"), f"from {path}")
+    check_fits(
+        config.target_hidden_size,
+        config.vocab_size,
+        target,
+        info.get("target_fingerprint"),
+        f"from {path}",
+        info.get("target_weights"),
+    )
     drafter = build_drafter(config, vocab, path)
     state = {k.removeprefix("drafter."): v for k, v in checkpoint["state_dict"].items() if k.startswith("drafter.")}
     try:

@@ -36,7 +36,7 @@ from medusa_like.drafters.vocab import DraftVocab, DraftVocabError
 from medusa_like.formats.common import FormatError, read_config, read_safetensors, write_export
 from medusa_like.formats.gguf import write_gguf
 from medusa_like.formats.llama_layer import LAYER_PARTS, llama_refusal
-from medusa_like.targets import target_fingerprint
+from medusa_like.targets import target_fingerprint, weights_fingerprint
 
 FORMATS = ("native", "eagle3", "eagle3_sglang", "gguf")  # gguf: llama.cpp, in `gguf.py`
 WEIGHTS = "model.safetensors"
@@ -143,6 +143,7 @@ def write_eagle3(
         "config": drafter.config.to_dict(),
         "target": target_name,
         "target_fingerprint": target_fingerprint(target.config),
+        "target_weights": weights_fingerprint(target),
     }
     files = {
         WEIGHTS: lambda path: save_file(tensors, str(path), metadata={"format": "pt"}),
@@ -168,7 +169,14 @@ def read_eagle3(directory: str | Path, target) -> tuple[Eagle3Drafter, dict]:
             ) from err
     else:
         eagle = _config_from_engine(config, target, directory)
-    check_fits(eagle.target_hidden_size, eagle.vocab_size, target, ours.get("target_fingerprint"), f"from {directory}")
+    check_fits(
+        eagle.target_hidden_size,
+        eagle.vocab_size,
+        target,
+        ours.get("target_fingerprint"),
+        f"from {directory}",
+        ours.get("target_weights"),
+    )
     if any(not 0 <= i <= text.num_hidden_layers for i in eagle.aux_layer_ids):
         raise FormatError(
             f"{directory}: aux layer ids {list(eagle.aux_layer_ids)} lie outside the target's "
@@ -231,7 +239,14 @@ def eagle3_from_checkpoint(checkpoint: dict, path: Path, target) -> tuple[Eagle3
         vocab = DraftVocab(torch.tensor(info["draft_token_ids"], dtype=torch.long), config.vocab_size)
     except (KeyError, TypeError, ValueError) as err:
         raise FormatError(f"{path}: {CHECKPOINT_KEY} does not describe an EAGLE-3 drafter: {err}") from err
-    check_fits(config.target_hidden_size, config.vocab_size, target, info.get("target_fingerprint"), f"from {path}")
+    check_fits(
+        config.target_hidden_size,
+        config.vocab_size,
+        target,
+        info.get("target_fingerprint"),
+        f"from {path}",
+        info.get("target_weights"),
+    )
     drafter = build_drafter(config, vocab, path)
     state = {k.removeprefix("drafter."): v for k, v in checkpoint["state_dict"].items() if k.startswith("drafter.")}
     try:

@@ -36,7 +36,7 @@ from medusa_like.formats.medusa_layouts import (
     check_names,
     check_shapes,
 )
-from medusa_like.targets import target_fingerprint
+from medusa_like.targets import target_fingerprint, weights_fingerprint
 
 # ---- export ----
 
@@ -58,7 +58,8 @@ def _layout(fmt: str, heads: MedusaHeads, target: PreTrainedModel, target_name: 
         tensors = dict(blocks)
         for k, proj in enumerate(own or []):
             tensors[layouts.projection_name(NATIVE, k, 0)] = proj
-        return layouts.native_config(cfg, target_name, target_fingerprint(target.config)), tensors
+        config = layouts.native_config(cfg, target_name, target_fingerprint(target.config), weights_fingerprint(target))
+        return config, tensors
     if fmt == TGI:
         reason = layouts.tgi_refusal(cfg)
         if reason:
@@ -147,7 +148,14 @@ def _read_directory(path: Path, target: PreTrainedModel) -> tuple[MedusaHeads, d
     else:
         parsed = layouts.parse_medusa_or_tgi(config, tensors, file, target.config.get_text_config().vocab_size)
     cfg = parsed.config
-    check_fits(cfg.hidden_size, cfg.vocab_size, target, parsed.meta.get("target_fingerprint"), f"from {path}")
+    check_fits(
+        cfg.hidden_size,
+        cfg.vocab_size,
+        target,
+        parsed.meta.get("target_fingerprint"),
+        f"from {path}",
+        parsed.meta.get("target_weights"),
+    )
     parsed = _resolve_projections(parsed, target, file)
     return _build(parsed.config, parsed.blocks, parsed.projections), parsed.meta
 
@@ -180,7 +188,14 @@ def heads_from_checkpoint(checkpoint: dict, path: Path, target_model: PreTrained
     layout = f"its heads_config (num_heads={cfg.num_heads}, num_layers={cfg.num_layers}, shared={cfg.shared_lm_head})"
     check_names(state, spec, f"{path} state_dict['heads.*']", layout)
     check_shapes(state, spec, path, layout)
-    check_fits(cfg.hidden_size, cfg.vocab_size, target_model, info.get("target_fingerprint"), f"from {path}")
+    check_fits(
+        cfg.hidden_size,
+        cfg.vocab_size,
+        target_model,
+        info.get("target_fingerprint"),
+        f"from {path}",
+        info.get("target_weights"),
+    )
     blocks = {name: t for name, t in state.items() if name.startswith("blocks.")}
     own = None if cfg.shared_lm_head else [state[layouts.projection_name(NATIVE, k, 0)] for k in range(cfg.num_heads)]
     meta = {

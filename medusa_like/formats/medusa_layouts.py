@@ -131,13 +131,14 @@ def blocks_from(fmt: str, tensors: Tensors, num_heads: int, num_layers: int, hid
 # ---- config.json contents ----
 
 
-def native_config(cfg: HeadsConfig, target_name: str, fingerprint: str) -> dict:
+def native_config(cfg: HeadsConfig, target_name: str, fingerprint: str, weights: str | None = None) -> dict:
     return {
         "medusa_like_format": FORMAT_VERSION,
         "head_type": "medusa",
         **cfg.to_dict(),
         "target": target_name,
         "target_fingerprint": fingerprint,
+        "target_weights": weights,
     }
 
 
@@ -289,7 +290,9 @@ def parse_native(config: dict, tensors: Tensors, file) -> Parsed:
     if not cfg.shared_lm_head:
         own = [tensors[projection_name(NATIVE, k, 0)] for k in range(cfg.num_heads)]
     blocks = {name: t for name, t in tensors.items() if name.startswith("blocks.")}
-    return Parsed(cfg, blocks, own, meta={"format": NATIVE, "target": config.get("target"), "target_fingerprint": fp})
+    meta = {"format": NATIVE, "target": config.get("target"), "target_fingerprint": fp,
+            "target_weights": config.get("target_weights")}  # fmt: skip
+    return Parsed(cfg, blocks, own, meta=meta)
 
 
 def _dim(tensors: Tensors, name: str, axis: int, default: int) -> int:

@@ -105,6 +105,7 @@ class DrafterModule(L.LightningModule):
             **self.drafter_meta(),
             "target": self.target_name,
             "target_fingerprint": target_fingerprint(self.target.config),
+            "target_weights": self.target_weights,
         }
         if self.resume_settings is not None:
             checkpoint[RESUME_KEY] = self.resume_settings
