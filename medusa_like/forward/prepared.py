@@ -236,7 +236,8 @@ class PreparedTarget:
             self.compiled, self.active = before
             raise ProfileMismatchError(
                 f"{profile.source} was measured for another setup: {'; '.join(found)}. Search again on this machine "
-                "for this target (python -m eval.tree_search writes a profile), or pass none"
+                "for this target (python -m eval.tree_search writes a profile), or pass none (a step that differs: "
+                "compile= as the profile says, or left to it)"
             )
         if cost is not None:
             self.activate(cost)
