@@ -16,9 +16,7 @@ from medusa_like.data.generation import GenerationConfig
 from medusa_like.data.prepare import load_model
 from medusa_like.drafters.medusa import HeadsConfig
 from medusa_like.runs import resolved
-from medusa_like.training.build import build_module
-from medusa_like.training.eagle3_module import Eagle3Module
-from medusa_like.training.medusa_module import MedusaHeadsModule
+from medusa_like.training.build import build_module, module_class
 
 from .conftest import CONF, compose_config
 
@@ -84,11 +82,11 @@ def test_train_option_composes_and_instantiates(group, option, tmp_path, monkeyp
         # the draft vocabulary is counted on the built training split; no data is built here: every token counts once
         monkeypatch.setattr(split, "split_token_counts", lambda *args, **kwargs: (torch.ones(vocab_size), None))
         module = build_module(cfg, target)
-        if cfg.drafter.kind == "medusa":
-            assert isinstance(module, MedusaHeadsModule) and module.drafter.num_heads == cfg.drafter.heads.num_heads
-        else:
-            assert isinstance(module, Eagle3Module)
-            assert module.drafter.config.draft_vocab_size == min(cfg.drafter.draft_vocab_size, vocab_size)
+        assert type(module) is module_class(cfg) and module.kind == cfg.drafter.kind
+        if cfg.drafter.get("heads") is not None:  # Medusa heads' settings
+            assert module.drafter.num_heads == cfg.drafter.heads.num_heads
+        if cfg.drafter.get("draft_vocab_size") is not None:  # a reduced draft vocabulary's
+            assert module.drafter.vocab.size == min(cfg.drafter.draft_vocab_size, vocab_size)
     else:  # hub models are not downloaded in tests: the loader must exist and name a model
         assert callable(get_method(loader._target_)) and cfg.model.name_or_path
 
