@@ -11,18 +11,20 @@ from medusa_like import FormatError, InvalidTreeError, MedusaLikeModel, load_dra
 from medusa_like.drafters.eagle3 import EAGLE3
 from medusa_like.drafters.registry import all_kinds, kind_named
 
-from .conftest import greedy_reference, random_heads, random_prompts, tiny_target
+from .conftest import random_heads, random_prompts, stock_greedy, tiny_target, untouched_target
 
 
 @pytest.fixture(scope="module")
 def model():
+    """Shared by this file's tests, which only decode or are refused: their references come from an untouched copy
+    (`untouched_target("llama")`), never from this model's target, whose layers it swapped."""
     return MedusaLikeModel(tiny_target("llama"), None, random_heads(num_heads=2), backend="sdpa")
 
 
 def test_a_prompt_given_as_a_list_is_the_same_prompt(model):
     prompt = random_prompts(1, seed=1)[0]
     as_list = model.generate(prompt[0].tolist(), max_new_tokens=8, eos_token_id=[])
-    assert as_list.new_tokens.tolist() == greedy_reference(model.target, prompt, 8).tolist()
+    assert as_list.new_tokens.tolist() == stock_greedy(untouched_target("llama"), [prompt], 8)[0]
 
 
 def test_float_token_ids_are_refused_by_name(model):
@@ -65,7 +67,7 @@ def test_every_registered_kind_builds_a_lossless_drafter_from_its_name():
     """`from_pretrained(drafter=<kind name>)` for every kind of the registry decodes the target's greedy output."""
     target = tiny_target("qwen2")
     prompt = random_prompts(1, seed=9, min_len=6, max_len=6)[0]
-    reference = greedy_reference(target, prompt, 12).tolist()
+    reference = stock_greedy(untouched_target("qwen2"), [prompt], 12)[0]
     for name in sorted(all_kinds()):
         model = MedusaLikeModel.from_pretrained(target, drafter=name, tokenizer=None, backend="sdpa")
         assert model.drafter.kind == name == kind_named(name).name
@@ -84,7 +86,7 @@ def test_a_combined_drafter_loads_its_learned_drafter_from_a_directory(tmp_path)
     # the saved weights, in the dtype the model drafts in (`drafter_dtype`: bf16 on some CPUs)
     assert all(torch.equal(loaded[name], weight.to(loaded[name].dtype)) for name, weight in saved.state_dict().items())
     prompt = random_prompts(1, seed=4, min_len=6, max_len=6)[0]
-    reference = greedy_reference(target, prompt, 12).tolist()
+    reference = stock_greedy(untouched_target("llama"), [prompt], 12)[0]
     assert model.generate(prompt, max_new_tokens=12, eos_token_id=[]).new_tokens.tolist() == reference
     with pytest.raises(ValueError, match="learned='lookup'.*eagle3.*medusa"):
         MedusaLikeModel.from_pretrained(target, drafter="combined", learned="lookup")
@@ -152,17 +154,20 @@ def test_an_eagle3_drafter_for_a_family_without_llamas_layout_says_what_it_lacks
     base = dict(vocab_size=97, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                 intermediate_size=64, max_position_embeddings=64, bos_token_id=None, eos_token_id=None,
                 pad_token_id=None)  # fmt: skip
-    torch.manual_seed(0)
     config = AutoConfig.for_model(family, **(base if not fields else {"vocab_size": 97, **fields}))
-    target = freeze(AutoModelForCausalLM.from_config(config, dtype=torch.float32))
+
+    def build():  # the same weights each time: the second build is the untouched reference
+        torch.manual_seed(0)
+        return freeze(AutoModelForCausalLM.from_config(config, dtype=torch.float32))
+
+    target = build()
     for kind in ("eagle3", "combined"):
         with pytest.raises(ValueError, match=f"the {family} model lacks {lacks}.*use drafter='lookup' or 'medusa'"):
             MedusaLikeModel.from_pretrained(target, drafter=kind, tuned_layers=False)
     prompt = random_prompts(1, seed=3)[0]
     lookup = MedusaLikeModel.from_pretrained(target, drafter="lookup", tuned_layers=False)
-    assert lookup.generate(prompt, max_new_tokens=8, eos_token_id=[]).new_tokens.tolist() == (
-        greedy_reference(target, prompt, 8).tolist()
-    )
+    out = lookup.generate(prompt, max_new_tokens=8, eos_token_id=[])
+    assert out.new_tokens.tolist() == stock_greedy(build(), [prompt], 8)[0]
 
 
 def test_the_loop_given_a_tree_name_says_where_names_are_resolved(model):
@@ -174,7 +179,7 @@ def test_the_loop_given_a_tree_name_says_where_names_are_resolved(model):
             speculative_generate(model.target, model.proposer(), prompt, tree, 4)
     spec = model.resolve_tree([[0], [0, 0]])
     out = speculative_generate(model.target, model.proposer(), prompt, spec, 8)
-    assert out.new_tokens.tolist() == greedy_reference(model.target, prompt, 8).tolist()
+    assert out.new_tokens.tolist() == stock_greedy(untouched_target("llama"), [prompt], 8)[0]
 
 
 def test_numpy_integer_ranks_are_ranks(model):
@@ -186,4 +191,4 @@ def test_numpy_integer_ranks_are_ranks(model):
     )
     resolved = model.resolve_tree([[np.int64(0)], [0, np.int64(1)]])
     assert resolved.paths == [(0,), (0, 1)] and all(type(r) is int for path in resolved.paths for r in path)
-    assert as_numpy.new_tokens.tolist() == greedy_reference(model.target, prompt, 8).tolist()
+    assert as_numpy.new_tokens.tolist() == stock_greedy(untouched_target("llama"), [prompt], 8)[0]

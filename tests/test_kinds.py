@@ -16,7 +16,7 @@ from medusa_like.evaluation.setup import load_eval_model
 from medusa_like.training.build import module_class
 from medusa_like.training.drafter_module import DrafterModule
 
-from .conftest import greedy_reference, random_prompts, tiny_target
+from .conftest import random_prompts, stock_greedy, tiny_target, untouched_target
 
 # ---------------------------------------------------------------------------------------------------------------------
 # A kind defined outside the package: after the current token, propose what followed its latest earlier occurrence,
@@ -107,9 +107,9 @@ def test_a_kind_registered_from_outside_the_package_decodes_the_targets_greedy_o
     assert isinstance(model.drafter, FollowerDrafter)
     spec = model.resolve_tree("dynamic")
     depth = min(spec.max_depth, spec.max_nodes - 1)
-    accepted = []
+    accepted, untouched = [], untouched_target(family)
     for prompt in random_prompts(3, seed=3, min_len=4, max_len=12):
-        reference = greedy_reference(target, prompt, 40 + depth).tolist()  # past the end: the last step may over-accept
+        reference = stock_greedy(untouched, [prompt], 40 + depth)[0]  # past the end: the last step may over-accept
         out = model.generate(prompt, max_new_tokens=40, eos_token_id=[], tree="dynamic")
         assert out.new_tokens.tolist() == reference[:40]
         expected = accepted_draft_tokens(prompt[0].tolist(), reference, depth, 40)
