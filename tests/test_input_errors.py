@@ -17,13 +17,14 @@ from medusa_like.drafters.lookup_sources import DEFAULT_STORE_TOKENS
 from medusa_like.evaluation.prompt_loop import context_overflow
 from medusa_like.targets import weights_fingerprint
 
-from .conftest import VOCAB, greedy_reference, random_heads, random_prompts, tiny_target
+from .conftest import VOCAB, random_heads, random_prompts, stock_greedy, tiny_target, untouched_target
 from .test_lookup import flat_cost
 
 
 @pytest.fixture(scope="module")
 def model():
-    """A lookup model with no cost model yet: a call that got past its checks would measure one (target forwards)."""
+    """A lookup model with no cost model yet: a call that got past its checks would measure one (target forwards).
+    Shared by the tests here, whose one reference comes from an untouched copy of its target, not from it."""
     return MedusaLikeModel(tiny_target("llama"), None, LookupDrafter(), backend="sdpa")
 
 
@@ -153,7 +154,7 @@ def test_the_context_rule_counts_the_positions_a_step_reaches_not_the_lookup_dep
     fresh = MedusaLikeModel(target, None, LookupDrafter(), backend="sdpa")
     fresh.drafter.state.cost_model = flat_cost(target)
     out = fresh.generate(prompt, max_new_tokens=40, tree=tree, eos_token_id=[])
-    assert out.new_tokens.tolist() == greedy_reference(target, prompt, 40).tolist()
+    assert out.new_tokens.tolist() == stock_greedy(untouched_target("llama"), [prompt], 40)[0]  # `model`'s target
     with pytest.raises(ValueError, match=r"16") as caught:
         check_context(target, limit - 40, 30, spec)
     assert "1000" not in str(caught.value)
@@ -174,13 +175,16 @@ def test_a_tree_step_may_read_the_last_position_and_never_past_it():
 
     positions, new, chain = 64, 10, [[0], [0, 0]]
     config = AutoConfig.for_model("gpt2", vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4, n_positions=positions)
-    torch.manual_seed(0)
-    target = freeze(AutoModelForCausalLM.from_config(config, dtype=torch.float32))
-    model = MedusaLikeModel(target, None, random_heads(num_heads=2, hidden=32, std=3.0), backend="sdpa")
+
+    def build():  # the same weights each time: the second build is the untouched reference
+        torch.manual_seed(0)
+        return freeze(AutoModelForCausalLM.from_config(config, dtype=torch.float32))
+
+    model = MedusaLikeModel(build(), None, random_heads(num_heads=2, hidden=32, std=3.0), backend="sdpa")
     fits = positions - new + 1 - 2  # prompt + new - 1 + reach == positions
     prompt = random_prompts(1, seed=5, min_len=fits, max_len=fits)[0]
     out = model.generate(prompt, max_new_tokens=new, tree=chain, eos_token_id=[])
-    assert out.new_tokens.tolist() == greedy_reference(target, prompt, new).tolist()
+    assert out.new_tokens.tolist() == stock_greedy(build(), [prompt], new)[0]
     assert out.stats.target_forwards == new  # nothing accepted: a step from every new token, the last at the edge
     longer = random_prompts(1, seed=5, min_len=fits + 1, max_len=fits + 1)[0]
     with pytest.raises(ValueError, match="max_position_embeddings \\(64\\)"):
