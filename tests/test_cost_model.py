@@ -39,7 +39,7 @@ from medusa_like.io import user_cache_dir
 from medusa_like.model import MedusaLikeModel
 from medusa_like.targets import DEFAULT_TARGET
 
-from .conftest import greedy_reference, random_prompts, tiny_target
+from .conftest import random_prompts, stock_greedy, tiny_target, untouched_target
 
 # the tests of row plans and the kernel choice per size: fp32 layers run them where the fp32 kernel does not
 pytestmark = pytest.mark.usefixtures("fp32_row_plans")
@@ -74,10 +74,12 @@ def lookup_model(target=None) -> MedusaLikeModel:
 
 
 def assert_lossless(model: MedusaLikeModel, tree="dynamic", prompts: int = 2) -> None:
-    for ids in random_prompts(prompts, seed=7, min_len=6, max_len=20):
-        expected = greedy_reference(model.target, ids, 16)
-        out = model.generate(ids, max_new_tokens=16, tree=tree, eos_token_id=[], remember=False)
-        assert out.new_tokens.tolist() == expected.tolist()
+    """`model` (whose target is `tiny_target("llama")`, as every one here) decodes transformers' greedy tokens of an
+    untouched copy of its target."""
+    ids = random_prompts(prompts, seed=7, min_len=6, max_len=20)
+    for prompt, expected in zip(ids, stock_greedy(untouched_target("llama"), ids, 16), strict=True):
+        out = model.generate(prompt, max_new_tokens=16, tree=tree, eos_token_id=[], remember=False)
+        assert out.new_tokens.tolist() == expected
 
 
 # ---------------------------------------------------------------------------------------------------------------------
