@@ -24,7 +24,7 @@ from medusa_like.forward.cost_measure import measure_cost_model
 from medusa_like.model import MedusaLikeModel
 from medusa_like.targets import weights_fingerprint
 
-from .conftest import FAMILIES, flat_cost, greedy_reference, random_heads, random_prompts, tiny_target
+from .conftest import FAMILIES, flat_cost, random_heads, random_prompts, stock_greedy, tiny_target, untouched_target
 
 BACKENDS = ("eager", "sdpa", "flash")
 
@@ -375,7 +375,7 @@ def test_every_source_and_their_combination_is_lossless(family, backend):
     drafters on static, dynamic and budgeted trees: token for token the target's greedy output, drafts accepted."""
     target = tiny_target(family)
     prompts = random_prompts(2, seed=11, min_len=6, max_len=20)
-    references = [greedy_reference(target, p, 24).tolist() for p in prompts]
+    references = stock_greedy(untouched_target(family), prompts, 24)
     budgeted_tree = {"budgeted": {"num_nodes": 6, "lookup_depth": 6, "learned": None}}
     runs = [
         ("context", LookupDrafter(use=("context",)), budgeted_tree),
@@ -404,7 +404,7 @@ def test_plain_decoding_drafts_nothing_whatever_the_drafter(monkeypatch):
     plain loop (c) decode `model.resolve_tree("none")`, which must be plain as well."""
     target = tiny_target("llama")
     prompt = random_prompts(1, seed=5, min_len=10, max_len=10)[0]
-    reference = greedy_reference(target, prompt, 40).tolist()
+    reference = stock_greedy(untouched_target("llama"), [prompt], 40)[0]
     for drafter in (LookupDrafter(), CombinedDrafter(EAGLE3.fresh(target), LookupDrafter()), random_heads()):
         model = MedusaLikeModel(target, None, drafter, backend="sdpa")
         if sized_by_cost_model(drafter):
