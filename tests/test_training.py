@@ -26,7 +26,7 @@ from medusa_like.training.losses import IGNORE, decay_weights, head_labels, head
 from medusa_like.training.schedule import cosine_with_warmup
 from train.train import train
 
-from .conftest import TINY_TRAIN, compose_config
+from .conftest import TINY_TRAIN, compose_config, stock_greedy
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -127,8 +127,30 @@ def test_eagle3_trains_validates_and_exports_through_train_on_the_cpu(tmp_path, 
     assert drafter.config.draft_vocab_size == min(cfg.drafter.draft_vocab_size, target.config.vocab_size)
     prompt = torch.tensor([[1, 2, 3, 4, 5, 6]])
     out = MedusaLikeModel(target, None, drafter, backend="sdpa").generate(prompt, 12, tree="dynamic", eos_token_id=[])
-    reference = target.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=12, do_sample=False)
-    assert out.sequences.tolist() == reference.tolist()
+    untouched, _ = instantiate(cfg.model.loader)  # loaded again: the model above swapped the first one's layers
+    assert out.sequences.tolist() == [prompt[0].tolist() + stock_greedy(untouched, [prompt], 12)[0]]
+
+
+@pytest.mark.slow
+def test_the_block_drafter_trains_validates_and_exports_through_train_on_the_cpu(tmp_path, data_dir):
+    """`train.train` with `drafter=block`: per-position and chain validation metrics, the best checkpoint chosen by
+    the chain's acceptance length, and an exported drafter that loads against the target and decodes losslessly."""
+    from medusa_like import MedusaLikeModel
+    from medusa_like.drafters.block import BlockDrafter
+
+    cfg = compose_train(tmp_path, data_dir, "debug=fdr", "drafter=block", "drafter.module.block_size=4",
+                        "export_drafter=true")  # fmt: skip
+    metrics = train(cfg)
+    for position in range(1, 4):
+        assert 0 <= metrics[f"val/acc_top1_pos{position}"] <= metrics[f"val/acc_top4_pos{position}"] <= 1
+    assert "val/acc_top1_pos4" not in metrics and 1.0 <= metrics["val/sim_tau_chain"] <= 4.0
+    target, _ = instantiate(cfg.model.loader)
+    drafter = load_drafter(tmp_path / "drafter", target)
+    assert isinstance(drafter, BlockDrafter) and drafter.config.block_size == 4
+    prompt = torch.tensor([[1, 2, 3, 4, 5, 6]])
+    out = MedusaLikeModel(target, None, drafter, backend="sdpa").generate(prompt, 12, tree="dynamic", eos_token_id=[])
+    untouched, _ = instantiate(cfg.model.loader)  # loaded again: the model above swapped the first one's layers
+    assert out.sequences.tolist() == [prompt[0].tolist() + stock_greedy(untouched, [prompt], 12)[0]]
 
 
 @pytest.mark.slow

@@ -239,3 +239,53 @@ def test_tree_search_of_a_combined_drafter_writes_a_tree_a_profile_and_the_learn
     assert report["setup"]["profile"] == {"path": profile.path, "sha256": profile.sha256}
     assert report["setup"]["tree"]["learned_alone"]["paths"] == json.loads(learned.read_text())["paths"]
     assert report["summary"]["losslessness"] == 1.0
+
+
+@pytest.mark.slow
+def test_a_block_drafter_is_searched_and_evaluated_through_the_registry_alone(tmp_path, eval_cfg):
+    """A block drafter's directory, searched alone (its trees are dynamic: its kind's answer) and merged with lookup
+    (budgeted trees), then evaluated with what the search wrote: every method lossless, the drafter's kind and
+    parameter count in the report."""
+    from eval.evaluate import evaluate
+    from eval.tree_search import tree_search
+    from medusa_like.data.prepare import load_model
+    from medusa_like.drafters.block import fresh_block
+    from medusa_like.formats import save_drafter
+
+    questions = tmp_path / "q.jsonl"
+    questions.write_text(
+        "\n".join(json.dumps({"question_id": i, "category": "c", "turns": [f"Say {i} words."]}) for i in range(2))
+    )
+    target, _ = load_model(eval_cfg().model)
+    drafter = save_drafter(fresh_block(target, block_size=4), tmp_path / "block", target, "tiny")
+    files = {"out": tmp_path / "tree.json", "profile_out": tmp_path / "profile.json"}
+    common = ["eval.max_new_tokens=6", f"drafter.path={drafter}"]
+    result = tree_search(
+        eval_cfg(
+            *common,
+            "tree_search.calibration.source=jsonl",
+            f"tree_search.calibration.path={questions}",
+            "tree_search.budgeted.learned=[[3,1,3]]",
+            "tree_search.budgeted.num_nodes=[3]",
+            "tree_search.dynamic=[[2,1,2],[3,2,4]]",  # the drafter alone: dynamic trees, its kind says
+            "tree_search.prompt_lookup=[2]",
+            "tree_search.timing_prompts=1",
+            *(f"tree_search.{key}={path}" for key, path in files.items()),
+            out_dir=tmp_path / "search",
+        )
+    )
+    assert result["kind"] == "budgeted" and result["learned_alone"]["kind"] == "dynamic"
+    report = evaluate(
+        eval_cfg(
+            *common,
+            "data.source=jsonl",
+            f"data.path={questions}",
+            f"tree={files['out']}",
+            f"target.profile={files['profile_out']}",
+            f"learned_tree={tmp_path / 'search' / 'learned_tree.json'}",
+            "eval.sweep.prompts=0",
+            out_dir=tmp_path / "run",
+        )
+    )
+    assert report["setup"]["drafter_kind"] == "combined" and report["setup"]["drafter_parameters"] > 0
+    assert report["summary"]["losslessness"] == 1.0

@@ -313,11 +313,26 @@ class BlockDrafter(LearnedDrafter, nn.Module):
             self.mask_embedding.copy_(embeddings.float().mean(0).to(self.mask_embedding))
 
     @torch.no_grad()
-    def init_layers_from_target(self, target, layer_indices: list[int]) -> None:
+    def init_layers_from_target(self, target, layer_indices: list[int] | str) -> None:
         """Start drafter layer i from target layer `layer_indices[i]`: its attention's projections, MLP and norms where
         the shapes match (the drafter's layers have the target's dimensions); the q/k norms a target layer lacks start
-        at one, and biases the drafter's layers lack are left out."""
+        at one, and biases the drafter's layers lack are left out. "high": the layers the highest feature stream
+        enters and those after it, with `fc` passing that stream through and the context's norm as the first's input
+        norm, so that the context's keys and values start as that target layer's own (but for the key norm)."""
         layers = target.base_model.layers
+        if layer_indices == "high":
+            first = max(self.config.feature_layers)
+            if first + len(self.layers) > len(layers):
+                raise ValueError(
+                    f"init_layers_from_target=high: the highest feature stream enters layer {first}, and the target has "
+                    f"no {len(self.layers)} layers from there"
+                )
+            layer_indices = list(range(first, first + len(self.layers)))
+            hidden, slot = self.config.hidden_size, self.config.feature_layers.index(first)
+            if hidden == self.config.target_hidden_size:
+                self.fc.weight.zero_()
+                self.fc.weight[:, slot * hidden : (slot + 1) * hidden].copy_(torch.eye(hidden))
+                self.hidden_norm.weight.copy_(layers[first].input_layernorm.weight)
         if len(layer_indices) != len(self.layers) or any(not 0 <= i < len(layers) for i in layer_indices):
             raise ValueError(
                 f"init_layers_from_target={layer_indices}: one target layer index in [0, {len(layers) - 1}] per drafter "

@@ -85,7 +85,9 @@ class BlockModule(FeatureLabelsModule):
         mask_token_id: int | None = None,  # the target's mask token; null: a learned mask embedding
         init_from_target: bool = True,  # start lm_head, the final norm and the mask embedding from the target's
         freeze_lm_head: bool = False,  # keep lm_head at the target's rows, untrained (DFlash shares the target's)
-        init_layers_from_target: list[int] | None = None,  # a target layer per drafter layer: start from its weights
+        # a target layer index per drafter layer, or "high" (from the layer the highest feature stream enters): start
+        # the layers from those target layers' weights
+        init_layers_from_target: list[int] | str | None = None,
         top_k: int | None = 64,  # labels: the target's k most likely draft tokens (null: the whole draft vocabulary)
         loss: str = "soft_ce",  # per position: soft_ce, tv, lk or a weighted sum, `ttt.loss_function`
         train_on: str = "assistant",  # labels at the assistant's tokens, or "all" real tokens (validation: the former)
@@ -111,8 +113,15 @@ class BlockModule(FeatureLabelsModule):
             if not init_from_target:
                 raise ValueError("freeze_lm_head=true keeps the target's rows: it needs init_from_target=true")
             self.drafter.lm_head.weight.requires_grad_(False)
+        if isinstance(init_layers_from_target, str) and init_layers_from_target != "high":
+            raise ValueError(
+                f"init_layers_from_target must be target layer indices, 'high' or null, got {init_layers_from_target!r}"
+            )
         if init_layers_from_target is not None:
-            self.drafter.init_layers_from_target(target, list(init_layers_from_target))
+            layers = (
+                init_layers_from_target if isinstance(init_layers_from_target, str) else list(init_layers_from_target)
+            )
+            self.drafter.init_layers_from_target(target, layers)
         self.anchors, self.decay, self.train_on, self.vocab_check = anchors, decay, train_on, vocab_check
         self.loss_fn = loss_function(loss)
         self.top_k = min(top_k or vocab.size, vocab.size)
@@ -130,7 +139,9 @@ class BlockModule(FeatureLabelsModule):
                 "train_on": train_on,
                 "vocab_check": vocab_check,
                 "freeze_lm_head": freeze_lm_head,
-                "init_layers_from_target": None if init_layers_from_target is None else list(init_layers_from_target),
+                "init_layers_from_target": init_layers_from_target
+                if isinstance(init_layers_from_target, (str, type(None)))
+                else list(init_layers_from_target),
             }
         )
         drafted = range(1, block_size)
