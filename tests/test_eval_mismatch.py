@@ -19,7 +19,7 @@ from medusa_like.evaluation.losslessness import TIE_ULPS, losslessness_section, 
 from medusa_like.evaluation.methods import METHODS, REFERENCE, SPECULATIVE, STOCK, Method
 from medusa_like.model import MedusaLikeModel
 
-from .conftest import flat_cost, greedy_reference, random_prompts, tiny_target
+from .conftest import flat_cost, random_prompts, stock_greedy, tiny_target, untouched_target
 
 QUESTIONS = [
     {"question_id": 1, "category": "writing", "turns": ["Write a haiku about rain."]},
@@ -102,10 +102,13 @@ def test_a_lower_precision_sets_aside_only_rounding_differences_of_methods_that_
 # The tie window (TIE_ULPS) measured on real forwards, and a forward off by more than it failing
 
 
+BF16_SHAPE = dict(hidden_size=64, intermediate_size=128)
+
+
 def bf16_model(family: str) -> MedusaLikeModel:
     """A tiny bf16 target on this project's eager bf16 step (few-row layers, the row-invariant attention where they
     build), plain decoding only."""
-    target = tiny_target(family, hidden_size=64, intermediate_size=128).to(torch.bfloat16)
+    target = tiny_target(family, **BF16_SHAPE).to(torch.bfloat16)
     model = MedusaLikeModel(target, None, LookupDrafter())
     model.drafter.use_cost_model(flat_cost(model.target))
     return model
@@ -130,10 +133,10 @@ def test_two_bf16_forwards_of_the_same_weights_differ_within_the_tie_window_and_
     position the token that (g)'s logits put below by more than TIE_ULPS units) fails the run, though the method
     equals greedy on its own forward."""
     model = bf16_model(family)
-    stock = model.forward.stock()
+    stock = untouched_target(family, dtype=torch.bfloat16, **BF16_SHAPE)  # (g) of an untouched copy: transformers' own
     prompts = random_prompts(24, seed=13, min_len=8, max_len=60)
     ours = [model.generate(p, max_new_tokens=32, tree="none", eos_token_id=[]).new_tokens.tolist() for p in prompts]
-    theirs = [greedy_reference(stock, p, 32).tolist() for p in prompts]
+    theirs = stock_greedy(stock, prompts, 32)
     methods = [REFERENCE, STOCK, SPECULATIVE]
     section = losslessness_section(model, records_of(prompts, ours, theirs), methods)
     rounding = section["differences"][STOCK]
