@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from hydra.utils import instantiate
 
 from medusa_like.apps import evaluate as app
 from medusa_like.evaluation.methods import REFERENCE, SPECULATIVE, STOCK
@@ -25,9 +26,9 @@ from medusa_like.evaluation.report import markdown
 from medusa_like.evaluation.setup import load_eval_model
 from medusa_like.forward import MachineProfile, write_profile
 from medusa_like.forward.cost_measure import measure_cost_model
-from medusa_like.forward.cpu.few_row_linear import FewRowLinear, with_stock_linears
+from medusa_like.forward.cpu.few_row_linear import FewRowLinear
 
-from .conftest import compose_config
+from .conftest import check_untouched, compose_config
 
 ROOT = Path(__file__).resolve().parents[1]
 QUESTIONS = [
@@ -185,7 +186,7 @@ def test_a_method_of_this_project_that_differs_from_a_reference_makes_evaluate_e
     records = {(r["question_id"], r["turn"]): r for r in map(json.loads, (run_dir / "prompts.jsonl").open())}
     # each margin, recomputed here: the stock target's logit of (g)'s token minus that of lookup's, at the difference
     cfg = compose_config("eval", tmp_path, "model=tiny_llama", f"data.path={questions_file(tmp_path)}", *SHORT)
-    stock_target = with_stock_linears(load_eval_model(cfg).target)
+    stock_target = check_untouched(instantiate(cfg.model.loader)[0])  # loaded again, untouched: transformers' own
     for d in against_stock:
         record, i = records[d["question_id"], d["turn"]], d["first_divergence"]
         stock, lossy = record[STOCK]["tokens"], record["lookup"]["tokens"]
@@ -283,11 +284,11 @@ def test_transformers_compiled_greedy_gives_transformers_greedy_tokens_over_two_
     the tokens of transformers' greedy `generate` on prompts whose caches round to different lengths."""
     from medusa_like.evaluation.methods import hf_compiled_runner
 
-    from .conftest import random_prompts, tiny_target
+    from .conftest import random_prompts, stock_greedy, tiny_target, untouched_target
 
     target = tiny_target("llama").eval()
     run = hf_compiled_runner(target, eos=[], pad=None, bucket=16)
+    untouched = untouched_target("llama")  # the runner compiles `target`'s forward: the reference is another copy
     for prompt in random_prompts(3, seed=3, min_len=3, max_len=14):  # 3..14 + 8 new tokens: caches of 16 and 32
         tokens, stats = run(prompt, 8)
-        expected = target.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=8, do_sample=False)
-        assert tokens == expected[0, prompt.shape[1] :].tolist() and stats is None
+        assert tokens == stock_greedy(untouched, [prompt], 8)[0] and stats is None
