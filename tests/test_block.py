@@ -329,3 +329,44 @@ def test_bad_block_drafters_are_refused_in_one_line(tmp_path):
     long = tiny_target("llama", max_position_embeddings=6)
     with pytest.raises(DrafterMismatchError, match="block of 8 positions.*max_position_embeddings \\(6\\)"):
         MedusaLikeModel(long, None, random_block(long))
+
+
+def test_with_the_predecessor_head_a_branch_follows_its_parent_and_decoding_stays_lossless(tmp_path):
+    """The predecessor head rescores position j by the token before it: each frontier node's children are the top-k
+    of its own rescored distribution (one block forward a step still), training teacher-forces the true predecessor,
+    and what decoding drafts is what training computes; the output stays greedy's; the native files keep the head,
+    the DFlash layout (which has no place for it) refuses it."""
+    torch.manual_seed(0)
+    module = make_module(tiny_target("llama"), block_size=4, anchors=3, predecessor_rank=4)
+    drafter = module.drafter.eval()
+    for p in drafter.parameters():
+        torch.nn.init.normal_(p, std=0.5)
+    batch = small_batch(4, rows=1, width=16)
+    out = module._compute_target_outputs(batch, module._wanted(batch, training=True))
+    anchors = torch.tensor([[5]])
+    ids = batch["input_ids"][0]
+    with torch.no_grad():
+        state = module.block_states(out["aux"], batch["input_ids"], batch["attention_mask"], anchors)[0, 0]  # [3, h]
+        trained = drafter.logits(state, ids[5:8]).float().log_softmax(-1)  # predecessors: the root, then true tokens
+    proposer = drafter.proposer(module.target)
+    proposer.begin(ids[:5], out["aux"][0, :5], ids[5], capacity=32)
+    torch.testing.assert_close(proposer.block_log_probs(3, ids[5:8]), trained, rtol=1e-4, atol=1e-4)
+    proposer = drafter.proposer(module.target)
+    proposer.begin(ids[:5], out["aux"][0, :5], ids[5], capacity=32)
+    tree = proposer.propose(DynamicTreeSpec(depth=3, top_k=3, num_nodes=12))
+    siblings = {frozenset(int(tree.tokens[c]) for c in tree.children[n]) for n in range(1, tree.num_nodes)
+                if int(tree.depth[n]) == 1 and len(tree.children[n]) == 3}  # fmt: skip
+    assert len(siblings) > 1  # different parents, different children
+    target = tiny_target("llama")
+    prompts, expected = references("llama", count=3)
+    model = MedusaLikeModel(target, None, random_block(target, predecessor_rank=4), backend="sdpa")
+    for prompt, reference in zip(prompts, expected, strict=True):
+        for tree in ("dynamic", "small"):
+            assert model.generate(
+                prompt, max_new_tokens=NEW_TOKENS, eos_token_id=[], tree=tree
+            ).new_tokens.tolist() == (reference)
+    target = module.target
+    back = load_drafter(export_drafter(drafter, tmp_path / "native", "native", target, "tiny"), target)
+    assert all(torch.equal(t, back.state_dict()[n]) for n, t in drafter.state_dict().items())
+    with pytest.raises(FormatError, match="predecessor head .* no place in the DFlash layout"):
+        export_drafter(drafter, tmp_path / "dflash", "dflash", target, "tiny")

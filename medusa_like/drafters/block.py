@@ -63,6 +63,9 @@ class BlockConfig:
     block_size: int  # B: the root and B - 1 drafted positions
     mask_token_id: int | None  # the target's mask token, whose embedding fills the block; None: a learned embedding
     layer: dict = field(repr=False)  # the layers' config (model_type + fields)
+    # the predecessor head's rank (DSpark's low-rank Markov head: each position's logits rescored by the token before
+    # it, so that a tree's branches differ by their parent); 0: none, every node of a depth gets the same candidates
+    predecessor_rank: int = 0
 
     def __post_init__(self):
         object.__setattr__(self, "feature_layers", tuple(int(i) for i in self.feature_layers))
@@ -74,6 +77,14 @@ class BlockConfig:
             )
         if not self.feature_layers:
             raise ValueError("feature_layers must name at least one target layer")
+        if (
+            isinstance(self.predecessor_rank, bool)
+            or not isinstance(self.predecessor_rank, int)
+            or self.predecessor_rank < 0
+        ):
+            raise ValueError(
+                f"predecessor_rank must be an integer >= 0 (0: no predecessor head), got {self.predecessor_rank!r}"
+            )
         if self.mask_token_id is not None and not 0 <= self.mask_token_id < self.vocab_size:
             raise ValueError(
                 f"mask_token_id {self.mask_token_id} lies outside the target's vocabulary of {self.vocab_size} tokens"
@@ -98,6 +109,7 @@ class BlockConfig:
         block_size: int = DEFAULT_BLOCK_SIZE,
         num_layers: int = 1,
         mask_token_id: int | None = None,
+        predecessor_rank: int = 0,
     ) -> "BlockConfig":
         text = target_config.get_text_config()
         layers = tuple(feature_layers) if feature_layers else default_aux_layers(text.num_hidden_layers)
@@ -119,7 +131,7 @@ class BlockConfig:
             "num_hidden_layers": num_layers,
         }
         vocab = min(draft_vocab_size, text.vocab_size)
-        return cls(text.hidden_size, text.vocab_size, vocab, layers, block_size, mask_token_id, layer)
+        return cls(text.hidden_size, text.vocab_size, vocab, layers, block_size, mask_token_id, layer, predecessor_rank)
 
     def to_dict(self) -> dict:
         return {**asdict(self), "feature_layers": list(self.feature_layers)}
@@ -250,6 +262,12 @@ class BlockDrafter(LearnedDrafter, nn.Module):
         # the block's mask positions: a learned embedding, or the target's embedding of its mask token
         self.mask_embedding = nn.Parameter(torch.randn(hidden) * 0.02) if config.mask_token_id is None else None
         self.lm_head = nn.Linear(hidden, config.draft_vocab_size, bias=False)
+        # the predecessor head: logits_j += S (P[token before j] * W h_j), S over the draft vocabulary, P over the
+        # target's (any token may precede, the root too); S starts at zero, so the head starts as no change
+        rank = config.predecessor_rank
+        self.predecessor = nn.Embedding(config.vocab_size, rank) if rank else None
+        self.successor = nn.Parameter(torch.zeros(config.draft_vocab_size, rank)) if rank else None
+        self.predecessor_projection = nn.Linear(hidden, rank, bias=False) if rank else None
         vocab = vocab or DraftVocab.full(config.vocab_size)
         if vocab.size != config.draft_vocab_size or vocab.target_vocab_size != config.vocab_size:
             raise ValueError(
@@ -395,9 +413,18 @@ class BlockDrafter(LearnedDrafter, nn.Module):
             )
         return self.norm(x)
 
-    def logits(self, state: torch.Tensor) -> torch.Tensor:
-        """state [..., h] -> draft-vocabulary logits [..., N]."""
-        return self.lm_head(state)
+    def logits(self, state: torch.Tensor, previous: torch.Tensor | None = None) -> torch.Tensor:
+        """state [..., h] -> draft-vocabulary logits [..., N]; with the predecessor head, rescored by the token before
+        each position, `previous` [...] (target ids)."""
+        logits = self.lm_head(state)
+        if self.predecessor is None:
+            return logits
+        return logits + self.rescoring(self.predecessor_projection(state), previous)
+
+    def rescoring(self, projected: torch.Tensor, previous: torch.Tensor) -> torch.Tensor:
+        """The predecessor head's term [..., N] for positions whose states' projection is `projected` [..., r] and
+        whose preceding tokens are `previous` [...]."""
+        return (self.predecessor(previous).to(projected.dtype) * projected) @ self.successor.to(projected.dtype).T
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -445,7 +472,8 @@ class BlockGraph(nn.Module):
         """features [c, F] (the new context rows' target features, `real` [c] saying which are not padding) at
         context_positions [c]; root [1, h] (the root's embedding) and block_positions [B]; seen [S] (the S committed
         entries of `buffer` [L, 2, H_kv, capacity, D], all visible) -> (logits [B - 1, N] of the drafted positions,
-        fp32; the new rows' entries [L, 2, H_kv, c, D], for the caller to commit)."""
+        fp32; the predecessor head's projection of their states [B - 1, r], r = 0 without one; the new rows' entries
+        [L, 2, H_kv, c, D], for the caller to commit)."""
         drafter = self.drafter
         new = drafter.context_keys(drafter.context(features)[None], context_positions[None])  # L x ([1, H_kv, c, D],)
         live = buffer[:, :, None, :, : seen.shape[0]]  # [L, 2, 1, H_kv, S, D]
@@ -455,7 +483,8 @@ class BlockGraph(nn.Module):
         visible = torch.cat([seen, real, torch.ones(size, dtype=torch.bool, device=real.device)])  # [S + c + B]
         state = drafter(block, block_positions[None], keys, visible.expand(size, -1)[None, None])[0, 1:]  # [B - 1, h]
         entries = torch.stack([torch.stack([k[0], v[0]]) for k, v in new])  # [L, 2, H_kv, c, D]
-        return drafter.logits(state).float(), entries
+        projected = drafter.predecessor_projection(state) if drafter.predecessor is not None else state[:, :0]
+        return drafter.lm_head(state).float(), projected.float(), entries
 
     def example_inputs(self) -> tuple:
         """Inputs of the graph's shapes to trace it with: 3 new context rows after 5 committed in a buffer of 11."""
@@ -495,23 +524,43 @@ class BlockProposer:
         self.pending = torch.cat([self.pending, features])  # appended: a combined proposer may skip a step
         self.root = bonus
 
+    @torch.inference_mode()
     def propose(self, spec: TreeSpec) -> DraftTree:
         if spec.max_depth == 0:
             return spec.grow(self.root, None)
-        logp = self.block_log_probs(spec.max_depth)  # [D, N]
-        top = logp.topk(min(spec.top_k, logp.shape[-1]), dim=-1)  # [D, k]
-        tokens = self.drafter.token_ids[top.indices]
+        unary, projected = self.block_logits(spec.max_depth)  # [D, N], [D, r]
+        drafter, k = self.drafter, min(spec.top_k, unary.shape[-1])
+        if drafter.predecessor is None:  # position `depth`'s candidates, after every node of the depth alike
+            top = unary.log_softmax(-1).topk(k, dim=-1)  # [D, k]
+            tokens = drafter.token_ids[top.indices]
 
-        def expand(frontier, _tokens, _parents, depth):  # position `depth`'s candidates, after every node alike
-            count = frontier.numel()
-            return tokens[depth - 1].expand(count, -1), top.values[depth - 1].expand(count, -1)
+            def expand(frontier, _tokens, _parents, depth):
+                count = frontier.numel()
+                return tokens[depth - 1].expand(count, -1), top.values[depth - 1].expand(count, -1)
+
+        else:  # each frontier node's own candidates: the position's logits rescored by the node's token
+
+            def expand(frontier, tokens, _parents, depth):
+                previous = tokens[frontier]  # [F]: the tokens the children follow (the root's at depth 1)
+                logits = unary[depth - 1] + drafter.rescoring(projected[depth - 1], previous).float()  # [F, N]
+                top = logits.log_softmax(-1).topk(k, dim=-1)
+                return drafter.token_ids[top.indices], top.values
 
         return spec.grow(self.root, expand)
 
     @torch.inference_mode()
-    def block_log_probs(self, depth: int) -> torch.Tensor:
-        """Commit the pending context, then draft one block after the root: log-probabilities [depth, N] of the
-        positions root + 1 .. root + depth."""
+    def block_log_probs(self, depth: int, previous: torch.Tensor | None = None) -> torch.Tensor:
+        """log-probabilities [depth, N] of the positions root + 1 .. root + depth from one block (`block_logits`); with
+        the predecessor head, rescored by `previous` [depth], the tokens before those positions."""
+        unary, projected = self.block_logits(depth)
+        if self.drafter.predecessor is not None:
+            unary = unary + self.drafter.rescoring(projected, previous).float()
+        return unary.log_softmax(-1)
+
+    @torch.inference_mode()
+    def block_logits(self, depth: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Commit the pending context, then draft one block after the root: the logits [depth, N] of the positions
+        root + 1 .. root + depth, and the predecessor head's projection of their states [depth, r]."""
         cache, device, count = self.cache, self.root.device, self.pending.shape[0]
         cache.check_room(count)
         compiled = self.compiled is not None and cache.length >= MIN_ROWS and count <= MAX_ROWS
@@ -525,10 +574,10 @@ class BlockProposer:
         seen = torch.ones(committed, dtype=torch.bool, device=device)
         root = self.embed(self.root.view(1)).to(features.dtype)  # [1, h]
         step = self.compiled if compiled else self.eager
-        logits, entries = step(features, root, context_positions, block_positions, real, seen, cache.buffer)
+        logits, projected, entries = step(features, root, context_positions, block_positions, real, seen, cache.buffer)
         cache.append(entries[:, :, :, :count])
         self.pending = self.pending[:0]
-        return logits[:depth].log_softmax(-1)
+        return logits[:depth], projected[:depth]
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -542,11 +591,18 @@ def fresh_block(
     block_size: int = DEFAULT_BLOCK_SIZE,
     num_layers: int = 1,
     mask_token_id: int | None = None,
+    predecessor_rank: int = 0,
 ) -> BlockDrafter:
     """A randomly initialised drafter over the full target vocabulary (or its first `draft_vocab_size` tokens)."""
     vocab_size = target.config.get_text_config().vocab_size
     config = BlockConfig.for_target(
-        target.config, draft_vocab_size or vocab_size, feature_layers, block_size, num_layers, mask_token_id
+        target.config,
+        draft_vocab_size or vocab_size,
+        feature_layers,
+        block_size,
+        num_layers,
+        mask_token_id,
+        predecessor_rank,
     )
     return BlockDrafter(config, DraftVocab(torch.arange(config.draft_vocab_size), vocab_size))
 

@@ -104,6 +104,12 @@ def write_block(
     if fmt not in FORMATS:
         raise ValueError(f"a block drafter exports as one of {FORMATS}, not {fmt!r}")
     check_fits(drafter.config.target_hidden_size, drafter.config.vocab_size, target, source="being exported")
+    if fmt == "dflash" and drafter.config.predecessor_rank:
+        raise FormatError(
+            "cannot export this drafter as format=dflash for vLLM/SGLang: its predecessor head (predecessor_rank="
+            f"{drafter.config.predecessor_rank}) has no place in the DFlash layout; format=native keeps it usable with "
+            "this framework"
+        )
     dtype = dtype or drafter.fc.weight.dtype
     tensors = {name: t.detach().cpu().to(dtype).contiguous() for name, t in drafter.state_dict().items()}
     if drafter.vocab.size != drafter.config.vocab_size:

@@ -10,6 +10,9 @@ a batch is one forward: the rows' context keys are computed once, and each block
 anchor and its own block (`drafters/block.BlockMask`: attention that never forms the other blocks' pairs). So one read of the target supervises `anchors * (B - 1)` positions
 a row, where EAGLE-3 supervises each read position once per unrolled step.
 
+With the predecessor head (`predecessor_rank`), position j's logits are rescored by the true token before it (the
+root at j = 1), as a chain that got there drafted it: teacher forcing.
+
 Validation reports each position's top-1 accuracy (`val/acc_top1_pos{j}`), the share of blocks whose draft at j is
 right among those right at every earlier position and labelled at j (`val/accept_pos{j}`: a chain's acceptance at j
 given it got there) and the acceptance length of a chain (`val/sim_tau_chain` = 1 + sum_j prod_{i <= j} accept_i, as
@@ -83,6 +86,7 @@ class BlockModule(FeatureLabelsModule):
         anchors: int = 32,  # blocks per row and step
         decay: float = DECAY,  # block position j's loss is weighted decay^(j - 1)
         mask_token_id: int | None = None,  # the target's mask token; null: a learned mask embedding
+        predecessor_rank: int = 0,  # the predecessor head's rank (DSpark's Markov head); 0: none
         init_from_target: bool = True,  # start lm_head, the final norm and the mask embedding from the target's
         freeze_lm_head: bool = False,  # keep lm_head at the target's rows, untrained (DFlash shares the target's)
         # a target layer index per drafter layer, or "high" (from the layer the highest feature stream enters): start
@@ -104,7 +108,7 @@ class BlockModule(FeatureLabelsModule):
             raise ValueError(f"need anchors >= 1 and 0 < decay <= 1, got anchors={anchors}, decay={decay}")
         check_fits(target.config.get_text_config().hidden_size, vocab.target_vocab_size, target, source="being trained")
         config = BlockConfig.for_target(
-            target.config, vocab.size, feature_layers, block_size, num_layers, mask_token_id
+            target.config, vocab.size, feature_layers, block_size, num_layers, mask_token_id, predecessor_rank
         )
         self.drafter = BlockDrafter(config, vocab)
         if init_from_target:
@@ -131,6 +135,7 @@ class BlockModule(FeatureLabelsModule):
                 "target": target_name,
                 "block_size": block_size,
                 "num_layers": num_layers,
+                "predecessor_rank": predecessor_rank,
                 "anchors": anchors,
                 "decay": decay,
                 "vocab": vocab.size,
@@ -226,15 +231,16 @@ class BlockModule(FeatureLabelsModule):
         valid = real[..., None] & inside & labelled.gather(1, labels_at.flatten(1)).view_as(labels_at)
 
         state = self.block_states(out["aux"], input_ids, attention_mask, anchors)  # [B, N, B - 1, h]
-
         flat = labels_at.flatten(1)  # [B, N * (B - 1)]
+
         top = out["topk_ids"].shape[-1]
         ids = out["topk_ids"].gather(1, flat[..., None].expand(-1, -1, top)).view(*labels_at.shape, top)
         logp = out["topk_logp"].gather(1, flat[..., None].expand(-1, -1, top)).view(*labels_at.shape, top)
         # every block row's logits in one product of a fixed shape (per batch: B x anchors x (B_s - 1)), the rows
         # without a label included: oneDNN builds a kernel for each new shape it multiplies, and the count of labelled
         # rows changes every batch
-        all_logits = drafter.logits(state)  # [B, N, B_s - 1, N_draft]
+        previous = input_ids.gather(1, flat).view_as(labels_at)  # [B, N, B - 1]: the true token before each position
+        all_logits = drafter.logits(state, previous)  # [B, N, B_s - 1, N_draft]
         running = real.clone()  # [B, N]: blocks whose drafts so far are all right
         losses, accuracy = [], []
         for j in range(size - 1):
