@@ -26,6 +26,7 @@ from . import (
     ablations,
     agreement,
     attention,
+    batch,
     core,
     distill,
     draft,
@@ -44,6 +45,7 @@ from .harness import show
 
 BENCHMARKS: dict[str, Callable] = {
     "attention": attention.run,
+    "batch": batch.run,
     "core": core.run,
     "distill": distill.run,
     "draft": draft.run,

@@ -4,6 +4,7 @@
     ids = model.chat_ids([{"role": "user", "content": "Hi!"}])
     out = model.generate(ids, max_new_tokens=128, tree="dynamic")
     print(model.tokenizer.decode(out.new_tokens), out.stats.tau)
+    outs = model.generate([ids, other_ids], max_new_tokens=128)     # a batch: one output per prompt, each its own
 
 How the target computes on this machine (its compiled step, its kernels, the cost model that sizes a lookup or
 combined drafter's trees) is `model.forward`'s (`forward.PreparedTarget`), set by `compile=` and a machine profile
@@ -11,7 +12,7 @@ combined drafter's trees) is `model.forward`'s (`forward.PreparedTarget`), set b
 
 The drafter is any kind of `drafters/registry.py`: Medusa heads, the EAGLE-3-style draft model, lookup, or a learned
 drafter and lookup combined in one tree. Without one, training-free lookup drafting (context and output store) is
-used. Every drafter is lossless; a good one is only faster.
+used. Every drafter is lossless; a good one is only faster; each row of a batch gets the output it gets alone.
 """
 
 import threading
@@ -20,7 +21,18 @@ from pathlib import Path
 
 import torch
 
-from medusa_like.decoding.checks import check_inputs, prompt_tensor, sampling_generator, token_ids
+from medusa_like.decoding.batch import PREFILL_CHUNK_SIZE, decode_batch
+from medusa_like.decoding.checks import (
+    batch_prompts,
+    check_batch,
+    check_inputs,
+    check_integer,
+    is_batch,
+    prompt_tensor,
+    row_seeds,
+    sampling_generator,
+    token_ids,
+)
 from medusa_like.decoding.generate import GenerateOutput, PlainProposer, StopChecker, decode
 from medusa_like.decoding.tree import TreeSpec, is_plain
 from medusa_like.decoding.tree_files import resolve_tree
@@ -178,75 +190,109 @@ class MedusaLikeModel:
 
     def generate(
         self,
-        input_ids: torch.Tensor,
+        input_ids: torch.Tensor | list,
         max_new_tokens: int = 256,
         tree="dynamic",
         temperature: float = 0.0,
         top_k: int = 0,
         top_p: float = 1.0,
-        seed: int | None = None,
+        seed: int | list[int] | None = None,
         eos_token_id: int | list[int] | None = None,
         stop_strings: str | list[str] | None = None,
         streamer=None,
         max_cache_len: int | None = None,
         remember: bool = True,
-    ) -> GenerateOutput:
+        prefill_chunk_size: int = PREFILL_CHUNK_SIZE,
+    ) -> GenerateOutput | list[GenerateOutput]:
         """Speculative decoding, lossless: at temperature 0 the output equals the target's own greedy decoding token
         for token; above it, tokens are drawn from exactly the target's (temperature, top_k, top_p) distribution.
 
-        `input_ids`: the prompt, [1, T] or [T], a tensor or a list of ints. `tree`: a preset ('dynamic' for EAGLE-2's
-        dynamic tree, 'chain', 'small', 'medusa', 'none' for plain decoding), a `DynamicTreeSpec` or a dict of its
-        fields, a list of rank paths, a tree file (JSON from the tree search) or a spec. `eos_token_id`: an id or a
-        list of ids (None: the target's). `stop_strings`: a string or a list of strings; generation stops once one
-        appears in the output. `streamer`: a callable taking each step's new token ids, or a transformers streamer
-        (given the prompt first, as transformers' `generate` gives it).
+        `input_ids`: the prompt, [1, T] or [T], a tensor or a list of ints; or a batch, a list of prompts (each a
+        tensor [T] or [1, T] or a list of ints, of any lengths), decoded at once: one `GenerateOutput` per prompt, in
+        order, each with its own stats and finish reason, each the one that prompt gets alone (decoding/batch.py).
+        `tree`: a preset ('dynamic' for EAGLE-2's dynamic tree, 'chain', 'small', 'medusa', 'none' for plain
+        decoding), a `DynamicTreeSpec` or a dict of its fields, a list of rank paths, a tree file (JSON from the tree
+        search) or a spec. `eos_token_id`: an id or a list of ids (None: the target's). `stop_strings`: a string or a
+        list of strings; generation stops once one appears in the output. `streamer`: a callable taking each step's
+        new token ids, or a transformers streamer (given the prompt first, as transformers' `generate` gives it); one
+        prompt only.
 
         `seed` (temperature > 0): the same prompt, settings and seed give the same tokens on the same device and
         dtype, whatever the drafter, the tree, the output store's contents or the machine's timings, and the same as
         plain decoding (`tree="none"`) with that seed: each position's token is drawn with that position's own noise
         (`decoding/sampling.py`), so drafts decide how many tokens a step commits, never which. The match is as
-        exact as greedy decoding's. Without a seed, torch's default generator draws.
+        exact as greedy decoding's. Without a seed, torch's default generator draws. A batch takes one seed for
+        every row or a list of one per prompt: each row then draws as that prompt alone with its seed.
 
         `remember`: hand the finished output to the drafter (a lookup store learns from it; an evaluation that runs
         several methods on one prompt passes False and adds the answer once every method is done, so none sees it).
-        Seeded calls are remembered too: a store only changes how fast a later call runs.
+        Seeded calls are remembered too: a store only changes how fast a later call runs. A batch's outputs are
+        remembered once each, in order, after the whole batch (no row drafts from another row's answer).
+
+        `max_cache_len`: tokens of KV cache per row; a batch whose longest prompt, new tokens and tree do not fit it
+        (or the target's positions) is refused before any work, saying what fits. `prefill_chunk_size`: prompt
+        tokens a batch's prefill forward reads, over all its rows (longer prompts are read in several forwards).
 
         Calls from several threads are served one at a time (the target, its attention and the drafter's state serve
         one generation); a call from inside a generation on the same model (its streamer) is refused. Arguments are
         checked before any work: a bad one raises a TypeError or ValueError naming it.
         """
-        generator = sampling_generator(seed, self.device)
+        batch = is_batch(input_ids)
+        prompts = batch_prompts(input_ids) if batch else [prompt_tensor(input_ids)]
+        generators = [sampling_generator(s, self.device) for s in row_seeds(seed, len(prompts), batch)]
         if not isinstance(remember, bool):
             raise TypeError(f"remember must be True or False, got {remember!r}")
+        if batch and streamer is not None:
+            raise ValueError("a streamer follows one sequence: decode a batch without one (or its prompts one by one)")
+        check_integer("prefill_chunk_size", prefill_chunk_size, 1)
         vocab = self.target.config.get_text_config().vocab_size
         eos = self.eos_token_ids() if eos_token_id is None else token_ids("eos_token_id", eos_token_id, vocab)
         stop = StopChecker(eos, () if stop_strings is None else stop_strings, self.tokenizer)
-        input_ids = prompt_tensor(input_ids)
         with self._one_generation():
             spec = self._as_drafted(resolve_tree(tree, self.max_depth))
             plain = is_plain(spec)  # tree="none": the target alone, nothing drafted, whatever the drafter
-            proposer = PlainProposer() if plain else self.proposer()
-            capacity = check_inputs(
-                self.target, proposer, input_ids, spec, max_new_tokens, max_cache_len, temperature, top_k, top_p
-            )
+            proposers = [PlainProposer() if plain else self.proposer() for _ in prompts]
+            sampling = dict(temperature=temperature, top_k=top_k, top_p=top_p)
+            if batch:
+                capacity = check_batch(self.target, proposers, prompts, spec, max_new_tokens, max_cache_len, **sampling)
+            else:
+                capacity = check_inputs(
+                    self.target, proposers[0], prompts[0], spec, max_new_tokens, max_cache_len, **sampling
+                )
             self.forward.settle(self.drafter)  # a drafter sized by a cost model gets this machine's
-            out = decode(
-                self.forward.step,
-                proposer,
-                input_ids.to(self.device),
-                spec,
-                max_new_tokens,
-                capacity,
-                stop=stop,
-                streamer=streamer,
-                temperature=temperature,
-                top_k=top_k,
-                top_p=top_p,
-                generator=generator,
-            )
+            prompts = [p.to(self.device) for p in prompts]
+            if batch:
+                outs = decode_batch(
+                    self.forward.step,
+                    proposers,
+                    prompts,
+                    spec,
+                    max_new_tokens,
+                    capacity,
+                    [stop] * len(prompts),
+                    generators=generators,
+                    prefill_chunk_size=prefill_chunk_size,
+                    **sampling,
+                )
+            else:
+                outs = [
+                    decode(
+                        self.forward.step,
+                        proposers[0],
+                        prompts[0],
+                        spec,
+                        max_new_tokens,
+                        capacity,
+                        stop=stop,
+                        streamer=streamer,
+                        generator=generators[0],
+                        **sampling,
+                    )
+                ]
             if remember:
-                self.drafter.remember(out.new_tokens.tolist())
-        return out
+                for out in outs:
+                    self.drafter.remember(out.new_tokens.tolist())
+        return outs if batch else outs[0]
 
     @contextmanager
     def _one_generation(self):

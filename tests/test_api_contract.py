@@ -201,7 +201,8 @@ def test_two_threads_generating_on_one_model_draft_what_sequential_calls_draft(m
     tell interleaved generations apart where outputs cannot (they equal greedy's whatever the drafts).
 
     Negative control (`serialised=False`): the model's serialisation removed and the threads' proposer calls made to
-    alternate, the comparison catches thread 0's first call drafting from thread 1's context, every run."""
+    alternate, the comparison catches the two generations' steps interleaving in the shared calibration, every run
+    (each proposer indexes its own context, so that one is not shared)."""
     # nn.Linear layers and a flat cost model: trees depend on the drafter's state alone, not on timings or row plans
     model = lookup_model("mistral", per_node_ms=0.0, tuned_layers=False)
     prompts = random_prompts(2, seed=7, min_len=10, max_len=30)
@@ -237,9 +238,9 @@ def test_two_threads_generating_on_one_model_draft_what_sequential_calls_draft(m
         assert all(record["tokens"] == references[record["prompt"]] for record in threaded.records)
         assert any(sum(record["accepted"]) for record in threaded.records)  # drafts were accepted: they mattered
         return
-    # both first calls began before either proposed: the later begin replaced the shared context index
+    # both first calls began before either proposed, and their steps alternate: each generation's calibration
+    # (shared by the drafter's proposers) takes in the other's acceptances, so their trees differ from sequential ones
     assert served[:2] == [0, 1]
-    assert threaded.records[0]["drafts"][0] != sequential.records[0]["drafts"][0]
     assert threaded.records != sequential.records
 
 

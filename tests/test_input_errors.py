@@ -90,8 +90,10 @@ def test_eos_ids_that_are_not_token_ids_of_the_target_are_refused(model, eos):
     [
         ("hello", TypeError, "input_ids"),
         ([["a", "b"]], TypeError, "input_ids"),
-        ([[1, 2], [3]], TypeError, "input_ids"),
-        ([[1, 2], [3, 4]], ValueError, r"one sequence.*\(2, 2\)"),
+        (torch.tensor([[1, 2], [3, 4]]), ValueError, r"one sequence.*\(2, 2\).*list of prompts"),
+        ([[1, 2], "x"], TypeError, "prompt 1 of the batch.*got str"),
+        ([[1, 2], []], ValueError, "prompt 1 of the batch.*empty"),
+        ([[1, 2], [3, 500]], ValueError, r"prompt 1 of the batch.*\[0, 97\)"),
         (torch.zeros(1, 2, 3, dtype=torch.long), ValueError, "one sequence"),
         (torch.tensor([[1.0, 2.0]]), TypeError, "float32"),
         ([[1, 500]], ValueError, r"\[0, 97\)"),

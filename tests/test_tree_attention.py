@@ -103,16 +103,37 @@ def test_a_lock_left_by_a_killed_build_is_removed_and_a_live_one_kept(tmp_path, 
     assert not extension.clear_stale_lock(tmp_path)  # nothing left to remove
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_batch_gives_each_sequence_the_bits_it_gets_alone(dtype):
+    """Two sequences of other committed lengths and trees in one call, the shorter padded (its extra rows see one
+    key, its extra keys are junk it does not see): each sequence's rows are its own call's, bit for bit."""
+    alone = [
+        tree_inputs(TREES["mixed, 12 nodes"], 37, heads=6, kv_heads=2, dim=64, dtype=dtype),
+        tree_inputs(TREES["chain of 4"], 10, heads=6, kv_heads=2, dim=64, dtype=dtype, seed=1),
+    ]
+    rows, keys = 12, 49
+    query = torch.randn(2, 6, rows, 64).to(dtype)
+    key, value = torch.randn(2, 2, keys, 64).to(dtype), torch.randn(2, 2, keys, 64).to(dtype)
+    visible = torch.zeros(2, 1, rows, keys, dtype=torch.bool)
+    visible[:, :, :, 0] = True
+    for b, (q, k, v, seen, _) in enumerate(alone):
+        query[b, :, : q.shape[2]], key[b, :, : k.shape[2]], value[b, :, : v.shape[2]] = q[0], k[0], v[0]
+        visible[b, :, : seen.shape[2], : seen.shape[3]] = seen[0]
+    out = attend(query, key, value, visible, 0.125)
+    for b, (q, k, v, seen, _) in enumerate(alone):
+        assert torch.equal(out[b : b + 1, :, : q.shape[2]], attend(q, k, v, seen, 0.125)), b
+
+
 @pytest.mark.parametrize(
     "change, message",
     [
         (lambda q, k, v, m: (q.half(), k.half(), v.half(), m), "float32 or bfloat16"),
         (lambda q, k, v, m: (q, k.bfloat16(), v, m), "share a dtype"),
         (lambda q, k, v, m: (q, k, v, m.float()), "bool mask"),
-        (lambda q, k, v, m: (q, k, v, m[..., :-1]), r"visible must be \[1, 1, T, S\]"),
+        (lambda q, k, v, m: (q, k, v, m[..., :-1]), r"visible must be \[B, 1, T, S\]"),
         (lambda q, k, v, m: (q[:, :5], k, v, m), "multiple of key heads"),
-        (lambda q, k, v, m: (q.expand(2, -1, -1, -1), k, v, m), "batch 1"),
-        (lambda q, k, v, m: (q, k, v[:, :, :-1], m), r"key and value must be \[1, H_kv, S, D\]"),
+        (lambda q, k, v, m: (q.expand(2, -1, -1, -1), k, v, m), "share the batch size"),
+        (lambda q, k, v, m: (q, k, v[:, :, :-1], m), r"key and value must be \[B, H_kv, S, D\]"),
         (lambda q, k, v, m: (*(t.repeat(1, 1, 1, 4)[..., :200] for t in (q, k, v)), m), "head_dim 1..128 or 241..256"),
     ],
 )  # fmt: skip

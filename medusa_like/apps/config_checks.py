@@ -179,6 +179,7 @@ DISTILL_CHECKS = {
 EVAL_CHECKS = {
     "seed": Number(),
     "eval.max_new_tokens": Number(min=1),
+    "eval.batch_size": Number(min=1),
     "eval.methods": Names(),
     "eval.prompt_lookup_num_tokens": NumberOrWord(min=1, words=("auto",)),
     "model.dtype": FloatDtype(optional=True),

@@ -87,12 +87,13 @@ def evaluate(cfg: DictConfig) -> dict:
     runners = make_runners(model, tree, prompt_lookup, cfg.eval.methods, learned_tree)
 
     total = sum(min(len(q.turns), cfg.data.max_turns) for q in questions)
+    batch_size = cfg.eval.batch_size
     if cfg.eval.warmup:
         ids = model.chat_ids([{"role": "user", "content": questions[0].turns[0]}])
-        warm_up(runners, ids, cfg.eval.max_new_tokens)
+        warm_up(runners, ids, cfg.eval.max_new_tokens, batch_size)
     with tqdm(total=total, desc="prompts", unit="prompt") as bar:
         records = run_questions(
-            model, questions, runners, cfg.eval.max_new_tokens, cfg.data.max_turns, tree, log_path, bar
+            model, questions, runners, cfg.eval.max_new_tokens, cfg.data.max_turns, tree, log_path, bar, batch_size
         )
     return build_report(
         cfg,

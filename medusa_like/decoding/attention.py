@@ -7,6 +7,11 @@ node's position id (the prefix length plus its depth) to the model's forward, wh
 before attention is called; the backends need only the mask. Sliding-window
 layers (Mistral, Qwen2, Gemma) pass `sliding_window`, and the window is applied to tree tokens by position.
 
+A batch (`batch.py`) passes instead the whole visibility, a [B, 1, T, S] boolean mask over the S live keys
+(`batch_inputs.py`): each row's committed slots, then its nodes in the slots after them, where the rows' committed
+lengths differ. Its last dimension is the keys' count, which tells it from a tree mask (the two agree where S = T).
+The positions the window needs follow from it (`mask_positions`).
+
 Backends:
     eager  dense float math, returns the log-sum-exp too; the reference for the others
     sdpa   torch's scaled_dot_product_attention with a dense boolean mask (CPU and GPU)
@@ -58,6 +63,42 @@ def visible_keys(tree_mask: torch.Tensor | None, q_len: int, kv_len: int, slidin
         k_pos = torch.cat([torch.arange(prefix, device=block.device), q_pos])  # [S]
         visible &= (q_pos[:, None] - k_pos[None, :]) < sliding_window
     return visible
+
+
+def mask_positions(mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The positions a batch mask [B, 1, T, S] implies: (each node's [B, T], each slot's [B, S]). A node sees its
+    row's committed slots, its ancestors and itself, so its position is that count - 1; node 0 (a real node in every
+    row: a tree's root, a chunk's first token) sits at the row's committed length L; slot s holds position s below L,
+    else node s - L's. A padding node sees only itself: its position is 0, and so is its slot's."""
+    seen = mask[:, 0]  # [B, T, S]
+    nodes, slots = seen.shape[1], torch.arange(seen.shape[2], device=mask.device)[None]  # T, [1, S]
+    q_pos = seen.sum(-1) - 1  # [B, T]
+    length = q_pos[:, :1]  # [B, 1]
+    k_pos = torch.where(slots < length, slots, q_pos.gather(1, (slots - length).clamp(0, nodes - 1)))  # [B, S]
+    return q_pos, k_pos
+
+
+def batch_visible(mask: torch.Tensor, sliding_window: int | None) -> torch.Tensor:
+    """A batch mask [B, 1, T, S], within `sliding_window` positions of each node where one is given."""
+    if not sliding_window:
+        return mask
+    q_pos, k_pos = mask_positions(mask)
+    return mask & ((q_pos[:, :, None] - k_pos[:, None, :]) < sliding_window)[:, None]
+
+
+def is_batch_mask(attention_mask: torch.Tensor | None, kv_len: int) -> bool:
+    """Whether `attention_mask` is a batch's whole visibility [B, 1, T, S] (else a tree mask [1, 1, T, T], or None)."""
+    return attention_mask is not None and attention_mask.dim() == 4 and attention_mask.shape[-1] == kv_len
+
+
+def visible_to(attention_mask: torch.Tensor | None, q_len: int, kv_len: int, sliding_window: int | None):
+    """Which keys each new token may attend, for either contract: [T, S] (a tree mask, or None for causal) or
+    [B, 1, T, S] (a batch mask)."""
+    if is_batch_mask(attention_mask, kv_len):
+        if attention_mask.dtype != torch.bool:
+            raise ValueError(f"a batch's attention mask must be bool [B, 1, T, S], got {attention_mask.dtype}")
+        return batch_visible(attention_mask, sliding_window)
+    return visible_keys(tree_block(attention_mask), q_len, kv_len, sliding_window)
 
 
 def tree_block(attention_mask: torch.Tensor | None) -> torch.Tensor | None:
@@ -164,7 +205,7 @@ def eager_tree_attention(
     module, query, key, value, attention_mask, scaling=None, sliding_window=None, softcap=None, **kwargs
 ):
     scaling = scaling if scaling is not None else query.shape[-1] ** -0.5
-    visible = visible_keys(tree_block(attention_mask), query.shape[2], key.shape[2], sliding_window)
+    visible = visible_to(attention_mask, query.shape[2], key.shape[2], sliding_window)  # [T, S] or [B, 1, T, S]
     out, _ = attention_with_lse(query, key, value, visible.to(query.device), scaling, softcap)
     return out, None
 
@@ -175,12 +216,11 @@ def sdpa_tree_attention(
     if softcap:  # sdpa has no logit soft-capping
         return eager_tree_attention(module, query, key, value, attention_mask, scaling, sliding_window, softcap)
     q_len, kv_len = query.shape[2], key.shape[2]
-    block = tree_block(attention_mask)
     gqa = query.shape[1] != key.shape[1]
-    if block is None and not sliding_window and q_len == kv_len:
+    if attention_mask is None and not sliding_window and q_len == kv_len:
         out = F.scaled_dot_product_attention(query, key, value, is_causal=True, scale=scaling, enable_gqa=gqa)
     else:
-        visible = visible_keys(block, q_len, kv_len, sliding_window).to(query.device)
+        visible = visible_to(attention_mask, q_len, kv_len, sliding_window).to(query.device)
         out = F.scaled_dot_product_attention(query, key, value, attn_mask=visible, scale=scaling, enable_gqa=gqa)
     return out.transpose(1, 2), None
 
@@ -188,12 +228,35 @@ def sdpa_tree_attention(
 def flash_tree_attention(
     module, query, key, value, attention_mask, scaling=None, sliding_window=None, softcap=None, **kwargs
 ):
-    kernel = flash_kernel(query.device)
     scaling = scaling if scaling is not None else query.shape[-1] ** -0.5
+    q_len, kv_len = query.shape[2], key.shape[2]
+    if not is_batch_mask(attention_mask, kv_len):
+        return _flash_row(query, key, value, tree_block(attention_mask), scaling, sliding_window, softcap), None
+    # a batch: row by row, each over its own committed length L and its nodes' block, as if it were alone (a
+    # padding node then sees the row's prefix too: its output is never read)
+    lengths = (attention_mask[:, 0, 0].sum(-1) - 1).tolist()  # node 0 sees the L committed slots and itself
+    rows = [
+        _flash_row(
+            query[b : b + 1],
+            key[b : b + 1, :, : length + q_len],
+            value[b : b + 1, :, : length + q_len],
+            attention_mask[b, 0, :, length : length + q_len],
+            scaling,
+            sliding_window,
+            softcap,
+        )
+        for b, length in enumerate(lengths)
+    ]
+    return torch.cat(rows), None
+
+
+def _flash_row(query, key, value, block, scaling, sliding_window, softcap):
+    """One row's flash attention: `block` [T, T] (a tree over the last T of the keys) or None (causal) ->
+    [1, T, H, D]."""
+    kernel = flash_kernel(query.device)
     q_len, kv_len = query.shape[2], key.shape[2]
     q = query.transpose(1, 2)  # [B, T, H, D]
     k_all, v_all = key.transpose(1, 2), value.transpose(1, 2)  # [B, S, H_kv, D]
-    block = tree_block(attention_mask)
     if block is None:  # causal block at the end of the cache: the kernel does it alone
         window = (sliding_window - 1, 0) if sliding_window else (-1, -1)
         out = kernel(
@@ -206,13 +269,13 @@ def flash_tree_attention(
             window_size=window,
             softcap=softcap or 0.0,
         )
-        return out, None
+        return out
 
     prefix = kv_len - q_len
     tree_visible = visible_keys(block, q_len, q_len, sliding_window)  # the tree among itself
     out, lse = attention_with_lse(query, key[:, :, prefix:], value[:, :, prefix:], tree_visible, scaling, softcap)
     if prefix == 0:
-        return out, None
+        return out
 
     depth = block.sum(-1) - 1  # [T]
     # prefix key j is visible to a node at depth d iff (prefix + d) - j < window, i.e. j >= first_visible(d)
@@ -233,7 +296,7 @@ def flash_tree_attention(
         )
         merged, _ = merge_partial_attention(out_p, lse_p, out[:, rows], lse[:, :, rows])
         out[:, rows] = merged
-    return out, None
+    return out
 
 
 _FUNCTIONS = {}

@@ -10,6 +10,9 @@ One step, for whatever drafter stands behind the `Proposer` protocol (`drafters/
     commit      accepted nodes' KV move to contiguous cache slots; the drafter takes in the accepted
                 tokens and the target's features at them (no extra forward)
 
+A sequence's own state (its tokens, stop rule, stats and sampling noise) is a `Row`, the same in the batched loop
+(`batch.py`), which runs these steps for many sequences at once.
+
 At temperature 0 the output is the target's own greedy output, token for token: every committed token is the
 target's argmax given the committed prefix, whatever the drafter proposed. tau = generated tokens / target forwards,
 the prefill included, so plain decoding has tau = 1 exactly and the bonus token counts (as in Medusa, EAGLE and
@@ -166,6 +169,82 @@ def _emit(streamer, tokens: list[int]) -> None:
         streamer(tokens)
 
 
+def target_tokens(
+    logits, noise: PositionNoise | None, first: int, depth, max_depth: int, temperature: float, top_k: int, top_p: float
+) -> torch.Tensor:
+    """The target's token after each node [T] from its logits [T, V]: its argmax, or its pick by the exponential race
+    with the noise of its position (the node's `depth` past `first`, counted from the first generated token)."""
+    if noise is None:
+        return logits.argmax(-1)
+    probs = warp_logits(logits, temperature, top_k, top_p)
+    return race(probs, noise.take(first, max_depth + 1)[depth])
+
+
+def vocab_size(step: TargetStep) -> int:
+    """The width of the target's logits (its output layer's rows): what the sampling noise covers."""
+    return step.target.get_output_embeddings().weight.shape[0]
+
+
+class Row:
+    """One sequence's state, in the single-row loop and in the batched one alike: its generated tokens, stop rule,
+    stats and sampling noise (each row its own, so that a row decodes as it would alone)."""
+
+    def __init__(
+        self,
+        prompt: torch.Tensor,
+        max_new_tokens: int,
+        stop: StopChecker | None,
+        sampling: tuple[float, int, float],
+        noise: PositionNoise | None,
+        streamer: Callable | None = None,
+    ):
+        """`prompt` [P]; `sampling`: (temperature, top_k, top_p); `noise`: the row's own (None at temperature 0)."""
+        self.prompt, self.max_new_tokens, self.stop = prompt, max_new_tokens, stop or StopChecker()
+        self.temperature, self.top_k, self.top_p = sampling
+        self.noise, self.streamer, self.stats = noise, streamer, DecodeStats()
+        self.generated: list[int] = []
+        self.finish: tuple[int, str] | None = None
+
+    @property
+    def done(self) -> bool:
+        return self.finish is not None or len(self.generated) >= self.max_new_tokens
+
+    def pick(self, logits: torch.Tensor, depth: torch.Tensor, max_depth: int) -> torch.Tensor:
+        """The target's token after each node of this row's forward [T] (logits [T, V], node depths [T]): the
+        positions counted from the next token to generate."""
+        return target_tokens(
+            logits, self.noise, len(self.generated), depth, max_depth, self.temperature, self.top_k, self.top_p
+        )
+
+    def start(self, root: torch.Tensor) -> None:
+        """The prefill's token: the first generated one."""
+        self.stats.target_forwards = 1
+        self.extend([int(root)])
+
+    def record(self, draft: DraftTree, nodes: torch.Tensor, root: torch.Tensor) -> None:
+        """A tree step's outcome: the accepted nodes [n + 1] of `draft` (root first) and the bonus token `root`."""
+        self.stats.target_forwards += 1
+        self.stats.accepted_draft.append(nodes.numel() - 1)
+        count_sources(self.stats.accepted_by_source, draft, nodes[1:])
+        self.extend(draft.tokens[nodes[1:]].tolist() + [int(root)])
+
+    def extend(self, new: list[int]) -> None:
+        """Add new tokens, cut at max_new_tokens and at the first stop; stream what is kept."""
+        first_new = len(self.generated)
+        self.generated.extend(new)
+        del self.generated[self.max_new_tokens :]
+        self.finish = self.stop.cut(self.generated, first_new)
+        if self.finish is not None:
+            del self.generated[self.finish[0] :]
+        _emit(self.streamer, self.generated[first_new:])
+
+    def output(self) -> GenerateOutput:
+        reason = self.finish[1] if self.finish is not None else "length"
+        new_tokens = torch.tensor(self.generated, dtype=torch.long, device=self.prompt.device)
+        self.stats.new_tokens = len(self.generated)
+        return GenerateOutput(torch.cat([self.prompt, new_tokens])[None], new_tokens, self.stats, reason)
+
+
 @torch.inference_mode()
 def speculative_generate(
     target,
@@ -216,21 +295,12 @@ def decode(
     """The loop of `speculative_generate`, on arguments `checks.check_inputs` accepted (`capacity`: its answer)."""
     device = input_ids.device
     prompt_len = input_ids.shape[1]
-    stop = stop or StopChecker()
     tree = tree.to(device)
     layers = proposer.feature_layers
     cache = step.new_cache(capacity)
-    stats = DecodeStats()
-    vocab = step.target.get_output_embeddings().weight.shape[0]
-    noise = None if temperature == 0 else PositionNoise(vocab, device, generator)
-
-    def target_tokens(logits, first: int, depth: torch.Tensor, max_depth: int):  # [T, V] -> [T]
-        """The target's token after each node: its argmax, or its pick with the noise of its position (the node's
-        depth past `first`, counted from the first generated token)."""
-        if noise is None:
-            return logits.argmax(-1)
-        probs = warp_logits(logits, temperature, top_k, top_p)
-        return race(probs, noise.take(first, max_depth + 1)[depth])
+    noise = None if temperature == 0 else PositionNoise(vocab_size(step), device, generator)
+    row = Row(input_ids[0], max_new_tokens, stop, (temperature, top_k, top_p), noise, streamer)
+    stats = row.stats
 
     if streamer is not None and hasattr(streamer, "put"):  # a transformers streamer takes the prompt first, as from
         streamer.put(input_ids.cpu())  # transformers' own generate (its `skip_prompt` drops it)
@@ -238,16 +308,13 @@ def decode(
     positions = torch.arange(prompt_len, device=device)[None]
     logits, features = step.forward(input_ids, positions, None, cache, layers, last=True)  # [1, V], [P, F]
     cache.commit_all(prompt_len)
-    root = target_tokens(logits, 0, torch.zeros(1, dtype=torch.long, device=device), 0)[0]
+    root = row.pick(logits, torch.zeros(1, dtype=torch.long, device=device), 0)[0]
     proposer.begin(input_ids[0], features, root, capacity)
-    stats.target_forwards = 1
-    generated = [int(root)]
     stats.prefill_seconds = time.perf_counter() - start
-    _emit(streamer, generated)
-    finish = stop.cut(generated, 0)
+    row.start(root)
 
     start = time.perf_counter()
-    while finish is None and len(generated) < max_new_tokens:
+    while not row.done:
         step_start = time.perf_counter()
         draft: DraftTree = proposer.propose(tree)
         stats.draft_seconds += time.perf_counter() - step_start
@@ -257,30 +324,15 @@ def decode(
         cache.check_room(draft.num_nodes)
         mask = draft.attention_mask[None, None]  # [1, 1, T, T]
         logits, features = step.forward(tokens[None], (prefix + draft.depth)[None], mask, cache, layers)  # [T, V]
-        first = prefix - prompt_len + 1  # the token after the root, counted from the first generated token
-        predictions = target_tokens(logits, first, draft.depth, draft.max_depth)  # [T]
+        predictions = row.pick(logits, draft.depth, draft.max_depth)  # [T]
         nodes = accept_greedy(tokens, predictions, draft)  # [n + 1]
         root = predictions[nodes[-1]]
         cache.commit(prefix + nodes)
         proposer.accept(tokens[nodes], features[nodes], root)
-        stats.target_forwards += 1
-        stats.accepted_draft.append(nodes.numel() - 1)
-        count_sources(stats.accepted_by_source, draft, nodes[1:])
-
-        new = tokens[nodes[1:]].tolist() + [int(root)]
-        first_new = len(generated)
-        generated.extend(new)
-        del generated[max_new_tokens:]
-        finish = stop.cut(generated, first_new)
-        if finish is not None:
-            del generated[finish[0] :]
-        _emit(streamer, generated[first_new:])
+        row.record(draft, nodes, root)
         stats.verify_seconds += time.perf_counter() - step_start
     stats.decode_seconds = time.perf_counter() - start
 
     if streamer is not None and hasattr(streamer, "end"):
         streamer.end()
-    reason = finish[1] if finish is not None else "length"
-    new_tokens = torch.tensor(generated, dtype=torch.long, device=device)
-    stats.new_tokens = len(generated)
-    return GenerateOutput(torch.cat([input_ids[0], new_tokens])[None], new_tokens, stats, reason)
+    return row.output()

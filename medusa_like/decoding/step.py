@@ -10,6 +10,15 @@ None for a causal block (a prompt's prefill) or a [1, 1, T, T] boolean mask (whi
 (a prefill) asks for the last token's logits only. Every call goes through the target's public forward, with masks,
 positions and the cache passed in, so any family transformers loads works.
 
+A batch of rows (`batch.py`) goes through the same step, its own cache and one forward per step for every row:
+
+    cache = step.new_batch_cache(rows, capacity)     # per-row committed lengths (`kv_cache.BatchTreeKVCache`)
+    logits, features = step.forward_batch(input_ids, position_ids, mask, cache, feature_layers)  # [B, T, V], [B, T, F]
+    cache.commit(nodes)                             # each row's accepted nodes
+
+`input_ids`, `position_ids` [B, T] cover the cache's first B rows; `mask` [B, 1, T, S] is the whole visibility over
+the live slots (`batch_inputs.py`); `last` [B] (a prefill chunk) asks for the logits of one node per row only.
+
 `EagerStep` is the reference: what the loop runs unless the caller hands it another step. Where a target runs faster
 on this machine (CPU kernels, a compiled step) is `medusa_like.forward`'s business: it builds its own steps behind
 this interface, and the loop never asks which one it was given.
@@ -21,7 +30,7 @@ from transformers import PreTrainedModel
 from medusa_like.targets import cache_keyword, output_logits
 
 from .attention import tree_attention
-from .kv_cache import TreeKVCache
+from .kv_cache import BatchTreeKVCache, TreeKVCache
 
 
 class TargetStep:
@@ -39,6 +48,16 @@ class TargetStep:
         `hidden_states[i]` for i in `feature_layers`, or the last hidden state when None)."""
         raise NotImplementedError
 
+    def new_batch_cache(self, rows: int, capacity: int):
+        """A KV cache for `rows` sequences (`kv_cache.BatchTreeKVCache`'s interface), `capacity` tokens each."""
+        raise NotImplementedError
+
+    def forward_batch(self, input_ids, position_ids, mask, cache, feature_layers=None, last=None):
+        """New tokens [B, T] of the cache's first B rows through the target, each row's KV written after its own
+        committed entries, under `mask` [B, 1, T, S]. Returns (logits [B, T, V], or [B, V] at the nodes `last` [B];
+        drafter features [B, T, F], as `forward`'s)."""
+        raise NotImplementedError
+
     def describe(self) -> str:
         """What computes this forward, in a few words, for logs, reports and cost models."""
         raise NotImplementedError
@@ -54,22 +73,36 @@ class EagerStep(TargetStep):
     def new_cache(self, capacity: int) -> TreeKVCache:
         return TreeKVCache.for_model(self.target, capacity)
 
+    def new_batch_cache(self, rows: int, capacity: int) -> BatchTreeKVCache:
+        return BatchTreeKVCache.for_model(self.target, rows, capacity)
+
     def forward(self, input_ids, position_ids, tree_mask, cache, feature_layers=None, last: bool = False):
+        hidden, features = self._run(input_ids, position_ids, tree_mask, cache, feature_layers)
+        hidden, features = hidden[0], features[0]  # [T, H], [T, F]
+        return output_logits(self.target, hidden[-1:] if last else hidden), features  # [T or 1, V], [T, F]
+
+    def forward_batch(self, input_ids, position_ids, mask, cache, feature_layers=None, last=None):
+        hidden, features = self._run(input_ids, position_ids, mask, cache, feature_layers)  # [B, T, H], [B, T, F]
+        if last is not None:
+            hidden = hidden[torch.arange(hidden.shape[0], device=hidden.device), last]  # [B, H]
+        return output_logits(self.target, hidden), features  # [B, T or -, V], [B, T, F]
+
+    def _run(self, input_ids, position_ids, mask, cache, feature_layers):
+        """The target's public forward -> (the last hidden state [B, T, H], the features [B, T, F])."""
         model = self.target.base_model
         with tree_attention(self.target, self.backend):
             out = model(
                 input_ids=input_ids,
                 position_ids=position_ids,
-                attention_mask=tree_mask,
+                attention_mask=mask,
                 use_cache=True,
                 **{cache_keyword(model): cache},
                 output_hidden_states=feature_layers is not None,
             )
-        hidden = out.last_hidden_state[0]  # [T, H]
-        features = (
-            hidden if feature_layers is None else torch.cat([out.hidden_states[i][0] for i in feature_layers], -1)
+        hidden = out.last_hidden_state
+        return hidden, hidden if feature_layers is None else torch.cat(
+            [out.hidden_states[i] for i in feature_layers], -1
         )
-        return output_logits(self.target, hidden[-1:] if last else hidden), features  # [T or 1, V], [T, F]
 
     def describe(self) -> str:
         return "eager"

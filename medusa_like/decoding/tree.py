@@ -23,12 +23,14 @@ A `TokenTree` is also the static tree spec that `draft_tree.grow_static` fills f
 from rank accuracies (chains, greedy best-first trees) and the named presets are `tree_presets.py`.
 """
 
+import dataclasses
 import numbers
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
 
+from .cost_model import BatchShare
 from .draft_tree import DraftTree, Expand, grow_dynamic, grow_static
 from .tree_presets import Path_
 
@@ -279,6 +281,8 @@ class BudgetedTreeSpec:
     learned: "TokenTree | DynamicTreeSpec | None" = None
     num_nodes: int = DEFAULT_NUM_NODES  # verified nodes, the root excluded, at most
     lookup_depth: int = DEFAULT_LOOKUP_DEPTH
+    # in a batch, what the other rows verify in the same forward (`in_batch`): a step's context, not part of the tree
+    shared: BatchShare | None = field(default=None, compare=False, repr=False)
 
     def __post_init__(self):
         for name in ("num_nodes", "lookup_depth"):
@@ -327,6 +331,12 @@ class BudgetedTreeSpec:
     def to(self, device) -> "BudgetedTreeSpec":
         learned = None if self.learned is None else self.learned.to(device)
         return BudgetedTreeSpec(learned, self.num_nodes, self.lookup_depth)
+
+
+def in_batch(spec: TreeSpec, share: BatchShare) -> TreeSpec:
+    """`spec` for one row of a batch step whose other rows verify `share` in the same forward: a budgeted tree is
+    priced by the batch's nodes (`cost_model.BatchShare`); any other spec is the same tree in a batch."""
+    return dataclasses.replace(spec, shared=share) if isinstance(spec, BudgetedTreeSpec) else spec
 
 
 def is_plain(spec: TreeSpec) -> bool:

@@ -10,7 +10,7 @@ Scores are non-increasing along a path, so the best n nodes are ancestor-closed:
 
 from bisect import bisect_right
 
-from medusa_like.decoding.cost_model import CostModel
+from medusa_like.decoding.cost_model import BatchShare, CostModel
 
 OVERHEAD_MS = 1.0  # per step outside drafting and the verification forward: acceptance, commits, Python
 CERTAINTY_EDGES = (0.05, 0.2, 0.5)  # the best lookup node's score, for the learned drafter's gate
@@ -31,14 +31,19 @@ def lookup_certainty(scores: dict) -> int:
     return bisect_right(CERTAINTY_EDGES, max(scores.values(), default=0.0))
 
 
-def best_rate(scores: dict, cost: CostModel, draft_ms: float, limit: int | None = None) -> tuple[int, float]:
-    """(n, expected tokens per ms) of the best n-node cut: the n highest scores, n maximising the rate."""
+def best_rate(
+    scores: dict, cost: CostModel, draft_ms: float, limit: int | None = None, shared: BatchShare | None = None
+) -> tuple[int, float]:
+    """(n, expected tokens per ms) of the best n-node cut: the n highest scores, n maximising the rate. In a batch
+    (`shared`: what the other rows verify in the same forward), the forward is priced by the batch's nodes and the
+    rate counts the batch's tokens (`BatchShare`)."""
     ordered = sorted(scores.values(), reverse=True)[:limit]
-    best_n, best = 0, 1.0 / (cost.verify(1) + draft_ms + OVERHEAD_MS)
-    expected = 1.0
+    verify = cost.verify if shared is None else lambda nodes: shared.verify(cost, nodes)
+    expected = 1.0 + (0.0 if shared is None else shared.tokens)
+    best_n, best = 0, expected / (verify(1) + draft_ms + OVERHEAD_MS)
     for n, score in enumerate(ordered, 1):
         expected += score
-        rate = expected / (cost.verify(n + 1) + draft_ms + OVERHEAD_MS)
+        rate = expected / (verify(n + 1) + draft_ms + OVERHEAD_MS)
         if rate > best:
             best_n, best = n, rate
     return best_n, best

@@ -47,7 +47,9 @@ class LookupDrafter:
         self.state = SessionState()  # calibration and cost model, kept across generations
 
     def sources(self) -> list:
-        return [source for source in (self.context, self.store) if source.name in self.use]
+        """The sources of one generation's proposer: its own context lookup (each row of a batch indexes its own
+        text), the shared output store (read while decoding, added to once an answer is done)."""
+        return [source for source in (copy.copy(self.context), self.store) if source.name in self.use]
 
     @property
     def cost_model(self):

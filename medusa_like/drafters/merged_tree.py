@@ -133,7 +133,7 @@ class MergedTreeProposer:
             self._calibrate(candidates)
         scores = path_scores(candidates)
         draft_ms = lookup_ms + (self.state.learned_ms if ran_learned else 0.0)
-        count, _ = best_rate(scores, self.cost, draft_ms, spec.num_nodes)
+        count, _ = best_rate(scores, self.cost, draft_ms, spec.num_nodes, spec.shared)
         chosen = sorted(scores, key=lambda p: (-scores[p], len(p)))[:count]
         self.last, self.timed = candidates, (certainty, ran_learned, begun)
         self.step += 1

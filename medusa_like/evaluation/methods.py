@@ -88,6 +88,10 @@ def greedy_runner(c: "MethodContext") -> Runner:
     def run(ids: torch.Tensor, max_new_tokens: int):
         return loop(ids, max_new_tokens)[0], None  # a reference, reported as the baselines are: no decoding stats
 
+    def batch(prompts: list[torch.Tensor], max_new_tokens: int):
+        return [(tokens, None, seconds) for tokens, _, seconds in loop.batch(prompts, max_new_tokens)]
+
+    run.batch = batch
     return run
 
 
@@ -119,13 +123,21 @@ def hf_compiled_runner(target, eos: list[int], pad: int | None, bucket: int = 25
 
 
 def loop_runner(model, tree, eos: list[int]) -> Runner:
-    """This project's decoding loop with `tree` (any spec `model.generate` takes; "none": no drafter)."""
+    """This project's decoding loop with `tree` (any spec `model.generate` takes; "none": no drafter); its `batch`
+    form decodes a batch of prompts at once (`timing.BatchRunner`: each row's seconds its own, prefill included)."""
 
     def run(ids: torch.Tensor, max_new_tokens: int):
         # remember=False: the prompt loop hands each prompt's answer to the output store after every method ran it
         out = model.generate(ids, max_new_tokens=max_new_tokens, tree=tree, eos_token_id=eos, remember=False)
         return out.new_tokens.tolist(), out.stats.as_dict()
 
+    def batch(prompts: list[torch.Tensor], max_new_tokens: int):
+        outs = model.generate(prompts, max_new_tokens=max_new_tokens, tree=tree, eos_token_id=eos, remember=False)
+        return [
+            (o.new_tokens.tolist(), o.stats.as_dict(), o.stats.prefill_seconds + o.stats.decode_seconds) for o in outs
+        ]
+
+    run.batch = batch
     return run
 
 

@@ -123,6 +123,20 @@ def speed_summary(per_prompt: Sequence[dict[str, float]], baselines: Sequence[st
     return {"median_tokens_per_second": medians, "speedup": ratios, "paired_speedup": paired}
 
 
+def batch_throughput(records: Sequence[dict], methods: Sequence[str]) -> dict | None:
+    """At `eval.batch_size` > 1 (records whose methods carry their `batch`): the batch size and, per method, tokens/s
+    in total, every prompt's new tokens over the wall seconds of the batches that decoded them (each prompt counting
+    its share of its batch's seconds: seconds / size); None at batch size 1."""
+    if not records or any("batch" not in r[m] for r in records for m in methods):
+        return None
+    total = {}
+    for m in methods:
+        tokens = sum(len(r[m]["tokens"]) for r in records)
+        seconds = sum(r[m]["batch"]["seconds"] / r[m]["batch"]["size"] for r in records)
+        total[m] = tokens_per_second(tokens, seconds)
+    return {"batch_size": max(r[methods[0]]["batch"]["size"] for r in records), "tokens_per_second": total}
+
+
 # ---------------------------------------------------------------------------------------------------------------------
 # Losslessness
 

@@ -317,6 +317,7 @@ def markdown(report: dict) -> str:
             ]
         )
     parts.append(_table(["method", "tokens/s", "vs (a) (paired)", "vs (b) (paired)"], rows))
+    parts.extend(batch_markdown(speed))
     parts.extend(methods_markdown(report))
     parts.extend(equality_markdown(report))
     parts.extend(fp32_markdown(report))
@@ -361,6 +362,20 @@ def markdown(report: dict) -> str:
     return "\n\n".join(parts) + "\n"
 
 
+def batch_markdown(speed: dict) -> list[str]:
+    """At a batch size over 1: tokens/s per prompt (the table above) and in total, per method."""
+    batch = speed.get("in_total")
+    if batch is None:
+        return []
+    median = speed["median_tokens_per_second"]
+    rows = [[label(m), f"{median[m]:.2f}", f"{tps:.2f}"] for m, tps in batch["tokens_per_second"].items()]
+    return [
+        f"## Speed at batch size {batch['batch_size']} (this project's loop decodes a batch at once; the others one "
+        "prompt after another)",
+        _table(["method", "tokens/s per prompt (median)", "tokens/s in total"], rows),
+    ]
+
+
 def write_report(report: dict, out_dir: Path) -> Path:
     """report.json and report.md; returns report.md's path."""
     write_report_json(report, out_dir)
@@ -388,6 +403,12 @@ def print_report(report: dict, out_dir: Path, console: Console | None = None) ->
             "1.00x" if m == "hf_prompt_lookup" else f"{speed['speedup']['hf_prompt_lookup'][m]:.2f}x",
         )
     console.print(table)
+    batch = speed.get("in_total")
+    if batch is not None:
+        console.print(
+            f"batch size {batch['batch_size']}, tokens/s in total: "
+            + ", ".join(f"{label(m)} {tps:.2f}" for m, tps in batch["tokens_per_second"].items())
+        )
     s = report["summary"]
     style = "green" if s["lossless"] else "bold red"
     console.print(

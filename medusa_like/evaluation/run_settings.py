@@ -91,6 +91,8 @@ def config_settings(cfg: DictConfig) -> dict:
         keys += STORE_KEYS
     if cfg.data.source == "validation" or (uses_store and cfg.drafter.seed_store) or cfg.drafter.draft_vocab_size:
         keys += SPLIT_KEYS
+    if cfg.eval.batch_size != 1:  # recorded where it is not 1: a run of batch 1 resumes as before
+        keys.append("eval.batch_size")
     settings = config_values(cfg, keys)
     settings["sha256(data.path)"] = file_sha256(cfg.data.path)
     settings["sha256(tree)"] = file_sha256(cfg.tree)

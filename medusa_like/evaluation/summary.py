@@ -36,6 +36,10 @@ DEFINITIONS = {
     "tokens_per_second": "new tokens / wall seconds of the whole call (prefill included); median over prompts (a tree "
     "sweep's rows: the geometric mean over the sweep's prompts, as the tree search ranks trees)",
     "speedup": "median tokens/s of the method / median tokens/s of the baseline (paired: median of per-prompt ratios)",
+    "batch": "eval.batch_size B > 1: B prompts given to each method at once, this project's loop decoding them as one "
+    "batch, the other methods one after another; a prompt's tokens/s is its own new tokens over its own seconds (from "
+    "the batch's start to its last token, or its own call), tokens/s in total is every prompt's tokens over the "
+    "batches' wall seconds",
     "losslessness": LOSSLESSNESS,
     "stock_equality": "share of prompts whose tokens equal (g)'s, transformers' greedy with its own nn.Linear layers; "
     "a difference fails the run as one from (a) does, and its margin (the reference's token's logit minus the method's "
@@ -275,6 +279,9 @@ def build_report(
     methods = [m for m in METHODS if all(m in r for r in records)]  # any subset a run timed, in METHODS' order
     acceptance = acceptance_section(records)
     speed = metrics.speed_summary([{m: r[m]["tps"] for m in methods} for r in records], BASELINES)
+    batch = metrics.batch_throughput(records, methods)
+    if batch is not None:  # eval.batch_size > 1: each prompt's tokens/s is its own in its batch; the batch's in total
+        speed["in_total"] = batch
     lossless = losslessness_section(model, records, methods)
     if precision.wanted(cfg.eval.get("fp32_reference", "auto"), model.target.dtype):
         lossless["fp32"] = precision.fp32_margin_section(cfg.model, model, records, methods, cfg.eval.max_new_tokens)

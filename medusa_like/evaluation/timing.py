@@ -9,6 +9,11 @@ prefill included; the tree search ranks its few prompts' figures by their geomet
     runners = {"plain": loop_runner(model, "none", eos), "spec": loop_runner(model, tree, eos)}
     results = time_methods(runners, prompts, max_new_tokens=128)      # {"plain": [per-prompt result, ...], ...}
     median_tps(results["spec"])
+
+At `eval.batch_size` B > 1 each method is given B prompts at once (`run_batch_interleaved`): this project's loop
+decodes them as one batch (a runner's own `batch` form), any other method one after another (`batched`). A prompt's
+tokens/s is then its own tokens over its own seconds (its time in the batch, from the call to its last token; or its
+own call), and the batch's is every prompt's tokens over the batch's wall seconds.
 """
 
 import math
@@ -22,6 +27,8 @@ from rich.table import Table
 from medusa_like.evaluation.metrics import median, tokens_per_second
 
 Runner = Callable[[torch.Tensor, int], tuple[list[int], dict | None]]
+# a batch of prompts -> per prompt (new token ids, DecodeStats.as_dict() or None, that prompt's own seconds)
+BatchRunner = Callable[[list[torch.Tensor], int], list[tuple[list[int], dict | None, float]]]
 # new tokens of the untimed first run: enough to touch the allocator, the kernels and the thread pools; a whole answer
 # per method would add a full answer's time per method to every evaluation (docs/results.md, commit a580579)
 WARMUP_TOKENS = 8
@@ -34,10 +41,54 @@ def rotated(names: Sequence[str], rotation: int) -> list[str]:
     return names[shift:] + names[:shift]
 
 
-def warm_up(runners: dict[str, Runner], ids: torch.Tensor, max_new_tokens: int) -> None:
-    """Every runner once on `ids`, untimed, for `WARMUP_TOKENS` new tokens (`max_new_tokens` if fewer)."""
+def warm_up(runners: dict[str, Runner], ids: torch.Tensor, max_new_tokens: int, batch_size: int = 1) -> None:
+    """Every runner once on `ids`, untimed, for `WARMUP_TOKENS` new tokens (`max_new_tokens` if fewer). With
+    `batch_size` > 1, its batch form on batches of `ids` of that size and of each smaller power of two (the sizes a
+    batch passes through as its rows finish: a compiled step compiles its graph for each on first use)."""
+    tokens = min(max_new_tokens, WARMUP_TOKENS)
+    sizes = [batch_size] + [1 << i for i in reversed(range(batch_size.bit_length())) if 1 << i < batch_size]
     for run in runners.values():
-        run(ids, min(max_new_tokens, WARMUP_TOKENS))
+        if batch_size == 1:
+            run(ids, tokens)
+            continue
+        for size in sizes:
+            batched(run)([ids] * size, tokens)
+
+
+def batched(run: Runner) -> BatchRunner:
+    """`run` given a batch: its own batch form (`run.batch`: a method that decodes a batch at once), else each prompt
+    in turn, each timed alone."""
+    own = getattr(run, "batch", None)
+    if own is not None:
+        return own
+
+    def one_by_one(prompts: list[torch.Tensor], max_new_tokens: int):
+        rows = []
+        for ids in prompts:
+            start = time.perf_counter()
+            tokens, stats = run(ids, max_new_tokens)
+            rows.append((tokens, stats, time.perf_counter() - start))
+        return rows
+
+    return one_by_one
+
+
+def run_batch_interleaved(
+    runners: dict[str, Runner], prompts: list[torch.Tensor], max_new_tokens: int, rotation: int
+) -> list[dict]:
+    """Every runner once on a batch of prompts, in rotated order (`batched`): per prompt {name: {tokens, stats,
+    seconds, tps, batch}}, `seconds` and `tps` the prompt's own, `batch` the whole batch's {size, seconds, tps}."""
+    results: list[dict] = [{} for _ in prompts]
+    for name in rotated(runners, rotation):
+        start = time.perf_counter()
+        rows = batched(runners[name])(prompts, max_new_tokens)
+        seconds = time.perf_counter() - start
+        total = sum(len(tokens) for tokens, _, _ in rows)
+        batch = {"size": len(prompts), "seconds": seconds, "tps": tokens_per_second(total, seconds)}
+        for result, (tokens, stats, own) in zip(results, rows, strict=True):
+            tps = tokens_per_second(len(tokens), own)
+            result[name] = {"tokens": tokens, "stats": stats, "seconds": own, "tps": tps, "batch": batch}
+    return results
 
 
 def run_interleaved(runners: dict[str, Runner], ids: torch.Tensor, max_new_tokens: int, rotation: int) -> dict:

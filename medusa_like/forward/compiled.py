@@ -26,6 +26,13 @@ and bf16's dot-product kernel `cpu/bf16_linear.py`, give a row the same bits at 
 bits in a one-node step as in any tree, so tree methods equal greedy decoding on the step in bf16 too, where SDPA's
 rounding differences flipped near-ties.
 
+A batch (`decoding/batch.py`) runs the same graph over a static [L, 2, B, H_kv, capacity, D] buffer
+(`StaticBatchCache`) for bucketed batch sizes (`BUCKETS`; a batch between two runs in the next, its padding rows
+seeing only their own slots, and moves into a smaller bucket as its rows finish): one graph per bucket for one node a
+row (plain decoding, a static node count: a dimension of 1 is not padded to two there) and one for trees, each
+compiled on first use and keyed by its bucket (`BatchGraph`). Each row writes and attends over its own slots; the
+attention kernel computes each row of each sequence alone, so a row of a batch gets the bits of its batch-1 step.
+
 The output is what this compiled forward computes, which rounds differently from the eager one: greedy decoding on the
 same step is the reference every method is compared with (`tree="none"`), as it is for any other kernel.
 """
@@ -39,7 +46,8 @@ from transformers import AttentionInterface
 from transformers.cache_utils import Cache, CacheLayerMixin
 from transformers.utils.output_capturing import maybe_install_capturing_hooks
 
-from medusa_like.decoding.kv_cache import CacheOverflowError
+from medusa_like.decoding.attention import batch_visible
+from medusa_like.decoding.kv_cache import CacheOverflowError, check_rows_room, commit_slots, write_slots
 from medusa_like.decoding.step import TargetStep
 from medusa_like.targets import cache_keyword, output_logits
 
@@ -52,6 +60,9 @@ ATTENTION = "medusa_like_static"  # the attention function the compiled step's t
 MIN_ROWS = 2  # a dimension of 1 is specialised by the compiler: single nodes are padded to two rows
 MAX_ROWS = 64  # steps of up to this many nodes run compiled; larger forwards (prefills) run the same code eagerly
 MAX_CONTEXT = 1 << 20  # the longest live cache the compiled graph is built for (a bound the compiler needs)
+# the batch sizes a batched step is compiled for (one graph each, on first use); a batch between two runs in the next
+# with padded rows, one beyond the largest eagerly
+BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -76,11 +87,15 @@ class _LiveLayer(CacheLayerMixin):
         pass
 
     def update(self, key_states, value_states, *args, **kwargs):
-        """Keep the T new entries [1, H_kv, T, D]; return the live keys and values with them in their slots
-        [1, H_kv, S, D] (a copy: the committed part of a size the compiler need not name apart)."""
-        self.owner.new.append(torch.stack([key_states, value_states]))  # [2, 1, H_kv, T, D]
+        """Keep the T new entries [B, H_kv, T, D]; return the live keys and values with them in their slots
+        [B, H_kv, S, D] (a copy: the committed part of a size the compiler need not name apart). `slots` is [T] for
+        one sequence, [B, T] for a batch (each row's own)."""
+        self.owner.new.append(torch.stack([key_states, value_states]))  # [2, B, H_kv, T, D]
         slots = self.owner.slots
-        return self.keys.index_copy(2, slots, key_states), self.values.index_copy(2, slots, value_states)
+        if slots.dim() == 1:
+            return self.keys.index_copy(2, slots, key_states), self.values.index_copy(2, slots, value_states)
+        index = slots[:, None, :, None].expand_as(key_states)  # [B, H_kv, T, D]
+        return self.keys.scatter(2, index, key_states), self.values.scatter(2, index, value_states)
 
     def get_seq_length(self) -> int:
         return self.keys.shape[2]
@@ -93,8 +108,8 @@ class _LiveLayer(CacheLayerMixin):
 
 
 class LiveCache(Cache):
-    """transformers' view of `live` [L, 2, 1, H_kv, S, D] (the live part of the step's buffer), the step's entries
-    at `slots` [T]; `new` collects each layer's new entries."""
+    """transformers' view of `live` [L, 2, B, H_kv, S, D] (the live part of the step's buffer), the step's entries
+    at `slots` ([T], or [B, T] per row); `new` collects each layer's new entries."""
 
     def __init__(self, live: torch.Tensor, slots: torch.Tensor):
         self.slots, self.new = slots, []
@@ -142,6 +157,58 @@ class StaticTreeCache:
         if not 0 <= length <= self.length:
             raise ValueError(f"cannot rewind a cache of {self.length} committed tokens to {length}")
         self.length = length
+
+
+def bucket(rows: int) -> int:
+    """The batch size a step of `rows` rows runs at: the smallest of `BUCKETS` that holds them (padded rows after
+    them), or `rows` itself beyond the largest (then the step runs eagerly)."""
+    return next((size for size in BUCKETS if size >= rows), rows)
+
+
+class StaticBatchCache:
+    """The batched loop's cache (`kv_cache.BatchTreeKVCache`'s interface) over one buffer [L, 2, B, H_kv, capacity,
+    D] for a bucket of B rows (`bucket`): the batch's `rows` rows first, each with its own committed length, padding
+    rows after them. `keep` moves the kept rows to the front, into a smaller bucket's buffer where they fit one."""
+
+    def __init__(self, num_layers: int, heads: int, head_dim: int, rows: int, capacity: int, dtype, device):
+        if capacity < 1 or rows < 1:
+            raise ValueError(f"a batch cache needs rows and capacity >= 1, got {rows} rows of capacity {capacity}")
+        self.capacity, self.rows, self.lengths = capacity, rows, [0] * rows
+        self.layout = (num_layers, 2, heads, head_dim, dtype, device)
+        self.buffer = self._buffer(bucket(rows))
+
+    def _buffer(self, size: int) -> torch.Tensor:
+        layers, kv, heads, head_dim, dtype, device = self.layout
+        # MIN_ROWS - 1 spare slots: a padded step writes its dummy rows after the real ones
+        return torch.zeros(layers, kv, size, heads, self.capacity + MIN_ROWS - 1, head_dim, dtype=dtype, device=device)
+
+    def check_room(self, new_tokens: int, rows: int | None = None) -> None:
+        check_rows_room(self.lengths[:rows], new_tokens, self.capacity)
+
+    def write(self, new: torch.Tensor, slots: torch.Tensor) -> None:
+        """Write a step's new entries [L, 2, R, H_kv, T, D] of the first R rows at `slots` [R, T]."""
+        index = torch.arange(slots.shape[0], device=slots.device)[:, None]  # [R, 1]
+        self.buffer[:, :, index, :, slots] = new.permute(2, 4, 0, 1, 3, 5)  # [R, T, L, 2, H_kv, D]
+
+    def commit(self, nodes: list[torch.Tensor]) -> None:
+        """Keep each of the first len(nodes) rows' entries of its last forward at `nodes[b]` (ascending, root first)."""
+        source, dest = commit_slots(self.lengths[: len(nodes)], nodes, self.buffer.device)  # [R, A]
+        index = torch.arange(len(nodes), device=self.buffer.device)[:, None]
+        self.buffer[:, :, index, :, dest] = self.buffer[:, :, index, :, source]  # gathered first: overlap safe
+        self.commit_all([n.numel() for n in nodes])
+
+    def commit_all(self, counts: list[int]) -> None:
+        for row, count in enumerate(counts):
+            self.lengths[row] += count
+
+    def keep(self, rows: list[int]) -> None:
+        """Keep only `rows` (indices of the batch's rows, in their new order), at the front of the smallest bucket."""
+        kept = self.buffer.index_select(2, torch.tensor(rows, device=self.buffer.device))
+        size = bucket(len(rows))
+        if size != self.buffer.shape[2]:
+            self.buffer = self._buffer(size)
+        self.buffer[:, :, : len(rows)] = kept
+        self.rows, self.lengths = len(rows), [self.lengths[r] for r in rows]
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -213,9 +280,23 @@ class CompiledStep(TargetStep):
         self.head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
         self.min_rows, self.max_rows = MIN_ROWS, MAX_ROWS  # the node counts that run compiled
         self.cache_keyword = cache_keyword(target.base_model)  # looked up here: the compiled graph reads a string
-        self.compiled = None  # the compiled function (one for every drafter: it returns every layer's states)
+        # the compiled functions, by (batch bucket, one node a row), each for every drafter (it returns every layer's
+        # states): (1, False) the single-row step's
+        self.graphs: dict = {}
         self.compile_seconds = 0.0
         self.failed: str | None = None  # why the compiled function stopped being used, if it did
+
+    @property
+    def compiled(self):
+        """The single-row step's compiled function, once compiled or loaded (None before its first use)."""
+        return self.graphs.get((1, False))
+
+    @compiled.setter
+    def compiled(self, function) -> None:  # None: compiled or loaded again on next use, as by a new process
+        if function is None:
+            self.graphs.pop((1, False), None)
+        else:
+            self.graphs[(1, False)] = function
 
     def describe(self) -> str:
         return f"compiled ({self.label})"
@@ -228,17 +309,20 @@ class CompiledStep(TargetStep):
         dtype = self.target.get_input_embeddings().weight.dtype
         return StaticTreeCache(self.num_layers, self.heads, self.head_dim, capacity, dtype, self.target.device)
 
+    def new_batch_cache(self, rows: int, capacity: int) -> StaticBatchCache:
+        dtype = self.target.get_input_embeddings().weight.dtype
+        return StaticBatchCache(self.num_layers, self.heads, self.head_dim, rows, capacity, dtype, self.target.device)
+
     def forward(self, input_ids, position_ids, tree_mask, cache: StaticTreeCache, feature_layers=None, last=False):
         real = input_ids.shape[1]
         cache.check_room(real)
         layers = None if feature_layers is None else tuple(feature_layers)
         if last or real > self.max_rows or self.failed:  # a prefill, a large forward, or after a failure: eagerly
             mask, slots, positions = self._inputs(cache, position_ids, tree_mask, real)
-            with torch.inference_mode(), attention_traced(self.eager_target.config):
-                graph = _Graph(self.eager_target, self.cache_keyword, every_state=layers is not None)
-                logits, hidden, states, new = graph(input_ids, positions, slots, mask, cache.buffer, last)
+            ends = torch.tensor([real - 1], device=input_ids.device) if last else None
+            logits, hidden, states, new = self._eager(input_ids, positions, slots, mask, cache.buffer, layers, ends)
             cache.write(new)
-            return logits, _features(hidden, states, layers)
+            return logits if last else logits[0], _features(hidden, states, layers)[0]
         rows = max(real, MIN_ROWS)
         ids = torch.cat([input_ids, input_ids.new_zeros(1, rows - real)], dim=1)  # [1, T]: a dummy row after one node
         mask, slots, positions = self._inputs(cache, position_ids, tree_mask, rows)
@@ -248,11 +332,53 @@ class CompiledStep(TargetStep):
                 # view's strides would name its buffer's capacity, and another capacity would compile again)
                 logits, hidden, states, new = self._compiled()(ids, positions, slots, mask, cache.buffer)
         except Exception as err:  # the compiler's errors have many types; the eager run below is always correct
-            self.failed = compile_cache.failure(err)
-            log.warning("the compiled step failed (%s): the eager step runs from now on", self.failed)
+            self._fail(err)
             return self.forward(input_ids, position_ids, tree_mask, cache, feature_layers, last)
         cache.write(new)
-        return logits[:real], _features(hidden[:real], states[:, :real], layers)
+        return logits[0, :real], _features(hidden, states, layers)[0, :real]
+
+    def forward_batch(self, input_ids, position_ids, mask, cache: StaticBatchCache, feature_layers=None, last=None):
+        """`TargetStep.forward_batch`: a step of R rows runs the graph of its bucket (`bucket`: B >= R rows, padding
+        rows after the real ones, each padding node seeing only its own slot), one node per row by a graph of one
+        node per row, trees by one of T nodes; a prefill chunk, a larger forward, or a batch beyond the largest
+        bucket runs the same function eagerly. Each row attends by the row-invariant kernel over its own slots, so a
+        row's step computes the bits of its batch-1 step (`forward`) where the products are row-invariant."""
+        rows, real = input_ids.shape
+        cache.check_room(real, rows)
+        layers = None if feature_layers is None else tuple(feature_layers)
+        size = cache.buffer.shape[2]
+        if last is not None or real > self.max_rows or self.failed or size not in BUCKETS:
+            ids, positions, slots, both = self._batch_inputs(cache, input_ids, position_ids, mask, rows, real)
+            logits, hidden, states, new = self._eager(
+                ids, positions, slots, both, cache.buffer[:, :, :rows], layers, last
+            )
+            cache.write(new, slots)
+            return logits, _features(hidden, states, layers)
+        nodes = 1 if real == 1 and size > 1 else max(real, MIN_ROWS)  # one node per row compiles as its own graph
+        ids, positions, slots, both = self._batch_inputs(cache, input_ids, position_ids, mask, size, nodes)
+        try:
+            with self.traced_attention():
+                if size == 1:  # one row: the single-row graph, over its slots [T]
+                    logits, hidden, states, new = self._compiled()(ids, positions, slots[0], both, cache.buffer)
+                else:
+                    logits, hidden, states, new = self._compiled(size, nodes == 1)(
+                        ids, positions, slots, both, cache.buffer
+                    )
+        except Exception as err:  # as in `forward`: the eager run is always correct
+            self._fail(err)
+            return self.forward_batch(input_ids, position_ids, mask, cache, feature_layers, last)
+        cache.write(new[:, :, :rows], slots[:rows])
+        return logits[:rows, :real], _features(hidden, states, layers)[:rows, :real]
+
+    def _eager(self, ids, positions, slots, mask, buffer, layers, last):
+        """The step's function run eagerly on `eager_target`'s layers (a prefill, a large forward, after a failure)."""
+        with torch.inference_mode(), attention_traced(self.eager_target.config):
+            graph = _Graph(self.eager_target, self.cache_keyword, every_state=layers is not None)
+            return graph(ids, positions, slots, mask, buffer, last)
+
+    def _fail(self, err: Exception) -> None:
+        self.failed = compile_cache.failure(err)
+        log.warning("the compiled step failed (%s): the eager step runs from now on", self.failed)
 
     def traced_attention(self):
         """The target's attention through `static_attention` for the block (as the compiled graph was traced)."""
@@ -272,16 +398,38 @@ class CompiledStep(TargetStep):
         slots = torch.arange(length, length + rows, device=device)  # [T]
         return window_mask(visible, q_pos, k_pos, self.window), slots, q_pos[None]
 
-    def _compiled(self):
-        if self.compiled is None:
+    def _batch_inputs(self, cache: StaticBatchCache, input_ids, position_ids, mask, size: int, nodes: int):
+        """The loop's batch inputs (R rows of T nodes under `mask` [R, 1, T, S]) padded to `size` rows of `nodes`
+        nodes, every padding row and node seeing only its own slot -> (ids, positions, slots [size, nodes], the mask
+        [size, 2, nodes, S'] of the full-attention layers and the sliding-window ones)."""
+        rows, real = input_ids.shape
+        device = input_ids.device
+        lengths = torch.tensor(cache.lengths[:rows] + [0] * (size - rows), device=device)  # [size]
+        slots = write_slots(lengths, nodes)  # [size, nodes]
+        visible = torch.zeros(size, nodes, max(cache.lengths[:rows]) + nodes, dtype=torch.bool, device=device)
+        visible.scatter_(2, slots[:, :, None], True)  # each node its own slot
+        visible[:rows, :real, : mask.shape[-1]] = mask[:, 0]  # the real nodes as the loop says
+        ids = input_ids.new_zeros(size, nodes)
+        ids[:rows, :real] = input_ids
+        positions = lengths[:, None].repeat(1, nodes)  # [size, nodes]
+        positions[:rows, :real] = position_ids
+        windowed = batch_visible(visible[:, None], self.window)[:, 0]
+        return ids, positions, slots, torch.stack([visible, windowed], 1)
+
+    def _compiled(self, size: int = 1, one_node: bool = False):
+        """The compiled function of the single-row step (`size` 1), or of a batch bucket's step of `size` rows (one
+        node per row where `one_node`), compiled (or loaded) on first use."""
+        key = (size, one_node)
+        if key not in self.graphs:
             # transformers installs its hidden-state hooks on the first forward that asks for them, under a lock
             # the compiler cannot trace: installed here, before tracing
             maybe_install_capturing_hooks(self.target.base_model)
             graph = _Graph(self.target, self.cache_keyword, every_state=True)
-            self.compiled = (compile_cache.Package if self.target.device.type == "cpu" else compile_cache.InProcess)(
-                graph, self
-            )
-        return self.compiled
+            variant = self if size == 1 else BatchGraph(self, size, one_node)
+            run = compile_cache.Package if self.target.device.type == "cpu" else compile_cache.InProcess
+            self.graphs[key] = run(graph, variant)
+            self.compile_seconds += variant.compile_seconds if variant is not self else 0.0
+        return self.graphs[key]
 
     def dynamic_sizes(self) -> dict:
         """The graph's dynamic dimensions, by input: the node count T, the live cache length S, the buffer's
@@ -305,6 +453,56 @@ class CompiledStep(TargetStep):
         return torch.zeros(1, rows, dtype=torch.long, device=device), positions, slots, mask, cache.buffer
 
 
+class BatchGraph:
+    """What `compile_cache` compiles for one bucket of a batched step (`CompiledStep.forward_batch`): the step's graph
+    over `size` rows, each of one node (`one_node`: plain decoding, a static dimension) or of T nodes (trees,
+    dynamic), with per-row slots [B, T]. Its key is the step's and its bucket."""
+
+    what = "the target's batched step"
+
+    def __init__(self, step: CompiledStep, size: int, one_node: bool):
+        self.step, self.size, self.one_node = step, size, one_node
+        self.options, self.label = step.options, f"{step.label}, batch {size}{', one node a row' if one_node else ''}"
+        self.min_rows, self.max_rows = (1, 1) if one_node else (MIN_ROWS, step.max_rows)
+        self.compile_seconds = 0.0
+
+    def graph_key(self) -> dict:
+        return {**self.step.graph_key(), "batch": self.size, "one_node": self.one_node}
+
+    def traced_attention(self):
+        return self.step.traced_attention()
+
+    def dynamic_sizes(self) -> dict:
+        Dim = torch.export.Dim
+        live, capacity = Dim("live", min=MIN_ROWS, max=MAX_CONTEXT), Dim("capacity", min=MIN_ROWS, max=MAX_CONTEXT)
+        if self.one_node:
+            return {"input_ids": {}, "position_ids": {}, "slots": {}, "mask": {3: live}, "buffer": {4: capacity}}
+        rows = Dim("rows", min=MIN_ROWS, max=self.max_rows)
+        return {"input_ids": {1: rows}, "position_ids": {1: rows}, "slots": {1: rows}, "mask": {2: rows, 3: live},
+                "buffer": {4: capacity}}  # fmt: skip
+
+    def example_inputs(self) -> tuple:
+        """Inputs of the graph's shapes: `size` rows of 1 or 3 nodes after 5 committed entries each, in a buffer of
+        11 slots."""
+        step, nodes, device = self.step, 1 if self.one_node else 3, self.step.target.device
+        cache = StaticBatchCache(
+            step.num_layers,
+            step.heads,
+            step.head_dim,
+            self.size,
+            11 - MIN_ROWS + 1,
+            step.target.get_input_embeddings().weight.dtype,
+            device,
+        )
+        cache.lengths = [5] * self.size
+        ids = torch.zeros(self.size, nodes, dtype=torch.long, device=device)
+        positions = torch.arange(5, 5 + nodes, device=device)[None].repeat(self.size, 1)
+        mask = torch.ones(self.size, nodes, 5 + nodes, dtype=torch.bool, device=device)
+        mask[:, :, 5:] = torch.ones(nodes, nodes, dtype=torch.bool, device=device).tril()
+        ids, positions, slots, both = step._batch_inputs(cache, ids, positions, mask[:, None], self.size, nodes)
+        return ids, positions, slots, both, cache.buffer
+
+
 class _Graph(torch.nn.Module):
     """What is compiled: the target's public forward over the live part of a KV buffer, its logits and the features a
     drafter reads. A module holding the target, so that the compiler sees the target's weights as parameters, which
@@ -316,11 +514,12 @@ class _Graph(torch.nn.Module):
         super().__init__()
         self.target, self.cache_keyword, self.every_state = target, cache_keyword, every_state
 
-    def forward(self, input_ids, position_ids, slots, mask, buffer, last: bool = False):
-        """input_ids, position_ids [1, T]; slots [T]: the last T of the S live slots, the new entries'; mask
-        [1, 2, T, S]; buffer [L, 2, 1, H_kv, capacity, D] -> (logits [T, V] (or [1, V] of the last row when `last`),
-        the last hidden state [T, H], every layer's hidden states [L + 1, T, H] (with `every_state`; else [0]), the
-        new entries [L, 2, 1, H_kv, T, D], which the step writes at `slots` after the graph)."""
+    def forward(self, input_ids, position_ids, slots, mask, buffer, last=None):
+        """input_ids, position_ids [B, T]; slots: the new entries' slots, [T] (one sequence: the last T of the S live
+        slots) or [B, T] (each row's own); mask [B, 2, T, S]; buffer [L, 2, B, H_kv, capacity, D] -> (logits
+        [B, T, V] (or [B, V] of the nodes `last` [B], eagerly), the last hidden state [B, T, H], every layer's hidden
+        states [L + 1, B, T, H] (with `every_state`; else [0]), the new entries [L, 2, B, H_kv, T, D], which the step
+        writes at `slots` after the graph)."""
         cache = LiveCache(buffer[:, :, :, :, : mask.shape[-1]], slots)
         out = self.target.base_model(
             input_ids=input_ids,
@@ -330,15 +529,16 @@ class _Graph(torch.nn.Module):
             **{self.cache_keyword: cache},
             output_hidden_states=self.every_state,
         )
-        hidden = out.last_hidden_state[0]  # [T, H]
-        states = torch.stack(out.hidden_states)[:, 0] if self.every_state else hidden.new_empty(0)  # [L + 1, T, H]
-        logits = output_logits(self.target, hidden[-1:] if last else hidden)  # [T, V]
-        return logits, hidden, states, torch.stack(cache.new)  # ..., [L, 2, 1, H_kv, T, D]
+        hidden = out.last_hidden_state  # [B, T, H]
+        states = torch.stack(out.hidden_states) if self.every_state else hidden.new_empty(0)  # [L + 1, B, T, H]
+        picked = hidden if last is None else hidden[torch.arange(hidden.shape[0], device=hidden.device), last]
+        logits = output_logits(self.target, picked)  # [B, T, V] or [B, V]
+        return logits, hidden, states, torch.stack(cache.new)  # ..., [L, 2, B, H_kv, T, D]
 
 
 def _features(hidden: torch.Tensor, states: torch.Tensor, layers: tuple[int, ...] | None) -> torch.Tensor:
-    """What a drafter reads: the last hidden state [T, H] (`layers` None), else the hidden states of `layers`
-    side by side [T, len(layers) * H]."""
+    """What a drafter reads: the last hidden state [B, T, H] (`layers` None), else the hidden states of `layers`
+    (`states` [L + 1, B, T, H]) side by side [B, T, len(layers) * H]."""
     return hidden if layers is None else torch.cat([states[i] for i in layers], -1)
 
 

@@ -83,24 +83,26 @@ inline void store(T* out, vfloat v, int n) {
 
 // C: vectors a head's row takes (head_dim D = 16 (C - 1) + its last vector's width)
 template <typename T, int C>
-void attend(const T* q, const T* k, const T* v, const bool* visible, T* out, int64_t heads, int64_t kv_heads,
-            int64_t rows, int64_t keys, int64_t D, float scale) {
+void attend(const T* q, const T* k, const T* v, const bool* visible, T* out, int64_t batch, int64_t heads,
+            int64_t kv_heads, int64_t rows, int64_t keys, int64_t D, float scale) {
   const int tail = static_cast<int>(D - (C - 1) * kLanes);  // the last vector's width, 1..16
   const int64_t group = heads / kv_heads;
   const int64_t padded = (keys + kLanes - 1) / kLanes * kLanes;  // room for a row's scores, whole vectors
-  at::parallel_for(0, kv_heads * rows, 1, [&](int64_t begin, int64_t end) {
+  // one item per (sequence, key head, row): a sequence of a batch is computed as it would be alone
+  at::parallel_for(0, batch * kv_heads * rows, 1, [&](int64_t begin, int64_t end) {
     std::vector<int64_t> seen_keys(keys);
     std::vector<float> scores(padded);
     for (int64_t item = begin; item < end; ++item) {
-      const int64_t kvh = item / rows, t = item % rows;
-      const T* kh = k + kvh * keys * D;
-      const T* vh = v + kvh * keys * D;
+      const int64_t b = item / (kv_heads * rows), kvh = item / rows % kv_heads, t = item % rows;
+      const T* kh = k + (b * kv_heads + kvh) * keys * D;
+      const T* vh = v + (b * kv_heads + kvh) * keys * D;
+      const bool* seen = visible + b * rows * keys;
       int64_t n = 0;  // the keys row t sees, in slot order: its ancestors' and the committed ones, in position order
       for (int64_t j = 0; j < keys; ++j)
-        if (visible[t * keys + j]) seen_keys[n++] = j;
+        if (seen[t * keys + j]) seen_keys[n++] = j;
       const int64_t n_padded = (n + kLanes - 1) / kLanes * kLanes;
       for (int64_t g = 0; g < group; ++g) {  // the group's heads one after another, over the same keys
-        const T* row = q + ((kvh * group + g) * rows + t) * D;
+        const T* row = q + (((b * kv_heads + kvh) * group + g) * rows + t) * D;
         vfloat query[C];
         for (int c = 0; c < C; ++c) query[c] = load(row + c * kLanes, c == C - 1 ? tail : kLanes);
         float top = -std::numeric_limits<float>::infinity();
@@ -138,7 +140,7 @@ void attend(const T* q, const T* k, const T* v, const bool* visible, T* out, int
           even_total = even_total + scores[i];
           for (int c = 0; c < C; ++c) even[c] = even[c] + scores[i] * load(v0 + c * kLanes, c == C - 1 ? tail : kLanes);
         }
-        T* out_row = out + ((kvh * group + g) * rows + t) * D;
+        T* out_row = out + (((b * kv_heads + kvh) * group + g) * rows + t) * D;
         const float inv = 1.0f / (even_total + odd_total);  // >= 1: the maximum's own weight
         for (int c = 0; c < C; ++c) store(out_row + c * kLanes, (even[c] + odd[c]) * inv, c == C - 1 ? tail : kLanes);
       }
@@ -149,13 +151,14 @@ void attend(const T* q, const T* k, const T* v, const bool* visible, T* out, int
 at::Tensor tree_attention(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
                           const at::Tensor& visible, double scale) {
   TORCH_CHECK(query.dim() == 4 && key.dim() == 4 && value.dim() == 4 && visible.dim() == 4,
-              "tree_attention: query [1, H, T, D], key and value [1, H_kv, S, D], visible [1, 1, T, S]");
-  TORCH_CHECK(query.size(0) == 1 && key.size(0) == 1 && value.size(0) == 1, "tree_attention: batch 1 only");
-  const int64_t heads = query.size(1), rows = query.size(2), dim = query.size(3);
+              "tree_attention: query [B, H, T, D], key and value [B, H_kv, S, D], visible [B, 1, T, S]");
+  const int64_t batch = query.size(0), heads = query.size(1), rows = query.size(2), dim = query.size(3);
   const int64_t kv_heads = key.size(1), keys = key.size(2);
+  TORCH_CHECK(key.size(0) == batch && visible.size(0) == batch && visible.size(1) == 1,
+              "tree_attention: query, key, value and visible must share the batch size B (visible [B, 1, T, S])");
   TORCH_CHECK(heads % kv_heads == 0, "tree_attention: query heads must be a multiple of key heads");
-  TORCH_CHECK(value.sizes() == key.sizes() && key.size(3) == dim, "tree_attention: key and value must be [1, H_kv, S, D]");
-  TORCH_CHECK(visible.size(2) == rows && visible.size(3) == keys, "tree_attention: visible must be [1, 1, T, S]");
+  TORCH_CHECK(value.sizes() == key.sizes() && key.size(3) == dim, "tree_attention: key and value must be [B, H_kv, S, D]");
+  TORCH_CHECK(visible.size(2) == rows && visible.size(3) == keys, "tree_attention: visible must be [B, 1, T, S]");
   TORCH_CHECK(visible.scalar_type() == at::kBool, "tree_attention: visible must be a bool mask");
   TORCH_CHECK(key.scalar_type() == query.scalar_type() && value.scalar_type() == query.scalar_type(),
               "tree_attention: query, key and value must share a dtype");
@@ -169,8 +172,8 @@ at::Tensor tree_attention(const at::Tensor& query, const at::Tensor& key, const 
   const int chunks = static_cast<int>((dim + kLanes - 1) / kLanes);
 #define MEDUSA_LIKE_ATTEND(T, C)                                                                                      \
   case C:                                                                                                             \
-    attend<T, C>(q.data_ptr<T>(), k.data_ptr<T>(), v.data_ptr<T>(), m, out.data_ptr<T>(), heads, kv_heads, rows, keys, \
-                 dim, s);                                                                                             \
+    attend<T, C>(q.data_ptr<T>(), k.data_ptr<T>(), v.data_ptr<T>(), m, out.data_ptr<T>(), batch, heads, kv_heads,    \
+                 rows, keys, dim, s);                                                                                 \
     break;
 #define MEDUSA_LIKE_CHUNKS(T)                                                                                         \
   switch (chunks) {                                                                                                   \

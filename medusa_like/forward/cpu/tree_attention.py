@@ -1,7 +1,7 @@
 """A row-invariant attention for the compiled step on CPUs: a tree row gets the very bits its one-node step gets.
 
     reason = tree_attention.unavailable()      # None once the kernel is built and loaded (once per machine and torch)
-    out = torch.ops.medusa_like.tree_attention(query, key, value, visible, scale)   # [1, H, T, D]
+    out = torch.ops.medusa_like.tree_attention(query, key, value, visible, scale)   # [B, H, T, D]
 
 Greedy decoding on the compiled step computes each token in a one-node step; a tree step computes the same token as
 one row of many. The compiled products give a row the same bits either way, but `scaled_dot_product_attention` sums a
@@ -15,9 +15,11 @@ by the key's rank among those the row sees. Nothing it does for a row depends on
 keys, so a node's output is the same in any tree, and a step is exact against greedy decoding on the same step, in
 bf16 as in fp32.
 
-Contract (as `scaled_dot_product_attention` with a boolean mask and grouped-query heads): query [1, H, T, D], key and
-value [1, H_kv, S, D], visible [1, 1, T, S] bool (every row sees at least one key), float32 or bfloat16 alike, D up to
-128 (or 241-256) -> [1, H, T, D] contiguous, in the query's dtype. Scores, weights and sums are fp32.
+Contract (as `scaled_dot_product_attention` with a boolean mask and grouped-query heads): query [B, H, T, D], key and
+value [B, H_kv, S, D], visible [B, 1, T, S] bool (every row sees at least one key), float32 or bfloat16 alike, D up to
+128 (or 241-256) -> [B, H, T, D] contiguous, in the query's dtype. Scores, weights and sums are fp32. Each sequence b
+of a batch is computed as it would be alone (its own keys and mask), so a batch's row gets the bits of its batch-1
+step.
 
 It is built on first use with torch's C++ extension builder (a few seconds), into the user cache, keyed by its source,
 the compiler flags, torch's version and the machine; a later process loads the built library. Where it cannot be
@@ -82,17 +84,19 @@ BACKEND = "rows"  # the eager step's attention backend over this kernel
 
 def rows_attention(module, query, key, value, attention_mask, scaling=None, sliding_window=None, softcap=None, **kw):
     """The eager step's attention backend `rows` (`decoding/attention.py`'s contract: a [1, 1, T, T] tree mask, or
-    None for a causal block, over the live cache): a step's rows attend by the kernel, each alone; a whole sequence
-    (a prompt's prefill, as in the compiled step) and what the kernel does not take (`supports`) by SDPA."""
+    None for a causal block, over the live cache; or a batch's [B, 1, T, S] mask): a step's rows attend by the
+    kernel, each alone; a whole sequence (a prompt's prefill, as in the compiled step) and what the kernel does not
+    take (`supports`) by SDPA."""
     rows, keys = query.shape[2], key.shape[2]
     if rows == keys or not supports(query, softcap):
         return attention.sdpa_tree_attention(
             module, query, key, value, attention_mask, scaling, sliding_window, softcap
         )
-    visible = attention.visible_keys(attention.tree_block(attention_mask), rows, keys, sliding_window)  # [T, S]
+    visible = attention.visible_to(attention_mask, rows, keys, sliding_window)  # [T, S] or [B, 1, T, S]
+    visible = visible.to(query.device).expand(query.shape[0], 1, rows, keys)
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-    out = torch.ops.medusa_like.tree_attention(query, key, value, visible[None, None].to(query.device), scale)
-    return out.transpose(1, 2), None  # [1, T, H, D]
+    out = torch.ops.medusa_like.tree_attention(query, key, value, visible, scale)
+    return out.transpose(1, 2), None  # [B, T, H, D]
 
 
 attention.register_backend(BACKEND, rows_attention)
