@@ -289,3 +289,68 @@ def test_two_runs_building_one_data_directory_build_it_once(tmp_path, train_cfg)
     assert first.exitcode == second.exitcode == 0 and lock.exists()
     assert counts["first"] > 0 and counts["second"] == 0, counts  # the second found the rows built
     assert is_complete(data_dir) and len(load_distilled(data_dir)) > 0
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# This project's batched loop as the answers' engine (distill.engine=medusa_like)
+
+
+def loop_engine(model, tokenizer):
+    from medusa_like.drafters.lookup import LookupDrafter
+    from medusa_like.model import MedusaLikeModel
+
+    return generation.loop_generator(MedusaLikeModel(model, tokenizer, LookupDrafter(), tuned_layers=False))
+
+
+def test_the_loops_greedy_answers_are_transformers_greedy_of_each_prompt_alone():
+    """Greedy answers from the batched loop, ragged prompts in one batch, rows stopping at EOS at different steps:
+    each equals transformers' `generate` on that prompt alone, on the same target built again (untouched)."""
+    model, tokenizer = chatty_target(eos_logit=0.5)  # greedy then stops after 5, 9, 10 tokens or at the length
+    texts = [f"Question {i}: {'name a colour, ' * i}please." for i in range(5)]
+    prompts = [tokenizer(masks.render(tokenizer, [{"role": "user", "content": t}], True))["input_ids"] for t in texts]
+    greedy = generation.GenerationConfig(**{**GEN.__dict__, "temperature": 0.0, "max_new_tokens": 12})
+    eos = [tokenizer.eos_token_id]
+    ours = loop_engine(model, tokenizer)(prompts, greedy, eos, seed=0)
+    untouched, _ = chatty_target(eos_logit=0.5)
+    for prompt, row in zip(prompts, ours, strict=True):
+        with torch.no_grad():
+            out = untouched.generate(
+                torch.tensor([prompt]), max_new_tokens=12, do_sample=False, eos_token_id=eos, pad_token_id=eos[0]
+            )
+        assert row == out[0, len(prompt) :].tolist()
+    assert len({len(row) for row in ours}) > 1  # rows stopped at different steps
+
+
+@pytest.mark.slow
+def test_the_loops_answers_resume_after_a_kill_and_do_not_depend_on_the_batch_size(tmp_path, target):
+    """Sampled answers from the batched loop: a build killed inside chunk 1 and resumed holds exactly the rows of an
+    uninterrupted one (none lost, none twice), and so does a build at another batch size (each prompt samples from
+    its own seed); a directory built by transformers' engine is refused for this one."""
+    model, tokenizer = target
+    convs = conversations(12)
+    engine = loop_engine(model, tokenizer)
+    kwargs = dict(chunk_size=4, progress=False, engine="medusa_like")
+    generation.run(model, tokenizer, convs, tmp_path / "whole", GEN, batch_size=2, generator=engine, **kwargs)
+
+    calls = {"n": 0}
+
+    def killed_at_the_third_call(*args):
+        calls["n"] += 1
+        if calls["n"] == 3:  # the first batch of chunk 1
+            raise KeyboardInterrupt
+        return engine(*args)
+
+    with pytest.raises(KeyboardInterrupt):
+        run_args = (model, tokenizer, convs, tmp_path / "resumed", GEN)
+        generation.run(*run_args, batch_size=2, generator=killed_at_the_third_call, **kwargs)
+    assert sorted(p.name for p in (tmp_path / "resumed" / "chunks").iterdir()) == ["chunk-00000"]
+    generation.run(*run_args, batch_size=2, generator=killed_at_the_third_call, **kwargs)
+    assert calls["n"] == 7  # chunks 1 and 2 only, two batches each
+    whole = storage.load_distilled(tmp_path / "whole").to_list()
+    assert storage.load_distilled(tmp_path / "resumed").to_list() == whole
+    generation.run(model, tokenizer, convs, tmp_path / "wider", GEN, batch_size=4, generator=engine, **kwargs)
+    assert storage.load_distilled(tmp_path / "wider").to_list() == whole
+
+    generation.run(model, tokenizer, convs[:4], tmp_path / "hf", GEN, chunk_size=4, progress=False)
+    with pytest.raises(ValueError, match="another recipe.*generation"):
+        generation.run(model, tokenizer, convs[:4], tmp_path / "hf", GEN, generator=engine, **kwargs)

@@ -5,9 +5,11 @@ original ones (Medusa-2's self-distillation). The work is cut into chunks of `ch
 samples from its own seed and is stored atomically (`storage.py`), so an interrupted and resumed run writes exactly what
 an uninterrupted one writes. `shard` / `num_shards` give every process a disjoint set of chunks.
 
-The answers come from an engine: transformers' `generate` on the loaded target (the default), or vLLM
-(`vllm_generator`, `distill.engine=vllm`), which batches and schedules the prompts itself. Both get the same prompt ids
-and sampling settings and return new token ids; what is stored is built from them the same way.
+The answers come from an engine: transformers' `generate` on the loaded target (the default), this project's own
+batched loop (`loop_generator`, `distill.engine=medusa_like`: each row leaves the batch when it stops, each row's
+tokens its prompt's alone), or vLLM (`vllm_generator`, `distill.engine=vllm`), which batches and schedules the prompts
+itself. All get the same prompt ids and sampling settings and return new token ids; what is stored is built from them
+the same way.
 """
 
 import hashlib
@@ -65,7 +67,7 @@ def select_conversations(source: str, num_conversations: int | None, tokenizer, 
 
 # An engine: (prompt ids, sampling settings, EOS ids, seed) -> the new token ids of each prompt
 Generator = Callable[[list[list[int]], GenerationConfig, list[int], int], list[list[int]]]
-ENGINES = ("transformers", "vllm")
+ENGINES = ("transformers", "medusa_like", "vllm")
 
 
 def check_engine(name) -> str:
@@ -93,7 +95,7 @@ def run(
     engine: str = "transformers",  # the name of `generator`'s engine, recorded in the data's recipe
 ) -> Path | None:
     """Distil this shard's missing chunks; combine when every chunk exists. Returns the dataset path or None."""
-    settings = asdict(gen) if engine == "transformers" else {**asdict(gen), "engine": engine}
+    settings = recorded_settings(gen, engine)
     made_of = recipe(model, conversations, "distilled", source, settings, chunk_size, target_name)
     turns = {conv["id"]: _num_turns(conv, gen) for conv in conversations}
     generator = generator or transformers_generator(model, tokenizer)
@@ -178,6 +180,23 @@ def transformers_generator(model, tokenizer) -> Generator:
     return generate
 
 
+def loop_generator(model) -> Generator:
+    """This project's batched loop (`model`: a `MedusaLikeModel` on the target) answering a batch at once, plain
+    decoding (`tree="none"`); prompt i of a call samples from seed + i, as under vLLM. A row's tokens are the ones its
+    prompt gets decoded alone with that seed (docs/decoding.md, "Batched decoding"), so a chunk's answers do not
+    depend on the batch size."""
+
+    def generate(prompt_ids: list[list[int]], gen: GenerationConfig, eos_ids: list[int], seed: int) -> list[list[int]]:
+        outs = model.generate(
+            [torch.tensor(ids) for ids in prompt_ids], gen.max_new_tokens, tree="none", temperature=gen.temperature,
+            top_k=gen.top_k, top_p=gen.top_p, seed=[seed + i for i in range(len(prompt_ids))], eos_token_id=eos_ids,
+            remember=False,
+        )  # fmt: skip
+        return [out.new_tokens.tolist() for out in outs]
+
+    return generate
+
+
 def vllm_generator(engine) -> Generator:
     """vLLM (an `engines.vllm.driver.VllmEngine` on the same target) answering a batch at once; prompt i of a call
     samples from seed + i."""
@@ -190,6 +209,12 @@ def vllm_generator(engine) -> Generator:
         return [o["token_ids"] for o in out.outputs]
 
     return generate
+
+
+def recorded_settings(gen: GenerationConfig, engine: str) -> dict:
+    """What a distilled data directory's recipe records of how its answers were made: the generation settings, and
+    the engine where it is not transformers' (whose directories predate the choice)."""
+    return asdict(gen) if engine == "transformers" else {**asdict(gen), "engine": engine}
 
 
 def until_eos(row: list[int], eos_ids: list[int]) -> tuple[list[int], bool]:

@@ -10,7 +10,6 @@ shard), so two runs that need the same rows at once build them once: the second 
 import logging
 import tempfile
 from contextlib import contextmanager
-from dataclasses import asdict
 from pathlib import Path
 
 from hydra.utils import instantiate
@@ -18,7 +17,9 @@ from omegaconf import DictConfig, OmegaConf
 
 from medusa_like.data import conversation_text, generation
 from medusa_like.data.storage import build_lock, check_recipe, is_complete, load_distilled, recipe
+from medusa_like.drafters.lookup import LookupDrafter
 from medusa_like.engines.vllm.driver import VllmEngine, target_directory
+from medusa_like.model import MedusaLikeModel
 
 log = logging.getLogger(__name__)
 
@@ -87,6 +88,11 @@ def _generator(engine: str, target, tokenizer, gen: generation.GenerationConfig,
     if engine == "transformers":
         yield None
         return
+    if engine == "medusa_like":
+        # plain decoding needs no drafter; the target's own layers are kept (tuned_layers=False): training reads
+        # its features from the same model afterwards
+        yield generation.loop_generator(MedusaLikeModel(target, tokenizer, LookupDrafter(), tuned_layers=False))
+        return
     with tempfile.TemporaryDirectory(prefix="medusa_like_vllm_") as scratch:
         model_dir = target_directory(target, tokenizer, scratch)
         dtype = str(target.dtype).removeprefix("torch.")
@@ -108,7 +114,7 @@ def ensure_dataset(cfg: DictConfig, target, tokenizer) -> Path:
             conversations = generation.select_conversations(
                 data.source, data.num_conversations, tokenizer, gen, data.split
             )
-            made_of = asdict(gen)
+            made_of = generation.recorded_settings(gen, cfg.distill.get("engine") or "transformers")
         check_recipe(
             Path(data.dir),
             recipe(
