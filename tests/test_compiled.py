@@ -654,6 +654,15 @@ def test_the_block_drafter_drafts_through_its_compiled_block_and_stays_lossless(
             accepted += sum(out.stats.accepted_draft)
     step = block.block_step()  # the last model's adoption's: every adoption compiles it again, or loads the package
     assert accepted > 0 and step.compiled is not None and step.failed is None
+    # a bf16 drafter beside the fp32 target (what drafter_dtype=auto picks where bf16 is native): its block takes
+    # the target's fp32 features and still drafts compiled, losslessly
+    bf16 = prepared.adopt(copy.deepcopy(trained), dtype=torch.bfloat16)
+    model = MedusaLikeModel(prepared, None, bf16)
+    for prompt, reference in zip(prompts, references, strict=True):
+        assert model.generate(prompt, max_new_tokens=NEW_TOKENS, tree="chain", eos_token_id=[]).new_tokens.tolist() == (
+            reference
+        )
+    assert bf16.block_step().compiled is not None and bf16.block_step().failed is None
     proposer = block.proposer(prepared.target)
     features = torch.randn(9, block.fc.weight.shape[1])
     proposer.begin(prompts[0][0], features, torch.tensor(3), 64)

@@ -565,7 +565,10 @@ class BlockProposer:
         cache.check_room(count)
         compiled = self.compiled is not None and cache.length >= MIN_ROWS and count <= MAX_ROWS
         rows = max(count, MIN_ROWS) if compiled else count
-        features = torch.cat([self.pending, self.pending.new_zeros(rows - count, self.pending.shape[1])])  # [rows, F]
+        # in the drafter's dtype: the compiled graph was traced with its inputs so (a bf16 drafter beside an fp32
+        # target takes its features cast), and runs on that dtype's kernels only
+        pending = self.pending.to(self.drafter.fc.weight.dtype)
+        features = torch.cat([pending, pending.new_zeros(rows - count, pending.shape[1])])  # [rows, F]
         real = torch.arange(rows, device=device) < count
         committed = cache.length
         context_positions = torch.arange(committed, committed + rows, device=device)
