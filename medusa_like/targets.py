@@ -181,6 +181,7 @@ def target_fingerprint(config) -> str:
 WEIGHT_FILES = ("*.safetensors", "*.bin", "*.pt", "*.gguf")  # what a model directory's weights are stored in
 CONTENT_CHUNK = 16 << 20  # bytes of a weight file hashed per task (`_file_digest`): chunks are hashed in parallel
 _FINGERPRINTS: "weakref.WeakKeyDictionary[torch.nn.Module, tuple[tuple, str]]" = weakref.WeakKeyDictionary()
+_IDENTITIES: "weakref.WeakKeyDictionary[torch.nn.Module, tuple[tuple, str]]" = weakref.WeakKeyDictionary()
 # a model as `load_target` left it: (its stamp, its dtype, its weight files and their status before they were read)
 _LOADED: "weakref.WeakKeyDictionary[torch.nn.Module, tuple[tuple, str, list]]" = weakref.WeakKeyDictionary()
 
@@ -212,6 +213,29 @@ def weights_fingerprint(model: torch.nn.Module) -> str:
     return fingerprint
 
 
+def weights_identity(model: torch.nn.Module) -> str:
+    """A short hash of which weights `model` holds, whatever dtype it was loaded in: every parameter and buffer by
+    name, shape and bytes, floating ones rounded to bf16 first. What a drafter records of the target it was trained
+    for: training often reads the target in bf16 and evaluation in fp32, the same weights, which `weights_fingerprint`
+    (whose dtype is part of what was computed) tells apart. Weights that differ only below bf16's precision share
+    it. Cached like the fingerprint: per model object, and on disk by the weight files' content."""
+    stamp = _stamp(model)
+    memo = _IDENTITIES.get(model)
+    if memo is not None and memo[0] == stamp:
+        return memo[1]
+    content = _content_key(model, stamp)
+    key = None if content is None else json.dumps(["identity", json.loads(content)[2]])
+    path = user_cache_dir() / "fingerprints.json"
+    identity = _read_fingerprints(path).get(key) if key else None
+    if identity is None:
+        identity = _hash_tensors(model, as_bf16=True)
+        if key:
+            with exclusive_lock(path.with_name(path.name + ".lock"), waiting="another process writes fingerprints"):
+                write_json(path, {**_read_fingerprints(path), key: identity})
+    _IDENTITIES[model] = (stamp, identity)
+    return identity
+
+
 def _named_tensors(model: torch.nn.Module):
     seen = set()
     for name, tensor in (*model.named_parameters(remove_duplicate=False), *model.named_buffers()):
@@ -225,11 +249,15 @@ def _stamp(model: torch.nn.Module) -> tuple:
     return tuple((name, t.data_ptr(), None if t.is_inference() else t._version) for name, t in _named_tensors(model))
 
 
-def _hash_tensors(model: torch.nn.Module) -> str:
+def _hash_tensors(model: torch.nn.Module, as_bf16: bool = False) -> str:
+    """Every tensor's name, shape, dtype and bytes; with `as_bf16`, floating tensors rounded to bf16 and no dtype."""
     digest = hashlib.blake2b(digest_size=16)
     for name, tensor in sorted(_named_tensors(model), key=lambda item: item[0]):
-        data = tensor.detach().to("cpu").contiguous()
-        digest.update(f"{name}|{tuple(data.shape)}|{data.dtype}|".encode())
+        data = tensor.detach().to("cpu")
+        if as_bf16 and data.is_floating_point():
+            data = data.to(torch.bfloat16)
+        data = data.contiguous()
+        digest.update(f"{name}|{tuple(data.shape)}|{'' if as_bf16 else data.dtype}|".encode())
         if data.numel():
             digest.update(data.reshape(-1).view(torch.uint8).numpy().data)
     return digest.hexdigest()

@@ -9,7 +9,7 @@ the trained drafters (Medusa heads, EAGLE-3), which answer the rest of the `Draf
 import logging
 
 from medusa_like.decoding.tree import TreeSpec
-from medusa_like.targets import target_fingerprint, weights_fingerprint
+from medusa_like.targets import target_fingerprint, weights_fingerprint, weights_identity
 
 log = logging.getLogger(__name__)
 
@@ -64,8 +64,8 @@ def check_weights(weights: str | None, target, what: str = "drafter") -> None:
     learned, so its acceptance here may be far lower. `weights`: what the drafter records (None: nothing recorded)."""
     if weights is None:
         return
-    actual = weights_fingerprint(target)
-    if weights != actual:
+    actual = weights_identity(target)  # what drafters record: the same weights in any dtype are the same target
+    if weights not in (actual, weights_fingerprint(target)):  # the fingerprint: what earlier versions recorded
         log.warning(
             "%s was trained for target weights %s, but target %r has weights %s (same architecture, other weights: "
             "lossless still, but expect lower acceptance; train it for these weights)",

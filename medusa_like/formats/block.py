@@ -31,7 +31,7 @@ from medusa_like.drafters.block import BLOCK, LAYER_FAMILY, BlockConfig, BlockDr
 from medusa_like.drafters.kinds import Codec
 from medusa_like.drafters.vocab import DraftVocab, DraftVocabError
 from medusa_like.formats.common import FormatError, read_config, read_safetensors, write_export
-from medusa_like.targets import target_fingerprint, weights_fingerprint
+from medusa_like.targets import target_fingerprint, weights_identity
 
 FORMATS = ("native", "dflash")
 WEIGHTS = "model.safetensors"
@@ -120,7 +120,7 @@ def write_block(
         "config": drafter.config.to_dict(),
         "target": target_name,
         "target_fingerprint": target_fingerprint(target.config),
-        "target_weights": weights_fingerprint(target),
+        "target_weights": weights_identity(target),
     }
     files = {
         WEIGHTS: lambda path: save_file(tensors, str(path), metadata={"format": "pt"}),

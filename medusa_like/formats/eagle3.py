@@ -36,7 +36,7 @@ from medusa_like.drafters.vocab import DraftVocab, DraftVocabError
 from medusa_like.formats.common import FormatError, read_config, read_safetensors, write_export
 from medusa_like.formats.gguf import write_gguf
 from medusa_like.formats.llama_layer import LAYER_PARTS, llama_refusal
-from medusa_like.targets import target_fingerprint, weights_fingerprint
+from medusa_like.targets import target_fingerprint, weights_identity
 
 FORMATS = ("native", "eagle3", "eagle3_sglang", "gguf")  # gguf: llama.cpp, in `gguf.py`
 WEIGHTS = "model.safetensors"
@@ -143,7 +143,7 @@ def write_eagle3(
         "config": drafter.config.to_dict(),
         "target": target_name,
         "target_fingerprint": target_fingerprint(target.config),
-        "target_weights": weights_fingerprint(target),
+        "target_weights": weights_identity(target),
     }
     files = {
         WEIGHTS: lambda path: save_file(tensors, str(path), metadata={"format": "pt"}),

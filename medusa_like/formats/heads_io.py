@@ -36,7 +36,7 @@ from medusa_like.formats.medusa_layouts import (
     check_names,
     check_shapes,
 )
-from medusa_like.targets import target_fingerprint, weights_fingerprint
+from medusa_like.targets import target_fingerprint, weights_identity
 
 # ---- export ----
 
@@ -58,7 +58,7 @@ def _layout(fmt: str, heads: MedusaHeads, target: PreTrainedModel, target_name: 
         tensors = dict(blocks)
         for k, proj in enumerate(own or []):
             tensors[layouts.projection_name(NATIVE, k, 0)] = proj
-        config = layouts.native_config(cfg, target_name, target_fingerprint(target.config), weights_fingerprint(target))
+        config = layouts.native_config(cfg, target_name, target_fingerprint(target.config), weights_identity(target))
         return config, tensors
     if fmt == TGI:
         reason = layouts.tgi_refusal(cfg)

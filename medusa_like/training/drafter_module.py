@@ -18,7 +18,7 @@ import torch
 import torch.nn as nn
 
 from medusa_like.drafters.base import CHECKPOINT_KEY
-from medusa_like.targets import freeze, target_fingerprint, weights_fingerprint
+from medusa_like.targets import freeze, target_fingerprint, weights_fingerprint, weights_identity
 from medusa_like.training.resume import RESUME_KEY, apply_optimizer_settings, finish_epoch_end_state
 from medusa_like.training.schedule import budget_spent, total_optimizer_steps
 from medusa_like.training.target_cache import BATCH_TOKENS, TargetCache, cache_key
@@ -105,7 +105,7 @@ class DrafterModule(L.LightningModule):
             **self.drafter_meta(),
             "target": self.target_name,
             "target_fingerprint": target_fingerprint(self.target.config),
-            "target_weights": self.target_weights,
+            "target_weights": weights_identity(self.target),  # which weights, in any dtype (drafters/base.py)
         }
         if self.resume_settings is not None:
             checkpoint[RESUME_KEY] = self.resume_settings
