@@ -656,13 +656,13 @@ def test_the_block_drafter_drafts_through_its_compiled_block_and_stays_lossless(
     assert accepted > 0 and step.compiled is not None and step.failed is None
     # a bf16 drafter beside the fp32 target (what drafter_dtype=auto picks where bf16 is native): its block takes
     # the target's fp32 features and still drafts compiled, losslessly
-    bf16 = prepared.adopt(copy.deepcopy(trained), dtype=torch.bfloat16)
-    model = MedusaLikeModel(prepared, None, bf16)
+    model = MedusaLikeModel(prepared, None, copy.deepcopy(trained), drafter_dtype=torch.bfloat16)
+    assert model.drafter.fc.weight.dtype == torch.bfloat16
     for prompt, reference in zip(prompts, references, strict=True):
         assert model.generate(prompt, max_new_tokens=NEW_TOKENS, tree="chain", eos_token_id=[]).new_tokens.tolist() == (
             reference
         )
-    assert bf16.block_step().compiled is not None and bf16.block_step().failed is None
+    assert model.drafter.block_step().compiled is not None and model.drafter.block_step().failed is None
     proposer = block.proposer(prepared.target)
     features = torch.randn(9, block.fc.weight.shape[1])
     proposer.begin(prompts[0][0], features, torch.tensor(3), 64)
