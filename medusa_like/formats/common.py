@@ -18,6 +18,7 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file
 
+from medusa_like.drafters.base import CHECKPOINT_KEY, check_fits
 from medusa_like.io import (
     CheckpointError,
     read_training_checkpoint,
@@ -53,6 +54,29 @@ def read_checkpoint(path: Path, key: str) -> dict:
         return read_training_checkpoint(path, ("state_dict", key))
     except CheckpointError as err:
         raise FormatError(str(err)) from err
+
+
+def drafter_from_checkpoint(checkpoint: dict, path: Path, target, sizes: tuple[int, int], build: Callable):
+    """(drafter, meta) of a learned drafter's training checkpoint, once its kind's codec has read its config: the
+    drafter's `sizes` (hidden size read, vocabulary) checked against `target` with the target and weights it records
+    (`drafters.base.check_fits`), then `build()` (the drafter its config describes) loaded with the checkpoint's
+    `drafter.*` weights, strictly."""
+    info = checkpoint[CHECKPOINT_KEY]
+    check_fits(*sizes, target, info.get("target_fingerprint"), f"from {path}", info.get("target_weights"))
+    drafter = build()
+    state = {k.removeprefix("drafter."): v for k, v in checkpoint["state_dict"].items() if k.startswith("drafter.")}
+    try:
+        drafter.load_state_dict(state, strict=True)
+    except RuntimeError as err:
+        raise FormatError(f"{path}: the drafter's weights do not match its config: {err}") from err
+    meta = {
+        "format": "checkpoint",
+        "target": info.get("target"),
+        "target_fingerprint": info.get("target_fingerprint"),
+        "global_step": checkpoint.get("global_step"),
+        "epoch": checkpoint.get("epoch"),
+    }
+    return drafter.eval(), meta
 
 
 def read_config(directory: Path) -> dict:

@@ -33,7 +33,13 @@ from medusa_like.drafters.base import CHECKPOINT_KEY, check_fits
 from medusa_like.drafters.eagle3 import EAGLE3, Eagle3Config, Eagle3Drafter
 from medusa_like.drafters.kinds import Codec
 from medusa_like.drafters.vocab import DraftVocab, DraftVocabError
-from medusa_like.formats.common import FormatError, read_config, read_safetensors, write_export
+from medusa_like.formats.common import (
+    FormatError,
+    drafter_from_checkpoint,
+    read_config,
+    read_safetensors,
+    write_export,
+)
 from medusa_like.formats.gguf import write_gguf
 from medusa_like.formats.llama_layer import LAYER_PARTS, llama_refusal
 from medusa_like.targets import target_fingerprint, weights_identity
@@ -239,28 +245,8 @@ def eagle3_from_checkpoint(checkpoint: dict, path: Path, target) -> tuple[Eagle3
         vocab = DraftVocab(torch.tensor(info["draft_token_ids"], dtype=torch.long), config.vocab_size)
     except (KeyError, TypeError, ValueError) as err:
         raise FormatError(f"{path}: {CHECKPOINT_KEY} does not describe an EAGLE-3 drafter: {err}") from err
-    check_fits(
-        config.target_hidden_size,
-        config.vocab_size,
-        target,
-        info.get("target_fingerprint"),
-        f"from {path}",
-        info.get("target_weights"),
-    )
-    drafter = build_drafter(config, vocab, path)
-    state = {k.removeprefix("drafter."): v for k, v in checkpoint["state_dict"].items() if k.startswith("drafter.")}
-    try:
-        drafter.load_state_dict(state, strict=True)
-    except RuntimeError as err:
-        raise FormatError(f"{path}: the drafter's weights do not match its config: {err}") from err
-    meta = {
-        "format": "checkpoint",
-        "target": info.get("target"),
-        "target_fingerprint": info.get("target_fingerprint"),
-        "global_step": checkpoint.get("global_step"),
-        "epoch": checkpoint.get("epoch"),
-    }
-    return drafter.eval(), meta
+    sizes = (config.target_hidden_size, config.vocab_size)
+    return drafter_from_checkpoint(checkpoint, path, target, sizes, lambda: build_drafter(config, vocab, path))
 
 
 def _config_from_engine(config: dict, target, directory: Path) -> Eagle3Config:
