@@ -32,7 +32,7 @@ PROMPTS = [
 
 def forward_ms(model: MedusaLikeModel, nodes: list[int], prefix_len: int, repeats: int) -> list[float]:
     """Median ms of one target forward over each of `nodes` tree nodes on a `prefix_len`-token committed prefix."""
-    cost = measure_cost_model(model.forward, nodes, prefix_len, repeats, pick_kernels=False, attempts=1)
+    cost = measure_cost_model(model.forward, nodes, prefix_len, repeats, attempts=1)
     return cost.measured_ms
 
 

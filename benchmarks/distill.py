@@ -22,9 +22,9 @@ from typing import Annotated, Literal
 import torch
 
 from medusa_like.data import generation
-from medusa_like.drafters.lookup import LookupDrafter
 from medusa_like.data.masks import render
 from medusa_like.data.sources import user_turns
+from medusa_like.drafters.lookup import LookupDrafter
 from medusa_like.engines.run_stamp import machine, stamp
 from medusa_like.engines.vllm.driver import VllmEngine, target_directory
 from medusa_like.model import MedusaLikeModel

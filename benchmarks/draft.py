@@ -29,7 +29,8 @@ import torch
 from medusa_like.decoding.step import EagerStep
 from medusa_like.decoding.tree import DynamicTreeSpec, TokenTree
 from medusa_like.decoding.tree_presets import chain
-from medusa_like.drafters.eagle3 import Eagle3Config, Eagle3Drafter, Eagle3Proposer
+from medusa_like.drafters.eagle3 import Eagle3Config, Eagle3Drafter
+from medusa_like.drafters.eagle3_proposer import Eagle3Proposer
 from medusa_like.drafters.vocab import DraftVocab
 from medusa_like.forward.cpu.few_row_linear import use_few_row_linears
 from medusa_like.forward.prepared import PreparedTarget
@@ -108,7 +109,7 @@ def run(
     trees: Annotated[tuple[str, ...], f"of {list(TREES)}"] = tuple(TREES),
     linears: Annotated[
         Literal["few_row", "nn.Linear", "compiled"],
-        "few_row: the row-planned layers the decoding loop gives target and drafter on fp32 CPUs; compiled: the "
+        "few_row: the layers the decoding loop gives target and drafter on CPUs (this CPU's kernels); compiled: the "
         "drafter's level compiled as decoding on the compiled step runs it (forward/compiled_draft.py)",
     ] = "few_row",
     drafter_dtype: Annotated[
@@ -130,7 +131,7 @@ def run(
     eagle3 = eagle3.to(dtype=dtype)
     if linears == "few_row":
         use_few_row_linears(target_model)
-        use_few_row_linears(eagle3)
+        use_few_row_linears(eagle3, fp32_kernel=False)  # as `PreparedTarget.adopt` swaps a drafter's
     if linears == "compiled":  # compiled (or loaded) on the first step, which the warm-up steps leave untimed
         prepared.use_compiled(True)
         prepared.compile_drafting(eagle3)

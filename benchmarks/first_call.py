@@ -4,8 +4,7 @@
     python -m eval.bench first_call --targets default --max-new-tokens 16 --threads 1 --out bench_first_call.json
     python -m eval.bench first_call --targets default --compile --threads 2   # compiled: a first and a later process
 
-Each target runs in a fresh process with an empty cache directory (`$MEDUSA_LIKE_CACHE_DIR`: no row plans, no cost
-model), as on a new machine: transformers' greedy `generate` twice (the model as it was loaded), then
+Each target runs in a fresh process with an empty cache directory (`$MEDUSA_LIKE_CACHE_DIR`: no cost model), as on a new machine: transformers' greedy `generate` twice (the model as it was loaded), then
 `MedusaLikeModel.from_pretrained(model)` with default settings (lookup drafter, dynamic tree, few-row layers) and its
 first and second `generate` on the same prompt (the first not remembered, so that the second drafts from no more than
 the first did). Every call makes exactly `--max-new-tokens` tokens (no EOS). The targets: "default" (the embedded

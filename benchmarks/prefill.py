@@ -6,9 +6,9 @@
     python -m eval.bench prefill --tokens 8,24,46,64,150         # short prompts too (the compiled step reads them on oneDNN)
     python -m eval.bench prefill --batch 4 --tokens 384 --compile-read --dtype bfloat16   # the read by torch.compile too
 
-A prompt's products run over more rows than any tree step (over `few_row_linear.MAX_ROWS`), by the prefill kernel the
-cost model picks (`few_row_linear.PREFILL_KERNELS`: F.linear, or oneDNN's pack). A copy of the target with its own
-`nn.Linear` layers and a few-row copy per prefill kernel this machine can run prefill random prompts of each length
+A prompt's products run over more rows than any tree step (over `few_row_linear.MAX_ROWS`), on oneDNN's pack where
+torch runs it (`few_row_linear.py`). A copy of the target with its own `nn.Linear` layers, one with the few-row layers
+and one reading on oneDNN's pack from two rows (the compiled step's prompts) prefill random prompts of each length
 alternately, round after round (the forward alone, into an empty KV cache: decoding projects only a prompt's last
 row); the median round is reported. With `--batch B`, each round instead reads B rows of N tokens through the
 target's public forward with every hidden state returned, as training reads the frozen target (`DrafterModule
@@ -26,13 +26,7 @@ import torch
 from medusa_like.decoding.attention import pick_backend
 from medusa_like.decoding.step import EagerStep
 from medusa_like.evaluation.timing import alternating_medians, ms_table
-from medusa_like.forward.cpu.few_row_linear import (
-    PREFILL_KERNELS,
-    set_prefill_kernel,
-    sync_packs,
-    usable_row_kernels,
-    use_few_row_linears,
-)
+from medusa_like.forward.cpu.few_row_linear import use_few_row_linears
 from medusa_like.forward.cpu.read_kernel import use_read_kernel
 from medusa_like.targets import DEFAULT_TARGET
 
@@ -56,15 +50,10 @@ def read_ms(target, ids: torch.Tensor) -> float:
 
 
 def prefill_targets(stock) -> dict:
-    """`stock` (its own nn.Linear layers) and a few-row copy per prefill kernel this machine runs, by name."""
-    targets = {"nn.Linear": stock}
-    for kernel in PREFILL_KERNELS:
-        few_row = copy.deepcopy(stock)
-        use_few_row_linears(few_row)
-        if kernel in usable_row_kernels(few_row):
-            set_prefill_kernel(few_row, kernel)
-            sync_packs(few_row)
-            targets[f"few_row, prefill {kernel}"] = few_row
+    """`stock` (its own nn.Linear layers) and its few-row copies, by name."""
+    few_row = copy.deepcopy(stock)
+    use_few_row_linears(few_row)
+    targets = {"nn.Linear": stock, "few_row": few_row}
     reads = copy.deepcopy(stock)  # how the compiled step reads a prompt: oneDNN's pack from two rows on
     if use_read_kernel(reads, "auto", from_rows=2):
         targets["few_row, oneDNN from 2 rows (the compiled step's prompts)"] = reads

@@ -5,10 +5,10 @@
     python -m eval.bench verify --compile --nodes 1,2,4,8,16,32           # the compiled step (forward/compiled.py)
 
 The forward is the cost model's (`forward/cost_measure.py Forwards`: the target's forward and vocabulary projection
-over a chain of N nodes after a 128-token context, the cache rewound after each), run on the few-row kernels a cost
-model picked for each size. Each size is timed on the wall clock (median of `--repeats` forwards), then profiled with
+over a chain of N nodes after a 128-token context, the cache rewound after each), run on the layers decoding runs
+(this CPU's kernels, `cpu/few_row_linear.py`). Each size is timed on the wall clock (median of `--repeats` forwards), then profiled with
 `torch.profiler` over as many forwards, and the operators' own time is split three ways: the linear products (every
-kernel `FewRowLinear` runs: `F.linear`, weight-first products, MKL's and oneDNN's packs), attention (SDPA) and the
+kernel `FewRowLinear` runs: the fp32 and bf16 kernels, `F.linear`, oneDNN's pack), attention (SDPA) and the
 rest (the layers' elementwise operators, the cache, the dispatch between them). A product over one or two rows
 streams every weight once and is bound by memory; what more nodes add on top of it is what a tree step pays over a
 single token's forward.
@@ -86,7 +86,7 @@ def run(
         target, drafter="lookup", dtype=dtype, compile=compile or (None if profile else False), profile=profile
     )
     if not (profile or compile):  # the eager step's few-row kernels are a cost model's choice; the compiled its own
-        model.forward.measure_cost_model(model.drafter)
+        model.forward.measure_cost_model()
     rows = where_time_goes(model.forward, sizes, repeats)
     cells = [
         [str(r["nodes"]), *(f"{r[k]:.1f}" for k in ("wall_ms", "products", "attention", "compiled", "rest", "total"))]

@@ -44,7 +44,7 @@ def atomic_file(path: str | Path, write: Callable[[Path], None], mode: int = 0o6
 
 
 def user_cache_dir() -> Path:
-    """Where this package keeps what it derives once per machine (row plans, cost models, the converted default
+    """Where this package keeps what it derives once per machine (cost models, the converted default
     target): `$MEDUSA_LIKE_CACHE_DIR`, else `$XDG_CACHE_HOME/medusa_like`, else `~/.cache/medusa_like`."""
     if os.environ.get("MEDUSA_LIKE_CACHE_DIR"):
         return Path(os.environ["MEDUSA_LIKE_CACHE_DIR"])

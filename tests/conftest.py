@@ -63,7 +63,7 @@ def required_kernels() -> list:
 
 def pytest_configure(config):
     """The kernels this machine must build (`required_kernels`), built now by the session's first process, where a
-    failed build fails the session with the compiler's output: the library would fall back (SDPA, the row plans) and
+    failed build fails the session with the compiler's output: the library would fall back (SDPA, nn.Linear) and
     their tests would skip, so the suite would pass without them. pytest-xdist's workers load the same builds (the
     library builds them in the background on first use, for later processes: a test process would run without)."""
     kernels = required_kernels()
@@ -100,9 +100,9 @@ def flat_cost(target, per_node_ms: float = 0.0, nodes=(1, 2, 4, 8, 16, 32, 64)) 
 
 
 @pytest.fixture
-def fp32_row_plans(monkeypatch):
-    """fp32 few-row layers on their row plans and SDPA, as on CPUs without AVX2 (where the fp32 kernel does not run,
-    `fp32_linear.py`): what the tests of the plans, the kernel choice per tree size and their cost models exercise."""
+def fp32_kernel_off(monkeypatch):
+    """fp32 targets on `nn.Linear` and SDPA, as on CPUs without AVX2 (where the fp32 kernel does not run,
+    `fp32_linear.py`)."""
     monkeypatch.setattr(fp32_linear, "unavailable", lambda: "the fp32 kernel is switched off by the test")
 
 

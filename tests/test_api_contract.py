@@ -203,7 +203,7 @@ def test_two_threads_generating_on_one_model_draft_what_sequential_calls_draft(m
     Negative control (`serialised=False`): the model's serialisation removed and the threads' proposer calls made to
     alternate, the comparison catches the two generations' steps interleaving in the shared calibration, every run
     (each proposer indexes its own context, so that one is not shared)."""
-    # nn.Linear layers and a flat cost model: trees depend on the drafter's state alone, not on timings or row plans
+    # nn.Linear layers and a flat cost model: trees depend on the drafter's state alone, not on timings
     model = lookup_model("mistral", per_node_ms=0.0, tuned_layers=False)
     prompts = random_prompts(2, seed=7, min_len=10, max_len=30)
     if not serialised:

@@ -242,7 +242,8 @@ def test_an_evaluation_at_batch_size_two_decodes_each_turn_as_one_batch(tmp_path
     report = evaluate(cfg)
     assert report["summary"]["lossless"]
     sizes = {
-        (int(r["question_id"]), r["turn"]): r["speculative"]["batch"]["size"] for r in load_records(run / "prompts.jsonl")
+        (int(r["question_id"]), r["turn"]): r["speculative"]["batch"]["size"]
+        for r in load_records(run / "prompts.jsonl")
     }
     assert sizes == {(1, 1): 2, (2, 1): 2, (1, 2): 1}
     in_total = report["speed"]["in_total"]

@@ -14,7 +14,9 @@ from medusa_like.decoding.generate import speculative_generate
 from medusa_like.decoding.tree import DynamicTreeSpec
 from medusa_like.decoding.tree_files import resolve_tree
 from medusa_like.drafters.base import DrafterMismatchError
-from medusa_like.drafters.block import BlockConfig, BlockDrafter, BlockMask, BlockProposer, block_attention, fresh_block
+from medusa_like.drafters.block import BlockConfig, BlockDrafter, fresh_block
+from medusa_like.drafters.block_attention import BlockMask, block_attention
+from medusa_like.drafters.block_proposer import BlockProposer
 from medusa_like.drafters.combined import CombinedDrafter
 from medusa_like.drafters.lookup import LookupDrafter
 from medusa_like.drafters.vocab import DraftVocab

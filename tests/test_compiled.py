@@ -22,7 +22,8 @@ from medusa_like.decoding.projection import VocabProjection
 from medusa_like.decoding.tree import BudgetedTreeSpec, DynamicTreeSpec
 from medusa_like.decoding.tree_files import resolve_tree
 from medusa_like.drafters.combined import CombinedDrafter
-from medusa_like.drafters.eagle3 import EAGLE3, EagerLevel, Eagle3Proposer
+from medusa_like.drafters.eagle3 import EAGLE3
+from medusa_like.drafters.eagle3_proposer import EagerLevel, Eagle3Proposer
 from medusa_like.drafters.lookup import LookupDrafter
 from medusa_like.drafters.vocab import DraftVocab
 from medusa_like.forward import MachineProfile, compile_cache, prepare_target, write_profile
@@ -31,7 +32,7 @@ from medusa_like.forward.compile_cache import progress
 from medusa_like.forward.compiled import CompiledStep
 from medusa_like.forward.compiled_draft import CompiledLevel, DraftCompiler
 from medusa_like.forward.cpu import bf16_linear, few_row_linear
-from medusa_like.forward.cpu.few_row_linear import ANY_ROWS, ONEDNN, FewRowLinear, onednn_packs_available
+from medusa_like.forward.cpu.few_row_linear import FewRowLinear, onednn_packs_available
 from medusa_like.forward.platform import CompileUnsupported, compile_settings
 from medusa_like.model import MedusaLikeModel
 from medusa_like.targets import weights_fingerprint
@@ -418,8 +419,8 @@ def test_a_failing_compile_falls_back_to_eager_with_a_log_line_never_a_wrong_tok
 @pytest.mark.parametrize("length", [80, 20])  # over the few-row layers' MAX_ROWS, and under it
 def test_the_compiled_steps_prefill_runs_on_the_few_row_layers_onednn_pack_with_the_targets_logits(length):
     """A compiled fp32 target's prompt, long or short, is read eagerly on its few-row layers with oneDNN's pack
-    (the compiled graph's stock layers would run F.linear, slower over a prompt's rows; a short prompt would run the
-    unmeasured plans' weight-first products, or the eager step's fp32 kernel) and gives the target's own logits;
+    (the compiled graph's stock layers would run F.linear, slower over a prompt's rows; a short prompt the eager
+    step's fp32 kernel) and gives the target's own logits;
     nothing is compiled for it."""
     target = tiny_target("llama")
     prompt = torch.randint(0, VOCAB, (1, length), generator=torch.Generator().manual_seed(5))
@@ -443,17 +444,15 @@ def test_the_compiled_steps_prefill_runs_on_the_few_row_layers_onednn_pack_with_
 @pytest.mark.skipif(not onednn_packs_available(), reason="oneDNN's packs do not run here")
 def test_the_compiled_steps_prompts_keep_f_linear_where_a_pack_of_every_weight_would_not_fit(monkeypatch):
     """oneDNN's pack is a second copy of every weight: where it would not fit in memory, the compiled step reads its
-    prompts on the few-row layers as they were (no layer reads on the pack, none holds one), and gives the target's
-    logits."""
+    prompts on nn.Linear (no layer swapped, none holds a pack), and gives the target's logits."""
     target = tiny_target("llama")
     prompt = torch.randint(0, VOCAB, (1, 80), generator=torch.Generator().manual_seed(5))
     with torch.inference_mode():
         expected = target(prompt).logits[0, -1]
     monkeypatch.setattr(few_row_linear, "PACK_MEMORY_SHARE", 0.0)
     prepared = prepare_target(target, compile=True)
-    layers = [m for m in prepared.target.modules() if isinstance(m, FewRowLinear)]
-    assert isinstance(prepared.step, CompiledStep) and layers
-    assert not any(m.prefill == ONEDNN or ONEDNN in m.plan or ANY_ROWS in m.packs.packs for m in layers)
+    assert isinstance(prepared.step, CompiledStep)
+    assert not any(isinstance(m, FewRowLinear) for m in prepared.target.modules())
     logits, _ = prepared.step.forward(prompt, torch.arange(80)[None], None, prepared.step.new_cache(100), last=True)
     torch.testing.assert_close(logits[0], expected, atol=1e-4, rtol=1e-4)
 

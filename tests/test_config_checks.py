@@ -63,7 +63,10 @@ def test_the_default_drafter_is_eagle3_and_every_checked_key_exists(tmp_path, tr
         (["~data.chunk_size"], r"config key data.chunk_size: checked, but the config has no such key"),
         (["drafter=eagle3", "drafter.module.loss=kl"], r"drafter.module.loss: unknown drafter loss 'kl'"),
         (["target_read_kernel=mkl"], r"target_read_kernel: expected one of \['auto', 'onednn', 'linear'\], got 'mkl'"),
-        (["distill.engine=vlm"], r"distill.engine: expected one of \['transformers', 'medusa_like', 'vllm'\], got 'vlm'"),
+        (
+            ["distill.engine=vlm"],
+            r"distill.engine: expected one of \['transformers', 'medusa_like', 'vllm'\], got 'vlm'",
+        ),
     ],
 )
 def test_checks_refuse_bad_values_and_missing_keys(train_cfg, overrides, pattern):

@@ -24,15 +24,12 @@ from medusa_like.decoding.cost_model import (
 )
 from medusa_like.decoding.tree import BudgetedTreeSpec
 from medusa_like.decoding.tree_files import save_tree
-from medusa_like.drafters.eagle3 import EAGLE3
 from medusa_like.drafters.lookup import LookupDrafter
 from medusa_like.evaluation.report import markdown
 from medusa_like.forward import MachineProfile, ProfileMismatchError, prepare_target, read_profile, write_profile
-from medusa_like.forward.cost_cache import cache_key, cache_path, store
+from medusa_like.forward.cost_cache import cache_key, cache_path
 from medusa_like.forward.cost_measure import QUICK_SIZES, measure_cost_model
-from medusa_like.forward.cpu import row_plans
-from medusa_like.forward.cpu.few_row_linear import FewRowLinear
-from medusa_like.forward.cpu.kernel_choice import current_kernels
+from medusa_like.forward.cpu.few_row_linear import FewRowLinear, kernel_record
 from medusa_like.forward.cpu.machine import machine_identity
 from medusa_like.forward.profile import InvalidProfileError
 from medusa_like.io import user_cache_dir
@@ -41,21 +38,16 @@ from medusa_like.targets import DEFAULT_TARGET
 
 from .conftest import random_prompts, stock_greedy, tiny_target, untouched_target
 
-# the tests of row plans and the kernel choice per size: fp32 layers run them where the fp32 kernel does not
-pytestmark = pytest.mark.usefixtures("fp32_row_plans")
-
 
 @pytest.fixture
 def cache_dir(tmp_path, monkeypatch):
-    """A cache directory without row plans or cost models for this test, as a fresh machine has (the default target,
+    """A cache directory without cost models for this test, as a fresh machine has (the default target,
     whose tokenizer the evaluation's tiny targets use, linked in if converted already)."""
     path = tmp_path / "cache"
     path.mkdir()
     if (user_cache_dir() / DEFAULT_TARGET).is_dir():
         (path / DEFAULT_TARGET).symlink_to((user_cache_dir() / DEFAULT_TARGET).resolve())
     monkeypatch.setenv("MEDUSA_LIKE_CACHE_DIR", str(path))
-    monkeypatch.setattr(row_plans, "_PLANS", {})
-    monkeypatch.setattr(row_plans, "_READ", set())
     return path
 
 
@@ -63,7 +55,7 @@ def cost_json(target, **changes) -> dict:
     """A cost model of `target`'s eager step (its layers this machine's) as a file holds it, with `changes`."""
     nodes = [1, 2, 4, 8, 16]
     prepared = prepare_target(target)
-    kernels = current_kernels(target, nodes)
+    kernels = kernel_record(target)
     cost = CostModel(nodes, [10.0 + 0.25 * n for n in nodes], **prepared.identity(), kernels=kernels)
     return cost.to_json() | changes
 
@@ -124,8 +116,11 @@ def test_a_malformed_cost_model_is_refused_naming_the_field(changes, field):
 @pytest.mark.parametrize(
     "kernels, field",
     [
-        ({"linears": "cuBLAS"}, "kernels.linears"),
-        ({"linears": "few_row", "rows": {"1": "fastest"}}, r"kernels.rows\[1\]"),
+        (
+            {"linears": "cuBLAS"},
+            r"kernels must be \{'linears': one of \['few_row', 'nn.Linear'\]\}, got \{'linears': 'cuBLAS'\}",
+        ),
+        ("few_row", "kernels must be"),
     ],
 )
 def test_a_malformed_kernel_record_is_refused_where_the_forward_reads_it(kernels, field):
@@ -209,9 +204,7 @@ def calm(nodes: int) -> float:
 
 def measure(timer, attempts: int = 3) -> CostModel:
     target = tiny_target("llama")
-    return measure_cost_model(
-        prepare_target(target), SIZES, prefix=8, repeats=REPEATS, pick_kernels=False, attempts=attempts, timer=timer
-    )
+    return measure_cost_model(prepare_target(target), SIZES, prefix=8, repeats=REPEATS, attempts=attempts, timer=timer)
 
 
 def test_a_slow_spell_that_makes_trees_dearer_than_single_forwards_is_measured_again(caplog):
@@ -273,18 +266,13 @@ def test_a_measurement_implausible_every_time_falls_back_to_each_sizes_fastest_a
 
 
 @pytest.mark.slow
-def test_the_first_generation_measures_a_quick_estimate_and_no_row_plan_and_a_second_model_reads_the_cache(
-    cache_dir, caplog
-):
+def test_the_first_generation_measures_a_quick_estimate_and_a_second_model_reads_the_cache(cache_dir, caplog):
     with caplog.at_level(logging.INFO):
         model = lookup_model()
-        assert not (cache_dir / "row_plans.json").exists()  # construction measured no row plan
         assert_lossless(model)
     first = model.drafter.cost_model
     assert first.quick and first.source == "measured" and first.measured_at and first.nodes == list(QUICK_SIZES)
-    assert not (cache_dir / "row_plans.json").exists()  # nor did the first generation
-    # the layers' unmeasured plans (F.linear for a row, weight-first for more), named as they ran
-    assert first.kernels["rows"] == {"1": "linear", **{str(n): "weight_first" for n in QUICK_SIZES[1:]}}
+    assert first.kernels == {"linears": "few_row"}  # measured on this CPU's layers, and says so
     assert "quick first estimate" in caplog.text and str(cache_path(model.forward)) in caplog.text
     stored = json.loads(cache_path(model.forward).read_text())
     assert (
@@ -298,53 +286,13 @@ def test_the_first_generation_measures_a_quick_estimate_and_no_row_plan_and_a_se
     assert second.drafter.cost_model.measured_at == first.measured_at
 
 
-def test_a_learned_drafter_alone_verifies_with_the_kernels_of_this_machines_cached_cost_model(cache_dir):
-    """A drafter that sizes no tree by a cost model (an EAGLE-3 drafter alone) still verifies on the target's few-row
-    layers: from its first generation they run the kernels of the cost model cached for this machine, and none is
-    measured; without one cached they keep their plans."""
-
-    def plans(model):  # a layer's plan for 1, 3 and 5 rows
-        return [model.target.model.layers[1].mlp.down_proj.plan[n - 1] for n in (1, 3, 5)]
-
-    target = tiny_target("llama")
-    model = MedusaLikeModel(target, None, EAGLE3.fresh(target), backend="sdpa")
-    as_built = plans(model)
-    assert as_built != [1, 4, 8]  # not what the cached cost model below sets
-    assert_lossless(model, prompts=1)
-    assert plans(model) == as_built and not cache_path(model.forward).exists()
-
-    cached = cost_json(target, nodes=[1, 3, 5], verify_ms=[10.0, 11.0, 12.0])
-    rows = {"1": "weight_first", "3": "padded", "5": "padded"}
-    store(CostModel.from_json(cached | {"kernels": {**cached["kernels"], "rows": rows}}), model.forward)
-    fresh = tiny_target("llama")  # another copy, as in a new process
-    alone = MedusaLikeModel(fresh, None, EAGLE3.fresh(fresh), backend="sdpa")
-    assert plans(alone) != [1, 4, 8]
-    stored = cache_path(alone.forward).read_text()
-    assert_lossless(alone, prompts=1)
-    assert cache_path(alone.forward).read_text() == stored  # read, not measured again
-    assert plans(alone) == [1, 4, 8]  # weight-first over 1 row, padded to 4 and 8: the cached cost model's kernels
-
-
-@pytest.mark.slow
-def test_construction_measures_no_row_plan_and_tune_layers_measures_the_target_and_drafter_ones(cache_dir):
-    target = tiny_target("llama")
-    model = MedusaLikeModel(target, None, EAGLE3.fresh(target), backend="sdpa")
-    layers = [m for m in (*model.target.modules(), *model.drafter.modules()) if isinstance(m, FewRowLinear) and m.plan]
-    assert layers and not any(m.plan_measured for m in layers) and not (cache_dir / "row_plans.json").exists()
-    model.forward.tune_layers(model.drafter)
-    assert all(m.plan_measured for m in layers) and (cache_dir / "row_plans.json").exists()
-    assert_lossless(model)
-
-
 @pytest.mark.slow
 def test_a_full_measurement_replaces_the_quick_one_on_disk_too(cache_dir):
     model = lookup_model()
     assert_lossless(model, prompts=1)
     assert model.drafter.cost_model.quick
-    full = model.forward.measure_cost_model(model.drafter, sizes=(1, 2, 4, 8), repeats=1)
-    assert not full.quick and full.kernels["rows"].keys() == {"1", "2", "4", "8"}
-    assert (cache_dir / "row_plans.json").exists()  # the full measurement measured the plans its kernels need
-    assert all(m.plan_measured for m in model.target.modules() if isinstance(m, FewRowLinear) and m.plan)
+    full = model.forward.measure_cost_model(sizes=(1, 2, 4, 8), repeats=1)
+    assert not full.quick and full.nodes == [1, 2, 4, 8]
     assert_lossless(model, prompts=1)
     assert model.drafter.cost_model is full  # the drafter sizes its trees by it from its next generation
     later = lookup_model()
@@ -435,7 +383,7 @@ def test_the_api_sizes_trees_by_a_profiles_cost_model_and_measures_none(cache_di
     assert_lossless(model)
     assert model.drafter.cost_model.source == f"file:{path}" and model.drafter.cost_model.verify_ms[0] == 10.25
     assert not cache_path(model.forward).exists()  # nothing was measured
-    measured = model.forward.measure_cost_model(model.drafter, sizes=(1, 2), repeats=1)
+    measured = model.forward.measure_cost_model(sizes=(1, 2), repeats=1)
     model.generate(torch.tensor([[1, 2, 3]]), max_new_tokens=2, eos_token_id=[])
     assert model.drafter.cost_model is measured  # a later measurement replaces the profile's, for this model
 
@@ -469,14 +417,10 @@ def test_a_profile_of_the_compiled_step_is_refused_for_an_eager_one_naming_the_s
 
 
 def test_a_tree_file_alone_never_compiles_or_switches_kernels(cache_dir, tmp_path, caplog):
-    """A tree file of an earlier version that still holds a cost model (of the compiled step, with kernels) is read
-    as a tree: the target stays eager on its own kernels, no cost model comes from the file, one log line says so."""
-
-    def plans(model):  # a layer's plan for 1, 3 and 5 rows
-        return [model.target.model.layers[1].mlp.down_proj.plan[n - 1] for n in (1, 3, 5)]
-
+    """A tree file of an earlier version that still holds a cost model (of the compiled step, with a kernel choice per
+    size) is read as a tree: the target stays eager on its own layers, no cost model comes from the file, one log
+    line says so."""
     model = lookup_model()
-    before = plans(model)
     kernels = {"linears": "few_row", "rows": {"1": "weight_first", "3": "padded", "5": "padded"}, "prefill": None}
     cost = cost_json(model.target, nodes=[1, 3, 5], verify_ms=[10.0, 11.0, 12.0], kernels=kernels)
     path = save_tree(
@@ -485,7 +429,6 @@ def test_a_tree_file_alone_never_compiles_or_switches_kernels(cache_dir, tmp_pat
     with caplog.at_level(logging.WARNING, logger="medusa_like.decoding.tree_files"):
         assert_lossless(model, tree=str(path))
     assert model.forward.compiled is None and model.forward.step is model.forward.eager
-    assert plans(model) == before != [1, 4, 8]  # not the file's kernels: weight-first, padded to 4 and 8
     assert model.drafter.cost_model.source == "measured"  # this machine's own quick estimate, not the file's
     lines = [r for r in caplog.records if "also holds cost_model" in r.getMessage()]
     assert len(lines) == 1 and "profile=" in lines[0].getMessage()  # once per file, however often it is read

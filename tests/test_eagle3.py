@@ -9,7 +9,8 @@ import torch
 from medusa_like.decoding.generate import speculative_generate
 from medusa_like.decoding.tree import DynamicTreeSpec
 from medusa_like.decoding.tree_files import resolve_tree
-from medusa_like.drafters.eagle3 import Eagle3Config, Eagle3Drafter, Eagle3Proposer
+from medusa_like.drafters.eagle3 import Eagle3Config, Eagle3Drafter
+from medusa_like.drafters.eagle3_proposer import Eagle3Proposer
 from medusa_like.drafters.vocab import DraftVocab, DraftVocabError, count_tokens
 from medusa_like.training.ttt import unrolled_mask
 

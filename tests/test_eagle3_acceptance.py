@@ -12,7 +12,8 @@ from torch.utils.data import DataLoader
 from medusa_like.decoding.generate import speculative_generate
 from medusa_like.decoding.tree import DynamicTreeSpec, TokenTree
 from medusa_like.decoding.tree_files import resolve_tree
-from medusa_like.drafters.eagle3 import Eagle3Config, Eagle3Drafter, Eagle3Proposer
+from medusa_like.drafters.eagle3 import Eagle3Config, Eagle3Drafter
+from medusa_like.drafters.eagle3_proposer import Eagle3Proposer
 from medusa_like.drafters.vocab import DraftVocab
 from medusa_like.tiny import tiny_model
 from medusa_like.training.eagle3_module import Eagle3Module

@@ -14,6 +14,7 @@ from medusa_like.data.split import is_validation
 from medusa_like.drafters.base import DrafterMismatchError
 from medusa_like.drafters.medusa import HeadsConfig, MedusaHeads
 from medusa_like.evaluation import precision
+from medusa_like.evaluation.lossless_report import failure_line
 from medusa_like.evaluation.plots import PLOTS
 from medusa_like.evaluation.precision import fp32_margin_section
 from medusa_like.evaluation.questions import (
@@ -22,7 +23,7 @@ from medusa_like.evaluation.questions import (
     load_jsonl_questions,
     load_validation_questions,
 )
-from medusa_like.evaluation.report import failure_line, markdown
+from medusa_like.evaluation.report import markdown
 from medusa_like.evaluation.setup import load_eval_model as load_model
 from medusa_like.evaluation.setup import question_set
 from medusa_like.formats import save_drafter

@@ -126,12 +126,12 @@ def records_of(prompts, ours: list[list[int]], stock: list[list[int]]) -> list[d
 
 @pytest.mark.parametrize("family", ["llama", "qwen2"])
 def test_two_bf16_forwards_of_the_same_weights_differ_within_the_tie_window_and_a_wrong_one_beyond_it(family):
-    """The window measured here as on the default target (docs/results.md: up to 6 units over 160 MT-Bench prompts):
-    greedy on this project's bf16 step and transformers' own bf16 greedy of the same weights differ on some of 24
-    prompts, each first difference a near-tie within TIE_ULPS units at (g)'s logit, so the evaluation sets them aside
+    """The window measured here as on the default target (docs/results.md at b889c96: up to 6 units over 160 MT-Bench
+    prompts): greedy on this project's bf16 step and transformers' own bf16 greedy of the same weights differ on some of
+    24 prompts, each first difference a near-tie within TIE_ULPS units at (g)'s logit, so the evaluation sets them aside
     and the run is lossless. A forward off by more than the window (its greedy, and so the method's, taking at one
-    position the token that (g)'s logits put below by more than TIE_ULPS units) fails the run, though the method
-    equals greedy on its own forward."""
+    position the token that (g)'s logits put below by more than TIE_ULPS units) fails the run, though the method equals
+    greedy on its own forward."""
     model = bf16_model(family)
     stock = untouched_target(family, dtype=torch.bfloat16, **BF16_SHAPE)  # (g) of an untouched copy: transformers' own
     prompts = random_prompts(24, seed=13, min_len=8, max_len=60)

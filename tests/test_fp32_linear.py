@@ -1,6 +1,6 @@
 """The fp32 kernel of the eager few-row layers (forward/cpu/fp32_linear.py): fp32 products to rounding, the same
-bits for a row at any row count and thread count, in its AVX512 and its AVX2 code alike, the layers that run it (no
-row plans, oneDNN for prompts), clear errors for inputs it does not take, and a failed build: the library falls back
+bits for a row at any row count and thread count, in its AVX512 and its AVX2 code alike, the layers that run it (oneDNN
+for prompts), clear errors for inputs it does not take, and a failed build: the library falls back
 with one line saying to what, the test suite fails with the compiler's error. Skipped where the CPU has no AVX2."""
 
 import logging
@@ -17,7 +17,6 @@ import torch.nn.functional as F
 from medusa_like.forward import prepare_target
 from medusa_like.forward.cpu import extension, fp32_linear, tree_attention
 from medusa_like.forward.cpu.few_row_linear import (
-    ANY_ROWS,
     FP32_DOT,
     MAX_ROWS,
     ONEDNN,
@@ -101,18 +100,19 @@ def test_inputs_it_does_not_take_are_refused_with_what_is_wrong(change, message,
 
 
 def test_fp32_layers_run_it_for_a_steps_rows_and_onednn_or_f_linear_for_a_prompts():
-    """fp32 few-row layers carry no row plan (nothing to measure), keep the fp32 pack (and oneDNN's, for prompts,
-    where it runs), compute up to MAX_ROWS rows on the kernel and more on the prefill kernel, and say so in
-    `linear_kernel` (what a cost model is keyed by)."""
+    """fp32 few-row layers keep the fp32 pack (and oneDNN's, for prompts, where it runs), compute up to MAX_ROWS rows
+    on the kernel and more on oneDNN or F.linear, and say so in `linear_kernel` (what a cost model is keyed by); a
+    compiled step's prompt reader (`fp32_kernel=False`) makes no fp32 pack."""
     target = tiny_target("llama")
-    use_few_row_linears(target)  # by default (a drafter, a model read many rows at a time): row plans
-    assert all(not m.row_invariant for m in target.modules() if isinstance(m, FewRowLinear))
-    use_few_row_linears(target, row_invariant=True)  # a target whose eager step decodes
+    use_few_row_linears(target, fp32_kernel=False)
+    assert all(
+        not m.fp32_kernel and FP32_DOT not in m.packs.packs for m in target.modules() if isinstance(m, FewRowLinear)
+    )
+    use_few_row_linears(target)  # a target whose eager step decodes
     layers = [m for m in target.modules() if isinstance(m, FewRowLinear)]
-    assert layers and all(m.row_invariant and m.plan == () for m in layers)
-    prefill = ONEDNN if onednn_packs_available() else 0
-    assert all(m.prefill == prefill and set(m.packs.packs) == {FP32_DOT, *([ANY_ROWS] * bool(prefill))} for m in layers)
-    assert linear_kernel(target) == "few_row_fp32_kernel"
+    onednn = onednn_packs_available()
+    assert layers and all(m.fp32_kernel and set(m.packs.packs) >= {FP32_DOT, *([ONEDNN] * onednn)} for m in layers)
+    assert linear_kernel(target) == "few_row"
     layer = layers[0]
     for rows, op in [(1, "medusa_like::fp32_linear"), (MAX_ROWS, "medusa_like::fp32_linear"), (MAX_ROWS + 1, None)]:
         x = torch.randn(rows, layer.in_features)
@@ -200,7 +200,7 @@ def test_a_kernel_that_fails_to_build_fails_the_suite_with_the_compilers_error(t
 
 
 def test_a_failed_build_falls_back_with_one_line_saying_to_what_and_why(tmp_path, monkeypatch, caplog):
-    """A build that failed here (kept in its build directory) leaves the eager fp32 step on the row plans and SDPA,
+    """A build that failed here (kept in its build directory) leaves the eager fp32 step on nn.Linear and SDPA,
     logged once as one warning that names the kernel, the compiler's line and the fallback."""
     monkeypatch.setenv("MEDUSA_LIKE_CACHE_DIR", str(tmp_path))
     directory = fp32_linear.KERNEL.directory()
@@ -214,4 +214,4 @@ def test_a_failed_build_falls_back_with_one_line_saying_to_what_and_why(tmp_path
     lines = [record for record in caplog.records if record.name == fp32_linear.__name__]
     assert len(lines) == 1 and lines[0].levelno == logging.WARNING, [r.getMessage() for r in lines]
     message = lines[0].getMessage()
-    assert message.startswith(why) and "row plans" in message and "SDPA" in message and "\n" not in message
+    assert message.startswith(why) and "nn.Linear" in message and "SDPA" in message and "\n" not in message

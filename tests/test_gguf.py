@@ -21,7 +21,8 @@ from gguf import GGUFValueType as V
 from gguf import GGUFWriter
 
 from medusa_like.decoding.tree_files import resolve_tree
-from medusa_like.drafters.eagle3 import Eagle3Config, Eagle3Drafter, Eagle3Proposer
+from medusa_like.drafters.eagle3 import Eagle3Config, Eagle3Drafter
+from medusa_like.drafters.eagle3_proposer import Eagle3Proposer
 from medusa_like.drafters.vocab import DraftVocab
 from medusa_like.formats import export_drafter
 from medusa_like.formats.common import FormatError

@@ -87,8 +87,12 @@ def questions_file(tmp_path: Path) -> Path:
 
 
 def kernels(target) -> list[tuple]:
-    """What every few-row layer of `target` runs: its row plan (a kernel per row count) and its prefill kernel."""
-    return [(name, m.plan, m.prefill) for name, m in target.named_modules() if isinstance(m, FewRowLinear)]
+    """What every few-row layer of `target` runs: the fp32 kernel or not, oneDNN's pack from how many rows, its packs."""
+    return [
+        (name, m.fp32_kernel, m.many_from, sorted(m.packs.packs))
+        for name, m in target.named_modules()
+        if isinstance(m, FewRowLinear)
+    ]
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -227,13 +231,14 @@ def test_a_report_without_stock_greedy_says_so(tmp_path, eval_cfg):
 
 
 @pytest.mark.slow
-@pytest.mark.usefixtures("fp32_row_plans")  # kernels chosen per tree size: fp32 layers' where the fp32 kernel is off
 @pytest.mark.parametrize("profile", [True, False])
-def test_every_method_runs_the_kernels_the_cost_model_chose(tmp_path, eval_cfg, monkeypatch, profile):
+def test_every_method_runs_the_same_layers_and_the_cost_model_chosen_before_timing(
+    tmp_path, eval_cfg, monkeypatch, profile
+):
     """A combined drafter's evaluation, through `evaluate`, watched around every call of every method (warm-up
-    included): the target's kernels are the ones set before the first method ran, and lookup alone sizes its trees by
-    the combined drafter's cost model, the machine profile's (`target.profile`) or the one settled before timing
-    (none). A method that measured a cost model of its own would set other kernels for every later one."""
+    included): the target's layers run the kernels they ran before the first method, and lookup alone sizes its trees
+    by the combined drafter's cost model, the machine profile's (`target.profile`) or the one settled before timing
+    (none). A method that measured a cost model of its own would size later methods' trees by another."""
     overrides = [f"data.path={questions_file(tmp_path)}", *SHORT, f"out_dir={tmp_path / 'run'}"]
     saved = None
     if profile:
@@ -264,12 +269,12 @@ def test_every_method_runs_the_kernels_the_cost_model_chose(tmp_path, eval_cfg, 
     monkeypatch.setattr(app, "make_runners", watched_runners)
     report = app.evaluate(cfg)
     assert report["summary"]["lossless"]
-    assert any(plan for _, plan, _ in seen["kernels"])  # the target runs few-row layers with row plans
+    assert seen["kernels"]  # the target runs few-row layers
     calls = seen["calls"]
     assert {"hf_greedy", STOCK, "learned", "lookup", SPECULATIVE} <= {name for name, _, _ in calls}
     assert len(calls) == 4 * len({name for name, _, _ in calls})  # a warm-up and 3 prompts each
     for name, same_kernels, costs in calls:
-        assert same_kernels, f"{name} changed the target's kernels"
+        assert same_kernels, f"{name} changed the target's layers"
         # lookup alone gets the combined drafter's when it first generates (None before: none of its own)
         assert costs[0] is seen["cost"] and costs[1] in (None, seen["cost"]), f"{name} ran with another cost model"
     assert seen["model"].drafter.parts()["lookup"].cost_model is seen["cost"]

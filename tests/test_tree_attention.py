@@ -187,12 +187,12 @@ def test_the_rows_backend_gives_sdpas_logits_to_rounding_and_each_row_its_one_no
         assert differ == []
 
 
-@pytest.mark.usefixtures("fp32_row_plans")
-def test_on_row_plans_and_sdpa_an_fp32_tree_row_rounds_apart_from_its_one_node_step():
-    """What the fp32 kernel and `rows` fix (the test above can fail): with the fp32 layers' per-size kernels and SDPA,
-    as where the fp32 kernel does not run, some tree rows get other bits than their one-node steps."""
+@pytest.mark.usefixtures("fp32_kernel_off")
+def test_on_nn_linear_and_sdpa_an_fp32_tree_row_rounds_apart_from_its_one_node_step():
+    """What the fp32 kernel and `rows` fix (the test above can fail): on nn.Linear and SDPA, as where the fp32 kernel
+    does not run, some tree rows get other bits than their one-node steps."""
     target = prepare_target(tiny_target("llama", hidden_size=256, intermediate_size=512), compile=False).target
-    assert not any(getattr(m, "row_invariant", False) for m in target.modules())
+    assert not any(getattr(m, "fp32_kernel", False) for m in target.modules())
     _, differ = tree_and_alone(target, "sdpa")
     assert differ
 

@@ -12,7 +12,7 @@ from medusa_like.data import generation, storage
 from medusa_like.decoding.generate import speculative_generate
 from medusa_like.decoding.tree_files import resolve_tree
 from medusa_like.drafters.base import DrafterMismatchError
-from medusa_like.drafters.eagle3 import Eagle3Proposer
+from medusa_like.drafters.eagle3_proposer import Eagle3Proposer
 from medusa_like.drafters.medusa import HeadsConfig, MedusaHeads
 from medusa_like.drafters.vocab import DraftVocab
 from medusa_like.engines.vllm.driver import VllmEngine, check_export, eagle3, ngram, unavailable_reason

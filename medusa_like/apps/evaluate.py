@@ -20,9 +20,9 @@ from tqdm.auto import tqdm
 from medusa_like.apps import CONFIG_DIR
 from medusa_like.apps.config_checks import EVAL_CHECKS, check_config
 from medusa_like.errors import one_line_errors
+from medusa_like.evaluation.lossless_report import failure_line
 from medusa_like.evaluation.methods import METHODS, combined, learned_alone_tree, make_runners
 from medusa_like.evaluation.prompt_loop import run_questions
-from medusa_like.evaluation.report import failure_line
 from medusa_like.evaluation.run_settings import check_resume, config_settings, loaded_settings, write_settings
 from medusa_like.evaluation.setup import load_eval_setup, question_set, run_dir, run_search, search_files, set_threads
 from medusa_like.evaluation.summary import build_report

@@ -22,34 +22,28 @@ output is the target's whatever the drafter proposes.
 The layers are transformers' Qwen3 decoder layers (q/k norms, no biases: the layout vLLM and SGLang load for DFlash
 drafters) built from the target's dimensions and rotary settings, whatever the target's family, and called through
 their public forward over a cache whose keys are the context's followed by the block's own. A target without a mask
-token (most) gets a learned mask embedding.
+token (most) gets a learned mask embedding. The attention over context and block is `block_attention.py`'s; the
+proposer that drafts with it at inference, its context cache and its compiled step are `block_proposer.py`'s.
 """
 
 from dataclasses import asdict, dataclass, field
 
 import torch
 import torch.nn as nn
-from transformers import AttentionInterface, AutoConfig, AutoModel, PretrainedConfig
-from transformers.cache_utils import Cache, CacheLayerMixin
-from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers import AutoConfig, AutoModel, PretrainedConfig
 from transformers.models.qwen3.modeling_qwen3 import apply_rotary_pos_emb
 
-from ..decoding.draft_tree import DraftTree
-from ..decoding.kv_cache import CacheOverflowError
-from ..decoding.tree import TreeSpec
 from ..targets import cache_keyword
 from .base import DrafterMismatchError, LearnedDrafter, target_name
+from .block_attention import ATTENTION, PrefixedCache
+from .block_proposer import MAX_CONTEXT, MAX_ROWS, MIN_ROWS, BlockGraph, BlockProposer
 from .eagle3 import default_aux_layers
 from .kinds import WeightsKind
 from .registry import register
 from .vocab import DraftVocab
 
 DEFAULT_BLOCK_SIZE = 8  # the root and 7 drafted positions
-# the block graph's compiled shapes: new context rows MIN_ROWS .. MAX_ROWS (a dimension of 1 would be specialised, so
-# fewer are padded; more, the prompt's, run the graph eagerly) after at least MIN_ROWS committed entries
-MIN_ROWS, MAX_ROWS, MAX_CONTEXT = 2, 64, 1 << 20
 LAYER_FAMILY = "qwen3"  # the layers' transformers family: DFlash's layout, what the serving engines load
-ATTENTION = "medusa_like_blocks"  # the layers' attention function (registered below)
 
 
 @dataclass(frozen=True)
@@ -155,92 +149,6 @@ def _rope_parameters(text) -> dict:
     rope.setdefault("rope_type", "default")
     rope.setdefault("rope_theta", getattr(text, "rope_theta", 10000.0))
     return rope
-
-
-# ---------------------------------------------------------------------------------------------------------------------
-# The keys a layer attends: the context's, then the block's own
-
-
-@dataclass(frozen=True)
-class BlockMask:
-    """Which keys the rows of many blocks see, without the dense mask: row r of block n sees the context keys where
-    `context[b, r]` holds and every row of its own block of `size` rows (the block-diagonal part), nothing of another
-    block. Training's many blocks per row attend this way; the attention never forms the blocks' masked-out pairs."""
-
-    context: torch.Tensor  # [B, R, T] bool, R = blocks * size
-    size: int
-
-    def dense(self) -> torch.Tensor:
-        """The same visibility as a dense mask [B, 1, R, T + R] bool (what `forward` takes otherwise)."""
-        batch, rows, _ = self.context.shape
-        eye = torch.eye(rows // self.size, dtype=torch.bool, device=self.context.device)
-        own = eye.repeat_interleave(self.size, 0).repeat_interleave(self.size, 1)  # [R, R] block-diagonal
-        return torch.cat([self.context, own.expand(batch, -1, -1)], dim=-1)[:, None]
-
-
-def block_attention(module, query, key, value, attention_mask, scaling=None, dropout: float = 0.0, **kwargs):
-    """The layers' attention: with a `BlockMask`, softmax attention over each row's context keys and its own block's
-    keys at once (the two parts' scores share one softmax), computed part by part so that the cost follows the keys a
-    row sees; with a dense boolean mask (a step at inference), transformers' SDPA. query [B, H, R, D], key and value
-    [B, H_kv, T + R, D] (the context's, then the rows') -> ([B, R, H, D], None)."""
-    if not isinstance(attention_mask, BlockMask):
-        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout, scaling, **kwargs)
-    batch, heads, rows, dim = query.shape
-    kv_heads, size = key.shape[1], attention_mask.size
-    groups, blocks, width = heads // kv_heads, rows // size, key.shape[2] - rows
-    scaling = dim**-0.5 if scaling is None else scaling
-    q = query.view(batch, kv_heads, groups, rows, dim)
-    k_context, v_context = key[:, :, None, :width], value[:, :, None, :width]  # [B, H_kv, 1, T, D]
-    context = (q @ k_context.transpose(-1, -2)) * scaling  # [B, H_kv, G, R, T]
-    context = context.masked_fill(~attention_mask.context[:, None, None], float("-inf"))
-    q_own = q.view(batch, kv_heads, groups, blocks, size, dim)
-    k_own = key[:, :, None, width:].view(batch, kv_heads, 1, blocks, size, dim)
-    v_own = value[:, :, None, width:].view(batch, kv_heads, 1, blocks, size, dim)
-    own = (q_own @ k_own.transpose(-1, -2)) * scaling  # [B, H_kv, G, N, S, S]
-    top = torch.maximum(context.amax(-1), own.amax(-1).flatten(-2))  # [B, H_kv, G, R]: a row sees its own block
-    p_context = (context - top[..., None]).exp()
-    p_own = (own - top.view_as(own[..., 0])[..., None]).exp()
-    total = p_context.sum(-1) + p_own.sum(-1).flatten(-2)  # [B, H_kv, G, R]
-    out = p_context.to(value.dtype) @ v_context + (p_own.to(value.dtype) @ v_own).flatten(-3, -2)  # [B, H_kv, G, R, D]
-    out = out / total[..., None].to(out.dtype)
-    return out.view(batch, heads, rows, dim).transpose(1, 2), None
-
-
-AttentionInterface.register(ATTENTION, block_attention)
-
-
-class _PrefixedLayer(CacheLayerMixin):
-    """One layer's context keys and values [B, H_kv, S, D] in transformers' cache-layer interface: `update` returns them
-    followed by the block's new ones and keeps nothing (the block's entries are scratch)."""
-
-    is_sliding = False
-    is_compileable = True
-
-    def __init__(self, keys: torch.Tensor, values: torch.Tensor):
-        super().__init__()
-        self.keys, self.values, self.is_initialized = keys, values, True
-
-    def lazy_initialization(self, key_states, value_states) -> None:
-        pass
-
-    def update(self, key_states, value_states, *args, **kwargs):
-        return torch.cat([self.keys, key_states], dim=-2), torch.cat([self.values, value_states], dim=-2)
-
-    def get_seq_length(self) -> int:
-        return self.keys.shape[-2]
-
-    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        return self.keys.shape[-2] + query_length, 0
-
-    def get_max_length(self) -> int:
-        return -1
-
-
-class PrefixedCache(Cache):
-    """Every layer's context keys and values (`context[l] = (keys, values)`), followed by the block's at attention."""
-
-    def __init__(self, context: list[tuple[torch.Tensor, torch.Tensor]]):
-        super().__init__(layers=[_PrefixedLayer(k, v) for k, v in context])
 
 
 class BlockDrafter(LearnedDrafter, nn.Module):
@@ -425,162 +333,6 @@ class BlockDrafter(LearnedDrafter, nn.Module):
         """The predecessor head's term [..., N] for positions whose states' projection is `projected` [..., r] and
         whose preceding tokens are `previous` [...]."""
         return (self.predecessor(previous).to(projected.dtype) * projected) @ self.successor.to(projected.dtype).T
-
-
-# ---------------------------------------------------------------------------------------------------------------------
-# Inference: the drafter's side of the decoding protocol
-
-
-class ContextCache:
-    """The block drafter's cache of the committed context: one buffer [L, 2, H_kv, capacity, D] whose first `length`
-    slots hold every layer's keys and values of the committed tokens at positions 0 .. length - 1."""
-
-    def __init__(self, drafter: BlockDrafter, capacity: int, device):
-        attn = drafter.layers[0].self_attn
-        heads = drafter.config.layer["num_key_value_heads"]
-        dtype = drafter.fc.weight.dtype
-        self.capacity, self.length = capacity, 0
-        self.buffer = torch.zeros(
-            drafter.config.num_layers, 2, heads, capacity, attn.head_dim, dtype=dtype, device=device
-        )
-
-    def check_room(self, new: int) -> None:
-        if self.length + new > self.capacity:
-            raise CacheOverflowError(
-                f"the block drafter's context cache holds {self.capacity} tokens: {self.length} committed + {new} new "
-                "was refused"
-            )
-
-    def append(self, entries: torch.Tensor) -> None:
-        """Commit new context entries [L, 2, H_kv, n, D] after the committed ones."""
-        n = entries.shape[3]
-        self.check_room(n)
-        self.buffer[:, :, :, self.length : self.length + n] = entries
-        self.length += n
-
-
-class BlockGraph(nn.Module):
-    """One drafting step as a pure function of tensors (what `compile_drafting` compiles, and what runs eagerly
-    otherwise): the new context rows' keys and values, then the block's forward over every context entry and its own
-    rows. A module holding the drafter, so that compiling freezes its weights as constants."""
-
-    def __init__(self, drafter: BlockDrafter):
-        super().__init__()
-        self.drafter = drafter
-
-    def forward(self, features, root, context_positions, block_positions, real, seen, buffer):
-        """features [c, F] (the new context rows' target features, `real` [c] saying which are not padding) at
-        context_positions [c]; root [1, h] (the root's embedding) and block_positions [B]; seen [S] (the S committed
-        entries of `buffer` [L, 2, H_kv, capacity, D], all visible) -> (logits [B - 1, N] of the drafted positions,
-        fp32; the predecessor head's projection of their states [B - 1, r], r = 0 without one; the new rows' entries
-        [L, 2, H_kv, c, D], for the caller to commit)."""
-        drafter = self.drafter
-        new = drafter.context_keys(drafter.context(features)[None], context_positions[None])  # L x ([1, H_kv, c, D],)
-        live = buffer[:, :, None, :, : seen.shape[0]]  # [L, 2, 1, H_kv, S, D]
-        keys = [(torch.cat([live[i, 0], k], 2), torch.cat([live[i, 1], v], 2)) for i, (k, v) in enumerate(new)]
-        block = drafter.block_embeddings(root)  # [1, B, h]
-        size = block.shape[1]
-        visible = torch.cat([seen, real, torch.ones(size, dtype=torch.bool, device=real.device)])  # [S + c + B]
-        state = drafter(block, block_positions[None], keys, visible.expand(size, -1)[None, None])[0, 1:]  # [B - 1, h]
-        entries = torch.stack([torch.stack([k[0], v[0]]) for k, v in new])  # [L, 2, H_kv, c, D]
-        projected = drafter.predecessor_projection(state) if drafter.predecessor is not None else state[:, :0]
-        return drafter.lm_head(state).float(), projected.float(), entries
-
-    def example_inputs(self) -> tuple:
-        """Inputs of the graph's shapes to trace it with: 3 new context rows after 5 committed in a buffer of 11."""
-        drafter = self.drafter
-        weight = drafter.fc.weight
-        config, rows, committed, capacity = drafter.config, 3, 5, 11
-        features = torch.zeros(rows, weight.shape[1], dtype=weight.dtype, device=weight.device)
-        root = torch.zeros(1, config.hidden_size, dtype=weight.dtype, device=weight.device)
-        context_positions = torch.arange(committed, committed + rows, device=weight.device)
-        block_positions = torch.arange(committed + rows, committed + rows + config.block_size, device=weight.device)
-        real = torch.ones(rows, dtype=torch.bool, device=weight.device)
-        seen = torch.ones(committed, dtype=torch.bool, device=weight.device)
-        buffer = ContextCache(drafter, capacity, weight.device).buffer
-        return features, root, context_positions, block_positions, real, seen, buffer
-
-
-class BlockProposer:
-    """Drafts trees from one block forward a step (see `drafters/protocol.py`). The context cache holds the target's
-    features of every committed token (the prompt's, then each step's accepted nodes'); the root, the target's next
-    token, sits at the position after them. A step runs the compiled block graph where the drafter has one and the
-    shapes fit it (at least MIN_ROWS committed entries, at most MAX_ROWS new rows: padded to MIN_ROWS), else the same
-    graph eagerly (the first step, which commits the prompt)."""
-
-    def __init__(self, drafter: BlockDrafter, target):
-        self.drafter, self.eager, self.compiled = drafter, BlockGraph(drafter), drafter.block_step()
-        self.embed = target.get_input_embeddings()
-        drafter.use_target_embeddings(self.embed)
-        self.feature_layers = drafter.config.feature_layers
-        self.max_depth = drafter.max_depth
-        self.max_rank = drafter.config.draft_vocab_size
-
-    def begin(self, prompt_ids: torch.Tensor, features: torch.Tensor, root: torch.Tensor, capacity: int) -> None:
-        self.cache = ContextCache(self.drafter, capacity, root.device)
-        self.pending, self.root = features, root  # [a, F]: features not yet in the cache
-
-    def accept(self, tokens: torch.Tensor, features: torch.Tensor, bonus: torch.Tensor) -> None:
-        self.pending = torch.cat([self.pending, features])  # appended: a combined proposer may skip a step
-        self.root = bonus
-
-    @torch.inference_mode()
-    def propose(self, spec: TreeSpec) -> DraftTree:
-        if spec.max_depth == 0:
-            return spec.grow(self.root, None)
-        unary, projected = self.block_logits(spec.max_depth)  # [D, N], [D, r]
-        drafter, k = self.drafter, min(spec.top_k, unary.shape[-1])
-        if drafter.predecessor is None:  # position `depth`'s candidates, after every node of the depth alike
-            top = unary.log_softmax(-1).topk(k, dim=-1)  # [D, k]
-            tokens = drafter.token_ids[top.indices]
-
-            def expand(frontier, _tokens, _parents, depth):
-                count = frontier.numel()
-                return tokens[depth - 1].expand(count, -1), top.values[depth - 1].expand(count, -1)
-
-        else:  # each frontier node's own candidates: the position's logits rescored by the node's token
-
-            def expand(frontier, tokens, _parents, depth):
-                previous = tokens[frontier]  # [F]: the tokens the children follow (the root's at depth 1)
-                logits = unary[depth - 1] + drafter.rescoring(projected[depth - 1], previous).float()  # [F, N]
-                top = logits.log_softmax(-1).topk(k, dim=-1)
-                return drafter.token_ids[top.indices], top.values
-
-        return spec.grow(self.root, expand)
-
-    @torch.inference_mode()
-    def block_log_probs(self, depth: int, previous: torch.Tensor | None = None) -> torch.Tensor:
-        """log-probabilities [depth, N] of the positions root + 1 .. root + depth from one block (`block_logits`); with
-        the predecessor head, rescored by `previous` [depth], the tokens before those positions."""
-        unary, projected = self.block_logits(depth)
-        if self.drafter.predecessor is not None:
-            unary = unary + self.drafter.rescoring(projected, previous).float()
-        return unary.log_softmax(-1)
-
-    @torch.inference_mode()
-    def block_logits(self, depth: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Commit the pending context, then draft one block after the root: the logits [depth, N] of the positions
-        root + 1 .. root + depth, and the predecessor head's projection of their states [depth, r]."""
-        cache, device, count = self.cache, self.root.device, self.pending.shape[0]
-        cache.check_room(count)
-        compiled = self.compiled is not None and cache.length >= MIN_ROWS and count <= MAX_ROWS
-        rows = max(count, MIN_ROWS) if compiled else count
-        # in the drafter's dtype: the compiled graph was traced with its inputs so (a bf16 drafter beside an fp32
-        # target takes its features cast), and runs on that dtype's kernels only
-        pending = self.pending.to(self.drafter.fc.weight.dtype)
-        features = torch.cat([pending, pending.new_zeros(rows - count, pending.shape[1])])  # [rows, F]
-        real = torch.arange(rows, device=device) < count
-        committed = cache.length
-        context_positions = torch.arange(committed, committed + rows, device=device)
-        size = self.drafter.config.block_size
-        block_positions = torch.arange(committed + count, committed + count + size, device=device)
-        seen = torch.ones(committed, dtype=torch.bool, device=device)
-        root = self.embed(self.root.view(1)).to(features.dtype)  # [1, h]
-        step = self.compiled if compiled else self.eager
-        logits, projected, entries = step(features, root, context_positions, block_positions, real, seen, cache.buffer)
-        cache.append(entries[:, :, :, :count])
-        self.pending = self.pending[:0]
-        return logits[:depth], projected[:depth]
 
 
 # ---------------------------------------------------------------------------------------------------------------------

@@ -15,12 +15,12 @@ import torch
 from medusa_like.evaluation import metrics
 from medusa_like.evaluation.methods import REFERENCE, SPECULATIVE, STOCK
 
-# a lower precision's rounding: (g)'s margin within this many of its units in the last place at the logit. The bound
-# is measured: two bf16 forwards of the default target (ours and transformers' stock layers) differed by up to 6 at the
-# first differing token of 160 MT-Bench prompts (docs/results.md), those of tiny bf16 targets by up to 1 (checked by
-# tests/test_eval_mismatch.py, which also fails a forward whose token (g) puts lower by more than this); 8 keeps 2 of
-# headroom over the widest measured. At a logit near 16 a bf16 unit is 0.125, so 8 forgive a margin of 1: a wrong
-# forward's first difference is wider (whole logits), as the same test's is
+# a lower precision's rounding: (g)'s margin within this many of its units in the last place at the logit. The bound is
+# measured: two bf16 forwards of the default target (ours and transformers' stock layers) differed by up to 6 at the
+# first differing token of 160 MT-Bench prompts (docs/results.md at b889c96), those of tiny bf16 targets by up to 1
+# (checked by tests/test_eval_mismatch.py, which also fails a forward whose token (g) puts lower by more than this); 8
+# keeps 2 of headroom over the widest measured. At a logit near 16 a bf16 unit is 0.125, so 8 forgive a margin of 1: a
+# wrong forward's first difference is wider (whole logits), as the same test's is
 TIE_ULPS = 8
 LOSSLESSNESS = (
     "share of prompts whose speculative tokens equal (a)'s, greedy on the same forward: "

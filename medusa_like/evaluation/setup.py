@@ -82,7 +82,6 @@ def load_eval_setup(cfg: DictConfig) -> tuple[MedusaLikeModel, dict | None]:
         compile=cfg.target.get("compile", False),
         profile=cfg.target.get("profile"),
     )
-    model.forward.tune_layers(model.drafter)  # every method runs layers measured here (once per machine: then cached)
     return model, store_filling
 
 
@@ -185,7 +184,7 @@ def run_search(cfg: DictConfig, model, files: dict[str, Path]) -> dict:
     if budgeted or model.forward.differs_from_stock:
         # budgeted trees are sized by a full cost model; and any tree is timed on the step and kernels measured here,
         # which the profile records
-        cost = model.forward.measure_cost_model(model.drafter)
+        cost = model.forward.measure_cost_model()
     args = (ts.timing_prompts, cfg.eval.max_new_tokens, ts.budget, ts.budgets, ts.dynamic, cfg.eval.k_max)
     result = search(model, prompts, *args, ts.get("budgeted"))
     learned_alone = None

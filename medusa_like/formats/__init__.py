@@ -7,7 +7,7 @@ Each drafter kind (`drafters/registry.py`) reads and writes its own formats thro
 module here attaches to it when this package is imported (every module of the package is imported once, so a new
 kind's codec module needs no line elsewhere): Medusa heads as native, medusa, vllm and tgi (`heads_io.py`, layouts in
 `medusa_layouts.py`); the EAGLE-3 drafter as native, eagle3 (vLLM), eagle3_sglang (`eagle3.py`) and gguf (llama.cpp,
-`gguf.py`). Loading is strict everywhere and checks the drafter against the target (`drafters.base.check_fits`).
+`gguf.py`); the block drafter as native and dflash (`block.py`). Loading is strict everywhere and checks the drafter against the target (`drafters.base.check_fits`).
 """
 
 import importlib

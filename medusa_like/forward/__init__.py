@@ -5,8 +5,8 @@
     prepared.cost_model()                               # this machine's cost model of that step
     prepared.use_profile(read_profile("profile.json"))  # run as a machine profile says (`profile.py`)
 
-What lives here: the CPU kernels of an eager step's few rows (`cpu/`: few-row layers, per-shape row plans, the choice
-of kernel per tree size), the compiled step (`compiled.py`, with `platform.py` saying what each device gets), the
+What lives here: the CPU kernels of an eager step's few rows (`cpu/`: few-row layers over this project's fp32 and
+bf16 kernels, row-invariant tree attention), the compiled step (`compiled.py`, with `platform.py` saying what each device gets), the
 cost model's measurement and on-disk cache (`cost_measure.py`, `cost_cache.py`), and the machine profile the tree
 search writes and a model is handed (`profile.py`). The decoding loop, the drafters and the evaluation ask this room's
 interface (`prepared.py`) and never name a kernel; the decoding core holds the cost model as plain data
@@ -21,7 +21,7 @@ from .platform import CompileUnsupported
 from .prepared import PreparedTarget, TunedDrafter, prepare_target
 from .profile import MachineProfile, ProfileError, ProfileMismatchError, read_profile, write_profile
 
-# how a profile names the operators of the products (the few-row layers' kernels, the bf16 and fp32 kernels),
+# how a profile names the operators of the products (F.linear's, oneDNN's, the bf16 and fp32 kernels),
 # of attention (SDPA, the compiled step's kernel) and the compiled step itself (benchmarks/verify.py)
 PROFILED_PRODUCTS = (*FEW_ROW_PRODUCTS, bf16_linear.OP, fp32_linear.OP)
 PROFILED_ATTENTION = ("scaled_dot_product", tree_attention.OP)

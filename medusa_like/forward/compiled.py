@@ -14,23 +14,22 @@ How it is compiled: on CPUs ahead of time (`torch.export`, then AOTInductor), in
     cache = step.new_cache(capacity)              # one buffer [layers, 2, 1, heads_kv, capacity, head_dim]
     logits, features = step.forward(input_ids, position_ids, tree_mask, cache, feature_layers)
 
-What stays static and what does not: the weights are constants; the node count T and the live cache length are
-dynamic dimensions of one graph, so every tree size and every position runs the same
-compiled code, with no padding beyond one row (a single node is computed with a masked dummy row: a dimension of 1
-would be specialised). A prompt's prefill runs the target's forward eagerly over the same cache (a prompt's products
-over hundreds of rows are compute-bound: compiling them buys little and would double the compile). The attention
-sees a [1, 2, T, S] boolean mask over the live cache (the full-attention layers' visibility, then the sliding-window
-layers'), built here from the loop's tree mask and the nodes' positions, so sliding-window families compile too. On
-CPUs it runs `cpu/tree_attention.py`'s kernel, which computes each row alone: with the products (the GEMM template,
-and bf16's dot-product kernel `cpu/bf16_linear.py`, give a row the same bits at any row count), a node gets the same
-bits in a one-node step as in any tree, so tree methods equal greedy decoding on the step in bf16 too, where SDPA's
-rounding differences flipped near-ties.
+What stays static and what does not: the weights are constants; the node count T and the live cache length are dynamic
+dimensions of one graph, so every tree size and every position runs the same compiled code, with no padding beyond one
+row (a single node is computed with a masked dummy row: a dimension of 1 would be specialised). A prompt's prefill runs
+the target's forward eagerly over the same cache (compute-bound over hundreds of rows: compiling it buys little and
+would double the compile). The attention sees a [1, 2, T, S] boolean mask over the live cache (the full-attention
+layers' visibility, then the sliding-window layers'), built here from the loop's tree mask and the nodes' positions, so
+sliding-window families compile too. On CPUs it runs `cpu/tree_attention.py`'s kernel, which computes each row alone:
+with the products (the GEMM template, and bf16's dot-product kernel `cpu/bf16_linear.py`, give a row the same bits at
+any row count), a node gets the same bits in a one-node step as in any tree, so tree methods equal greedy decoding on
+the step in bf16 too, where SDPA's rounding differences flipped near-ties.
 
-A batch (`decoding/batch.py`) runs the same graph over a static [L, 2, B, H_kv, capacity, D] buffer
-(`StaticBatchCache`) for bucketed batch sizes (`BUCKETS`; a batch between two runs in the next, its padding rows
-seeing only their own slots, and moves into a smaller bucket as its rows finish): one graph per bucket for one node a
-row (plain decoding, a static node count: a dimension of 1 is not padded to two there) and one for trees, each
-compiled on first use and keyed by its bucket (`BatchGraph`). Each row writes and attends over its own slots; the
+A batch (`decoding/batch.py`) runs the same graph over a static [L, 2, B, H_kv, capacity, D] buffer (`static_cache.py`)
+for bucketed batch sizes (`BUCKETS`; a batch between two runs in the next, its padding rows seeing only their own
+slots, and moves into a smaller bucket as its rows finish): one graph per bucket for one node a row (plain decoding, a
+static node count: a dimension of 1 is not padded to two there) and one for trees, each compiled on first use and
+keyed by its bucket (`BatchGraph`). Each row writes and attends over its own slots; the
 attention kernel computes each row of each sequence alone, so a row of a batch gets the bits of its batch-1 step.
 
 The output is what this compiled forward computes, which rounds differently from the eager one: greedy decoding on the
@@ -43,172 +42,22 @@ from contextlib import contextmanager
 import torch
 import torch.nn.functional as F
 from transformers import AttentionInterface
-from transformers.cache_utils import Cache, CacheLayerMixin
 from transformers.utils.output_capturing import maybe_install_capturing_hooks
 
 from medusa_like.decoding.attention import batch_visible
-from medusa_like.decoding.kv_cache import CacheOverflowError, check_rows_room, commit_slots, write_slots
+from medusa_like.decoding.kv_cache import write_slots
 from medusa_like.decoding.step import TargetStep
 from medusa_like.targets import cache_keyword, output_logits
 
 from . import compile_cache
 from .cpu import tree_attention
+from .static_cache import BUCKETS, MIN_ROWS, LiveCache, StaticBatchCache, StaticTreeCache
 
 log = logging.getLogger(__name__)
 
 ATTENTION = "medusa_like_static"  # the attention function the compiled step's target runs (registered below)
-MIN_ROWS = 2  # a dimension of 1 is specialised by the compiler: single nodes are padded to two rows
 MAX_ROWS = 64  # steps of up to this many nodes run compiled; larger forwards (prefills) run the same code eagerly
 MAX_CONTEXT = 1 << 20  # the longest live cache the compiled graph is built for (a bound the compiler needs)
-# the batch sizes a batched step is compiled for (one graph each, on first use); a batch between two runs in the next
-# with padded rows, one beyond the largest eagerly
-BUCKETS = (1, 2, 4, 8, 16, 32, 64)
-
-
-# ---------------------------------------------------------------------------------------------------------------------
-# The cache: one buffer, read by the graph, written after it
-
-
-class _LiveLayer(CacheLayerMixin):
-    """One decoder layer's live entries in transformers' cache-layer interface: `update` attends over them with the
-    step's new entries in their slots, and keeps the new ones for the step to write after the graph
-    (`LiveCache.new`). Nothing is written inside the graph: the compiler turns an in-place write into a view of the
-    graph's input into a copy of the whole buffer, every layer."""
-
-    is_sliding = False  # the window is applied by the mask (`window_mask`), not by dropping entries
-    is_compileable = True
-
-    def __init__(self, keys: torch.Tensor, values: torch.Tensor, owner: "LiveCache"):
-        super().__init__()
-        self.keys, self.values, self.owner = keys, values, owner  # [1, H_kv, S, D]
-        self.is_initialized = True
-
-    def lazy_initialization(self, key_states, value_states) -> None:
-        pass
-
-    def update(self, key_states, value_states, *args, **kwargs):
-        """Keep the T new entries [B, H_kv, T, D]; return the live keys and values with them in their slots
-        [B, H_kv, S, D] (a copy: the committed part of a size the compiler need not name apart). `slots` is [T] for
-        one sequence, [B, T] for a batch (each row's own)."""
-        self.owner.new.append(torch.stack([key_states, value_states]))  # [2, B, H_kv, T, D]
-        slots = self.owner.slots
-        if slots.dim() == 1:
-            return self.keys.index_copy(2, slots, key_states), self.values.index_copy(2, slots, value_states)
-        index = slots[:, None, :, None].expand_as(key_states)  # [B, H_kv, T, D]
-        return self.keys.scatter(2, index, key_states), self.values.scatter(2, index, value_states)
-
-    def get_seq_length(self) -> int:
-        return self.keys.shape[2]
-
-    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        return self.keys.shape[2], 0
-
-    def get_max_length(self) -> int:
-        return self.keys.shape[2]
-
-
-class LiveCache(Cache):
-    """transformers' view of `live` [L, 2, B, H_kv, S, D] (the live part of the step's buffer), the step's entries
-    at `slots` ([T], or [B, T] per row); `new` collects each layer's new entries."""
-
-    def __init__(self, live: torch.Tensor, slots: torch.Tensor):
-        self.slots, self.new = slots, []
-        super().__init__(layers=[_LiveLayer(live[i, 0], live[i, 1], self) for i in range(live.shape[0])])
-
-
-class StaticTreeCache:
-    """The loop's cache (`kv_cache.TreeKVCache`'s interface) over one preallocated buffer: the committed entries
-    sit in slots 0..length-1 at positions 0..length-1, a step's nodes right after them; `commit` moves the accepted
-    nodes' entries into place with one indexed copy for every layer at once."""
-
-    def __init__(self, num_layers: int, heads: int, head_dim: int, capacity: int, dtype, device):
-        if capacity < 1:
-            raise ValueError(f"cache capacity must be positive, got {capacity}")
-        self.capacity = capacity
-        # MIN_ROWS - 1 spare slots: a padded step writes its dummy row after the real ones
-        self.buffer = torch.zeros(
-            num_layers, 2, 1, heads, capacity + MIN_ROWS - 1, head_dim, dtype=dtype, device=device
-        )
-        self.length = 0
-
-    def check_room(self, new_tokens: int) -> None:
-        if self.length + new_tokens > self.capacity:
-            raise CacheOverflowError(
-                f"KV cache too small: {self.length} tokens committed + {new_tokens} new > capacity {self.capacity}; "
-                "raise max_cache_len (or shorten the prompt / max_new_tokens)"
-            )
-
-    def commit(self, slots: torch.Tensor) -> None:
-        """Keep the entries at `slots` (absolute, ascending, >= length) as the next committed tokens."""
-        n = slots.numel()
-        if n:
-            dest = torch.arange(self.length, self.length + n, device=slots.device)
-            self.buffer.index_copy_(4, dest, self.buffer.index_select(4, slots))  # index_select copies: overlap safe
-        self.length += n
-
-    def write(self, new: torch.Tensor) -> None:
-        """Write a step's new entries [L, 2, 1, H_kv, T, D] right after the committed ones."""
-        self.buffer[:, :, :, :, self.length : self.length + new.shape[4]] = new
-
-    def commit_all(self, num_tokens: int) -> None:
-        self.length += num_tokens
-
-    def rewind(self, length: int) -> None:
-        if not 0 <= length <= self.length:
-            raise ValueError(f"cannot rewind a cache of {self.length} committed tokens to {length}")
-        self.length = length
-
-
-def bucket(rows: int) -> int:
-    """The batch size a step of `rows` rows runs at: the smallest of `BUCKETS` that holds them (padded rows after
-    them), or `rows` itself beyond the largest (then the step runs eagerly)."""
-    return next((size for size in BUCKETS if size >= rows), rows)
-
-
-class StaticBatchCache:
-    """The batched loop's cache (`kv_cache.BatchTreeKVCache`'s interface) over one buffer [L, 2, B, H_kv, capacity,
-    D] for a bucket of B rows (`bucket`): the batch's `rows` rows first, each with its own committed length, padding
-    rows after them. `keep` moves the kept rows to the front, into a smaller bucket's buffer where they fit one."""
-
-    def __init__(self, num_layers: int, heads: int, head_dim: int, rows: int, capacity: int, dtype, device):
-        if capacity < 1 or rows < 1:
-            raise ValueError(f"a batch cache needs rows and capacity >= 1, got {rows} rows of capacity {capacity}")
-        self.capacity, self.rows, self.lengths = capacity, rows, [0] * rows
-        self.layout = (num_layers, 2, heads, head_dim, dtype, device)
-        self.buffer = self._buffer(bucket(rows))
-
-    def _buffer(self, size: int) -> torch.Tensor:
-        layers, kv, heads, head_dim, dtype, device = self.layout
-        # MIN_ROWS - 1 spare slots: a padded step writes its dummy rows after the real ones
-        return torch.zeros(layers, kv, size, heads, self.capacity + MIN_ROWS - 1, head_dim, dtype=dtype, device=device)
-
-    def check_room(self, new_tokens: int, rows: int | None = None) -> None:
-        check_rows_room(self.lengths[:rows], new_tokens, self.capacity)
-
-    def write(self, new: torch.Tensor, slots: torch.Tensor) -> None:
-        """Write a step's new entries [L, 2, R, H_kv, T, D] of the first R rows at `slots` [R, T]."""
-        index = torch.arange(slots.shape[0], device=slots.device)[:, None]  # [R, 1]
-        self.buffer[:, :, index, :, slots] = new.permute(2, 4, 0, 1, 3, 5)  # [R, T, L, 2, H_kv, D]
-
-    def commit(self, nodes: list[torch.Tensor]) -> None:
-        """Keep each of the first len(nodes) rows' entries of its last forward at `nodes[b]` (ascending, root first)."""
-        source, dest = commit_slots(self.lengths[: len(nodes)], nodes, self.buffer.device)  # [R, A]
-        index = torch.arange(len(nodes), device=self.buffer.device)[:, None]
-        self.buffer[:, :, index, :, dest] = self.buffer[:, :, index, :, source]  # gathered first: overlap safe
-        self.commit_all([n.numel() for n in nodes])
-
-    def commit_all(self, counts: list[int]) -> None:
-        for row, count in enumerate(counts):
-            self.lengths[row] += count
-
-    def keep(self, rows: list[int]) -> None:
-        """Keep only `rows` (indices of the batch's rows, in their new order), at the front of the smallest bucket."""
-        kept = self.buffer.index_select(2, torch.tensor(rows, device=self.buffer.device))
-        size = bucket(len(rows))
-        if size != self.buffer.shape[2]:
-            self.buffer = self._buffer(size)
-        self.buffer[:, :, : len(rows)] = kept
-        self.rows, self.lengths = len(rows), [self.lengths[r] for r in rows]
 
 
 # ---------------------------------------------------------------------------------------------------------------------

@@ -44,8 +44,9 @@ import torch.nn.functional as F
 from medusa_like.targets import logit_softcap, softcap, weights_fingerprint
 
 from . import compile_cache
-from .compiled import MAX_CONTEXT, MAX_ROWS, MIN_ROWS, LiveCache, StaticTreeCache, attention_traced
+from .compiled import MAX_CONTEXT, MAX_ROWS, attention_traced
 from .cpu import bf16_linear
+from .static_cache import MIN_ROWS, LiveCache, StaticTreeCache
 
 log = logging.getLogger(__name__)
 

@@ -3,13 +3,13 @@ measured once and read by every later process.
 
     cost = cached(prepared)        # the one cached for this prepared target here, or None
     cost = quick(prepared)         # a quick first estimate, measured now and cached
-    cost = full(prepared)          # a full measurement (kernels chosen), cached in place of any earlier one
+    cost = full(prepared)          # a full measurement, cached in place of any earlier one
 
 The cache is one JSON file per key (`cache_key`) in `cost_models/` under `io.user_cache_dir()`
 (`$MEDUSA_LIKE_CACHE_DIR`), written atomically. A cached file is checked like any cost model; a corrupt or foreign
 one is refused with a log line and measured again.
 
-On first use nothing is cached yet, and a full measurement (every tree size, every kernel, several rounds) takes far
+On first use nothing is cached yet, and a full measurement (every tree size, several rounds) takes far
 longer than a first answer: a quick first estimate is measured instead, logged and shown with a progress bar, and
 cached until a full one (`PreparedTarget.measure_cost_model`, the tree search) replaces it.
 """
@@ -29,7 +29,7 @@ from .cost_measure import QUICK_REPEATS, QUICK_SIZES, measure_cost_model, quick_
 
 log = logging.getLogger(__name__)
 
-CACHE_VERSION = 2  # part of the key: a change of what a cached cost model means starts a new cache
+CACHE_VERSION = 3  # part of the key: a change of what a cached cost model means starts a new cache
 
 
 def cache_key(prepared) -> dict:
@@ -75,7 +75,7 @@ def store(cost: CostModel, prepared) -> Path:
 
 
 def quick(prepared) -> CostModel:
-    """A quick first estimate with the kernels as they are, measured now (logged, with a progress bar) and cached."""
+    """A quick first estimate, measured now (logged, with a progress bar) and cached."""
     log.info(
         "no cost model of this target's %s step on this machine yet: measuring a quick first estimate (%d tree "
         "sizes, %d rounds) to size the draft trees; model.forward.measure_cost_model() or the tree search measures a full one",
@@ -92,7 +92,7 @@ def quick(prepared) -> CostModel:
 
 def full(prepared, **options) -> CostModel:
     """A full measurement (`cost_measure.measure_cost_model` with `options`), cached in place of any earlier one."""
-    log.info("measuring a full cost model: every tree size with each kernel this machine runs, several rounds")
+    log.info("measuring a full cost model: every tree size, several rounds")
     start = time.perf_counter()
     cost = measure_cost_model(prepared, **options)
     path = store(cost, prepared)

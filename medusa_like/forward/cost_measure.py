@@ -2,7 +2,7 @@
 of tree nodes, into a `CostModel` (`cost_model.py`: the data, its checks and its use).
 
     cost = measure_cost_model(prepared)             # forwards over 1..32 nodes after a 128-token context
-    cost = quick_cost_model(prepared)               # a first estimate: a few sizes, few rounds, the kernels as they are
+    cost = quick_cost_model(prepared)               # a first estimate: a few sizes, few rounds
 
 `prepared` is a `PreparedTarget` (`prepared.py`): its step is what is timed, its layers what the kernels are set on.
 
@@ -13,9 +13,6 @@ implausible (`implausible`: rounds that disagree, more nodes far cheaper than fe
 forwards, or a re-check far from the fit) is repeated, at most `attempts` times, then falls back to each size's
 fastest median over the attempts (a slow spell only ever adds time); the log and `note` say which. One such spell,
 taken at face value, made every tree dearer than a single token and switched drafting off.
-
-Which kernels a full measurement times and keeps for each size is `medusa_like.forward.cpu.kernel_choice`'s (`KernelChoice`);
-a quick one times the layers as they are.
 """
 
 import logging
@@ -29,7 +26,7 @@ from tqdm.auto import tqdm
 
 from medusa_like.decoding.cost_model import CostModel, check_sizes, non_decreasing_fit
 
-from .cpu.kernel_choice import KernelChoice
+from .cpu.few_row_linear import kernel_record
 
 log = logging.getLogger(__name__)
 
@@ -118,22 +115,15 @@ class Forwards:
         self.cache.rewind(self.prefix)
 
 
-def time_rounds(forwards: Forwards, choice: KernelChoice, sizes, repeats: int, timer: Timer, bar) -> tuple:
-    """({(size, option): ms per round}, {prefill option: ms per round}); the first round is a warm-up."""
-    samples: dict[tuple, list[float]] = {(size, option): [] for size in sizes for option in choice.options}
-    prefill_samples: dict = {option: [] for option in choice.prefill_options}
-    if not choice.prefill_options:
-        forwards.prefill()
+def time_rounds(forwards: Forwards, sizes, repeats: int, timer: Timer, bar) -> dict[int, list[float]]:
+    """{size: ms per round}; the first round is a warm-up."""
+    samples: dict[int, list[float]] = {size: [] for size in sizes}
+    forwards.prefill()
     for _ in range(repeats + 1):
-        for option in choice.prefill_options:
-            choice.use_prefill(option)
-            prefill_samples[option].append(timer("prefill", forwards.prefill))
-            bar.update()
-        for (size, option), times in samples.items():
-            choice.use(size, option)
+        for size, times in samples.items():
             times.append(timer(size, lambda size=size: forwards.forward(size)))
             bar.update()
-    return samples, prefill_samples
+    return samples
 
 
 def spread(times: list[float]) -> float:
@@ -162,8 +152,6 @@ def measure_cost_model(
     sizes=SIZES,
     prefix: int = PREFIX,
     repeats: int = REPEATS,
-    pick_kernels: bool = True,
-    without: tuple[str, ...] = (),
     *,
     quick: bool = False,
     attempts: int = ATTEMPTS,
@@ -172,30 +160,23 @@ def measure_cost_model(
     """What verifying a tree of each of `sizes` nodes costs: the target's forward and vocabulary projection over a
     chain-shaped tree after a `prefix`-token context, timed in `repeats` interleaved rounds over all sizes (after a
     warm-up round); the per-size medians, fitted non-decreasing, checked (`implausible`, then a re-check of the
-    smallest and largest size) and measured again or fallen back on as the module says. With `pick_kernels`, every
-    size is timed with each kernel this machine runs for the target but those named in `without`, and the fastest is
-    kept and set (`cpu.kernel_choice`); else the layers run as they are. `timer(what, run)` times one forward."""
+    smallest and largest size) and measured again or fallen back on as the module says. `timer(what, run)` times one
+    forward."""
     sizes = sorted(set(sizes))
     check_sizes("sizes", sizes)
-    target, step = prepared.target, prepared.step
+    step = prepared.step
     if type(repeats) is not int or repeats < 1 or type(attempts) is not int or attempts < 1:
         raise ValueError(f"repeats and attempts must be integers >= 1, got {repeats!r} and {attempts!r}")
-    # kernels are chosen for the eager step's few-row layers; the compiled step's are Inductor's
-    pick = pick_kernels and step is prepared.eager
-    choice = KernelChoice(target, sizes, prefix, pick=pick, without=without)
     forwards = Forwards(step, prefix, max(sizes))
-    per_attempt = (repeats + 1) * (len(sizes) * len(choice.options) + len(choice.prefill_options)) + 2
+    per_attempt = (repeats + 1) * len(sizes) + 2
     tried, problems = [], []
     with tqdm(total=per_attempt, desc="cost model", unit="forward", leave=False, disable=None) as bar:
         for attempt in range(1, attempts + 1):
             bar.reset(total=per_attempt)
-            samples, prefill_samples = time_rounds(forwards, choice, sizes, repeats, timer, bar)
-            medians = {key: statistics.median(times[1:]) for key, times in samples.items()}
-            prefill_medians = {key: statistics.median(times[1:]) for key, times in prefill_samples.items()}
-            tried.append((medians, prefill_medians))
-            picked = choice.choose(medians, prefill_medians)
-            curve = [medians[(size, picked[size])] for size in sizes]
-            problem = implausible(sizes, curve, [spread(samples[(s, picked[s])][1:]) for s in sizes])
+            samples = time_rounds(forwards, sizes, repeats, timer, bar)
+            curve = [statistics.median(samples[size][1:]) for size in sizes]
+            tried.append(curve)
+            problem = implausible(sizes, curve, [spread(samples[size][1:]) for size in sizes])
             problem = problem or recheck(forwards, sizes, non_decreasing_fit(curve), timer, bar)
             if problem is None:
                 break
@@ -205,10 +186,7 @@ def measure_cost_model(
                     "cost model measurement %d of %d implausible (%s): measuring again", attempt, attempts, problem
                 )
         else:
-            medians = {key: min(m[key] for m, _ in tried) for key in tried[0][0]}
-            prefill_medians = {key: min(p[key] for _, p in tried) for key in tried[0][1]}
-            picked = choice.choose(medians, prefill_medians)
-            curve = [medians[(size, picked[size])] for size in sizes]
+            curve = [min(column) for column in zip(*tried, strict=True)]
             log.warning(
                 "cost model still implausible after %d measurements (%s): using each size's fastest median over them",
                 attempts,
@@ -223,7 +201,7 @@ def measure_cost_model(
         sizes,
         non_decreasing_fit(curve),
         **prepared.identity(),
-        kernels=choice.record() if step is prepared.eager else None,
+        kernels=kernel_record(prepared.target) if step is prepared.eager else None,
         measured_ms=curve,
         threads=torch.get_num_threads(),
         quick=quick,
@@ -234,8 +212,7 @@ def measure_cost_model(
 
 def quick_cost_model(prepared, timer: Timer = wall_ms) -> CostModel:
     """A first estimate, bounded to a few forwards per size: QUICK_SIZES after a QUICK_PREFIX-token context,
-    QUICK_REPEATS rounds, the kernels as they are (nothing chosen, no row plan measured)."""
+    QUICK_REPEATS rounds."""
     return measure_cost_model(
-        prepared, QUICK_SIZES, QUICK_PREFIX, QUICK_REPEATS, pick_kernels=False, quick=True, attempts=QUICK_ATTEMPTS,
-        timer=timer,
-    )  # fmt: skip
+        prepared, QUICK_SIZES, QUICK_PREFIX, QUICK_REPEATS, quick=True, attempts=QUICK_ATTEMPTS, timer=timer
+    )

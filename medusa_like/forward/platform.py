@@ -88,7 +88,8 @@ def micro_kernels_noexcept() -> bool:
     AVX512; AVX2's 4 x 24 kernels compile the same way when not inlined) it stores every accumulator to the stack at
     every step of the inner loop, because the function may throw. It cannot (loads, multiply-adds, stores), and
     declared noexcept it keeps them in registers: steps of more than four nodes get much cheaper, smaller ones stay
-    as they were, and the logits stay bit for bit the same (the A/B and its figures: docs/cpu-kernels.md)."""
+    as they were, and the logits stay bit for bit the same (docs/cpu-kernels.md, "The compiled step"; the A/B's
+    figures are in that file's git history)."""
     import torch._inductor.kernel.mm  # noqa: F401  imports the GEMM templates in the order Inductor needs
     from torch._inductor.codegen.cpp_micro_gemm import CppMicroGemmFP32Vec
 

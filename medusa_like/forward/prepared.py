@@ -3,16 +3,16 @@ drafter computes with beside it.
 
     prepared = prepare_target(target, compile=False)   # one per target object: asked again, the same one
     prepared.step                    # the `TargetStep` the decoding loop runs (eager, or compiled)
-    prepared.use_profile(profile)    # a machine profile (`profile.py`): refused for another setup, its kernels set
+    prepared.use_profile(profile)    # a machine profile (`profile.py`): refused for another setup
     prepared.settle(drafter)         # before a generation: this machine's cost model, for a drafter sized by one
-    prepared.measure_cost_model(drafter)    # a full measurement, cached and made active
+    prepared.measure_cost_model()    # a full measurement, cached and made active
     prepared.adopt(drafter, "auto")  # a drafter cast to its drafting dtype, its layers this machine's (or compiled)
     prepared.stock()                 # the target as transformers ships it, sharing every weight (a baseline)
 
-Eager, on CPUs (fp32, and bf16 where the CPU computes bf16), the target's and the drafter's `nn.Linear` layers are
-replaced in place by few-row layers sharing their parameters (`cpu/few_row_linear.py`), their kernels set by the cost
-model measured for this machine (bf16 ones on this project's dot-product kernel, `cpu/bf16_linear.py`); a bf16 target
-attends by the row-invariant kernel (`eager_backend`), so that its tree rows round as its one-node steps do. Compiled
+Eager, on CPUs (fp32 where the fp32 kernel runs, bf16 where the CPU computes bf16), the target's and the drafter's
+`nn.Linear` layers are replaced in place by few-row layers sharing their parameters (`cpu/few_row_linear.py`: this
+project's kernels, the same bits for a row at any row count), and the target attends by the row-invariant kernel
+(`eager_backend`), so that its tree rows round as its one-node steps do. Compiled
 (`compiled.py`), the target keeps its own layers and Inductor computes them (bf16 ones on the dot-product kernel, where
 the CPU has one); where the compiled step cannot run, the eager one does, and the log says why. Either rounds
 differently from transformers as it ships: the reference of every comparison is greedy decoding on the same step.
@@ -36,12 +36,13 @@ from .compiled import CompiledStep
 from .compiled_draft import DraftCompiler
 from .cpu import tree_attention
 from .cpu.few_row_linear import (
-    measure_row_plans,
+    KernelMismatchError,
+    KernelRecordError,
+    check_kernels,
     use_few_row_linears,
     with_stock_linears,
     worth_swapping,
 )
-from .cpu.kernel_choice import KernelMismatchError, KernelRecordError, apply_kernels, check_kernels
 from .cpu.machine import machine_identity
 from .cpu.read_kernel import use_read_kernel
 from .platform import CompileUnsupported, compile_settings, native_bf16, traced_layers
@@ -72,18 +73,17 @@ class TunedDrafter(Protocol):
 class PreparedTarget:
     """One target on this machine (see the module docstring); made by `prepare_target`."""
 
-    def __init__(self, target, backend: str, tuned_layers: bool | None, row_invariant: bool = True):
+    def __init__(self, target, backend: str, tuned_layers: bool | None, fp32_kernel: bool = True):
         self.target = target
         swap = worth_swapping(target) if tuned_layers is None else tuned_layers
         self.tuned = bool(swap) and target.device.type == "cpu"
-        if self.tuned:  # `row_invariant`: fp32 layers on the fp32 kernel, where the eager step decodes
-            _announce(use_few_row_linears(target, plans="cached", row_invariant=row_invariant), "target")
+        if self.tuned:  # `fp32_kernel`: fp32 layers on the fp32 kernel, where the eager step decodes
+            _announce(use_few_row_linears(target, fp32_kernel=fp32_kernel), "target")
         self.backend = eager_backend(backend, target)
         self.eager = EagerStep(target, self.backend)
         self.compiled: CompiledStep | None = None
-        self.active: CostModel | None = None  # the cost model whose kernels the layers run now
+        self.active: CostModel | None = None  # the cost model the drafters size their trees by
         self.profile: MachineProfile | None = None  # the machine profile it runs as (`use_profile`), if any
-        self._settled = False
 
     # ---- the step ----
 
@@ -162,7 +162,7 @@ class PreparedTarget:
         for module in drafter.modules():
             module.train(False)
         if self.tuned and worth_swapping_drafter(drafter):
-            _announce(use_few_row_linears(drafter, plans="cached"), "drafter")
+            _announce(use_few_row_linears(drafter, fp32_kernel=False), "drafter")  # drafts need no row-invariance
         self.compile_drafting(drafter)
         return drafter
 
@@ -172,13 +172,6 @@ class PreparedTarget:
         if self.compiled is not None and isinstance(drafter, TunedDrafter):
             traced = functools.partial(traced_layers, tuned=self.tuned)
             drafter.compile_drafting(DraftCompiler(self.target, self.compiled.options, self.compiled.label, traced))
-
-    def tune_layers(self, *modules) -> None:
-        """Measure the row plans of the target's and `modules`' few-row layers this machine's cache lacks (once per
-        weight shape, then cached); construction only reads the cache, so that a first call never waits for them."""
-        if self.tuned:
-            for module in (self.target, *modules):
-                measure_row_plans(module)
 
     # ---- cost models ----
 
@@ -206,8 +199,7 @@ class PreparedTarget:
         return not self.mismatches(cost)
 
     def activate(self, cost: CostModel) -> CostModel:
-        """Set the kernels `cost` was measured with on the layers (so its times hold) and make it the active one."""
-        apply_kernels(cost.kernels, self.target)
+        """Make `cost` (checked to fit) the active cost model."""
         self.active = cost
         return cost
 
@@ -226,8 +218,8 @@ class PreparedTarget:
     def use_profile(self, profile: MachineProfile, compile: bool | str | None = None) -> None:
         """Run as the machine profile `profile` says: its compile choice (unless `compile` names one), refused when it
         was measured for another setup (weights, dtype, device, machine, step, kernels), every difference named
-        (`ProfileMismatchError`; this target then runs on as it did), else its cost model made active (its kernels
-        set). Where it holds none, this target's cost model is left as it is."""
+        (`ProfileMismatchError`; this target then runs on as it did), else its cost model made active. Where it holds
+        none, this target's cost model is left as it is."""
         before = self.compiled, self.active
         self.use_compiled(profile.compile if compile is None else compile)
         cost = profile.cost_model
@@ -245,7 +237,7 @@ class PreparedTarget:
 
     def cost_model(self, own: CostModel | None = None) -> CostModel:
         """This step's cost model here: the active one (a profile's, a measurement's), else `own` (a drafter's) where
-        it fits (made active), else the one cached on disk (its kernels set), else a quick first estimate measured now
+        it fits (made active), else the one cached on disk, else a quick first estimate measured now
         (logged, with a progress bar) and cached."""
         if self.active is not None and self.fits(self.active):
             return self.active
@@ -254,33 +246,23 @@ class PreparedTarget:
         cached = cost_cache.cached(self)
         if cached is not None:
             return self.activate(cached)
-        self.active = cost_cache.quick(self)  # measured on the layers as they are: nothing to set
+        self.active = cost_cache.quick(self)
         return self.active
 
-    def measure_cost_model(self, *drafters, **options) -> CostModel:
-        """A full measurement (every tree size with each kernel this machine runs, the row plans of the target and
-        `drafters` measured first where missing), cached in place of any earlier one and made active: a drafter sized
-        by a cost model gets it before its next generation (`settle`). `options`: `cost_measure.measure_cost_model`'s."""
-        self.tune_layers(*(d for d in drafters if d is not None))
-        self.active = cost_cache.full(self, **options)  # the measurement set the kernels it chose
+    def measure_cost_model(self, **options) -> CostModel:
+        """A full measurement (every tree size, several rounds), cached in place of any earlier one and made active: a
+        drafter sized by a cost model gets it before its next generation (`settle`). `options`:
+        `cost_measure.measure_cost_model`'s."""
+        self.active = cost_cache.full(self, **options)
         return self.active
 
     def settle(self, drafter) -> None:
-        """Before a generation of `drafter` (and before anything else runs on this target's layers, so that every
-        baseline runs the same kernels): a drafter that sizes its trees by a cost model gets this machine's
-        (`cost_model`, the one it holds where none is active); for any other, unless a cost model is active, the
-        layers run the kernels of the one cached here (looked up once), measured fastest here."""
+        """Before a generation of `drafter`: a drafter that sizes its trees by a cost model gets this machine's
+        (`cost_model`, the one it holds where none is active)."""
         if sized_by_cost_model(drafter):
             cost = self.cost_model(drafter.cost_model)
             if drafter.cost_model is not cost:
                 drafter.use_cost_model(cost)
-            return
-        if self._settled or self.active is not None:
-            return
-        self._settled = True
-        cached = cost_cache.cached(self) if self.tuned and self.compiled is None else None
-        if cached is not None:
-            self.activate(cached)
 
 
 def worth_swapping_drafter(drafter) -> bool:
@@ -293,7 +275,7 @@ def _announce(count: int, what: str) -> None:
         log.log(
             logging.INFO if _announced else logging.WARNING,
             "replaced %d nn.Linear layers of the %s, in place, by few-row layers sharing their parameters (this CPU's "
-            "fastest kernels for a tree step's few rows; results may differ from nn.Linear's in rounding); "
+            "kernels, a row's bits at any row count; results may differ from nn.Linear's in rounding); "
             "tuned_layers=False keeps them",
             count,
             what,
@@ -306,7 +288,7 @@ def eager_backend(backend: str, target) -> str:
     bf16 CPU target, or an fp32 one whose few-row layers run the fp32 kernel, is the row-invariant kernel's
     (`cpu/tree_attention.py`), where it builds: SDPA's rounding moves with a step's row count, which can flip a near-tie
     between a tree row and greedy decoding's one-node step (in bf16 it did)."""
-    row_invariant = target.dtype == torch.bfloat16 or any(getattr(m, "row_invariant", False) for m in target.modules())
+    row_invariant = target.dtype == torch.bfloat16 or any(getattr(m, "fp32_kernel", False) for m in target.modules())
     if backend == "auto" and target.device.type == "cpu" and row_invariant:
         if tree_attention.unavailable() is None:  # else it logged why, and SDPA attends
             return tree_attention.BACKEND
@@ -322,7 +304,7 @@ def prepare_target(
     prepared = _PREPARED.get(target)
     if prepared is None:
         # a compiled step decodes on its own kernels: its eager layers read prompts, and need no fp32 kernel
-        prepared = _PREPARED[target] = PreparedTarget(target, backend, tuned_layers, row_invariant=compile is False)
+        prepared = _PREPARED[target] = PreparedTarget(target, backend, tuned_layers, fp32_kernel=compile is False)
     elif (chosen := eager_backend(backend, target)) != prepared.backend:  # another attention backend; layers stay
         prepared.backend, prepared.eager = chosen, EagerStep(target, chosen)
     prepared.use_compiled(compile)

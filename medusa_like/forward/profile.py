@@ -10,7 +10,7 @@ A profile holds what depends on the machine and not on the tree:
     compile                   the compile choice it was measured under (false, true, "auto"); `compile=None` uses it
     identity                  the setup it holds for: the target's weights, dtype, device, this machine and the step
                               (`PreparedTarget.identity`; the step says whether "auto" compiled)
-    cost_model                this machine's cost model of that step with its kernel record (`cpu/kernel_choice.py`),
+    cost_model                this machine's cost model of that step with its kernel record (`cpu/few_row_linear.py`),
                               or null where nothing was measured (a learned drafter on the target's own layers)
     prompt_lookup_num_tokens  transformers' fastest prompt lookup here (the evaluation's baseline (b)), or null
     measured                  what else the search measured, for people (its timings, the target's name)
@@ -28,7 +28,7 @@ from pathlib import Path
 from medusa_like.decoding.cost_model import IDENTITY, CostModel, CostModelError, InvalidCostModelError
 from medusa_like.io import existing_file, write_json
 
-from .cpu.kernel_choice import KernelRecordError, validate_record
+from .cpu.few_row_linear import KernelRecordError, validate_record
 
 PROFILE_VERSION = 1
 COMPILE_CHOICES = (False, True, "auto")  # "auto": compiled where this platform runs it, else eager

@@ -31,7 +31,8 @@ from torchmetrics import MeanMetric
 
 from medusa_like.data.split import draft_vocab_from_training_split
 from medusa_like.drafters.base import check_fits
-from medusa_like.drafters.block import BLOCK, DEFAULT_BLOCK_SIZE, BlockConfig, BlockDrafter, BlockMask
+from medusa_like.drafters.block import BLOCK, DEFAULT_BLOCK_SIZE, BlockConfig, BlockDrafter
+from medusa_like.drafters.block_attention import BlockMask
 from medusa_like.drafters.vocab import DraftVocab
 from medusa_like.training.feature_labels import TRAIN_ON, FeatureLabelsModule
 from medusa_like.training.losses import DECAY, decay_weights

@@ -1,3 +1,3 @@
-"""Machine-specific tuning for CPUs: the few-row linear kernels a tree step runs (`few_row_linear.py`, with the
-per-shape row plans of `row_plans.py`). The decoding core reaches them only through the cost model, which asks how
-long a forward over n nodes takes and sets what it measured; kernel names stay inside this package."""
+"""This project's CPU kernels: the few-row linear layers an eager step runs (`few_row_linear.py` over the fp32 and bf16
+kernels), row-invariant tree attention, the C++ builds, and training's many-row read. The decoding core never names a
+kernel; a cost model records which layers it was measured on."""

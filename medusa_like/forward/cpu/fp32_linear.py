@@ -3,9 +3,9 @@
     reason = fp32_linear.unavailable()          # None where the kernel runs (an AVX2 or AVX512 CPU, the kernel built)
     y = torch.ops.medusa_like.fp32_linear(x, pack(weight), bias, out_features)   # x [..., K] -> [..., N], fp32
 
-Elsewhere the eager few-row layers pick a kernel per row count (`row_plans.py`, `kernel_choice.py`): F.linear for
-one row, oneDNN's pack for eight, and so on. Each rounds its sums in its own order, so a node of a tree step can get
-other bits than in a one-node step (on the default target every node of a 16-node tree did), and a near-tie can flip.
+BLAS kernels (F.linear, oneDNN's pack) round their sums in an order picked by the row count, so a node of a tree step
+can get other bits than in a one-node step (on the default target every node of a 16-node tree did), and a near-tie
+can flip.
 This kernel (`fp32_linear.cpp`, the fp32 sibling of `bf16_linear.cpp`) computes each output as one fp32 sum over k in
 order, whatever the row count or the thread; with the row-invariant attention (`tree_attention.py`), a tree's node
 gets the bits of its one-node step, so the eager fp32 step is exact against greedy decoding on it. Each sum is one
@@ -39,7 +39,7 @@ def _shape(x, packed, bias, out_features):
 KERNEL = Extension("fp32_linear", fakes={OP: _shape, OP_AVX2: _shape})
 
 
-FALLBACK = "the eager fp32 step computes its products on the row plans' kernels and attends by SDPA"
+FALLBACK = "the eager fp32 step computes its products on nn.Linear and attends by SDPA"
 
 
 @functools.cache

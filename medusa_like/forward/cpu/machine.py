@@ -1,7 +1,7 @@
-"""Which machine a measurement was made on: what a row plan's and a cost model's timings hold for, and nowhere else.
+"""Which machine a measurement was made on: what a cost model's timings hold for, and nowhere else.
 
     machine_identity()      # "x86_64 AMD EPYC 7B13": the architecture and the CPU model where /proc/cpuinfo names it
-    cpu_name()              # the CPU model, else what `platform` knows (a row plan's cache key)
+    cpu_name()              # the CPU model, else what `platform` knows (a measurement's key)
 
 Timings hold for the machine that made them: a cost model names its machine, and one from another is refused.
 """
@@ -27,7 +27,7 @@ def cpu_model() -> str | None:
 
 
 def cpu_name() -> str:
-    """The CPU model, else what `platform` says of the processor or the architecture (a row plan's cache key)."""
+    """The CPU model, else what `platform` says of the processor or the architecture (a measurement's key)."""
     return cpu_model() or platform.processor() or platform.machine()
 
 

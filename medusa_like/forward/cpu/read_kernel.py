@@ -14,16 +14,7 @@ import logging
 import torch
 from torch import nn
 
-from . import few_row_linear
-from .few_row_linear import (
-    MAX_ROWS,
-    ONEDNN,
-    FewRowLinear,
-    onednn_packs_available,
-    packs_fit,
-    sync_packs,
-    use_few_row_linears,
-)
+from .few_row_linear import MAX_ROWS, PACK_MEMORY_SHARE, onednn_packs_available, packs_fit, use_few_row_linears
 
 log = logging.getLogger(__name__)
 
@@ -41,8 +32,8 @@ def use_read_kernel(
     model: nn.Module, kernel: str = "auto", device: torch.device | str | None = None, from_rows: int = MAX_ROWS + 1
 ) -> bool:
     """Let a frozen model that is read many rows at a time compute every product of `from_rows` rows or more on
-    oneDNN's pack (`onednn`; `auto`: where the model is fp32 on a CPU that runs the packs), or keep F.linear and its
-    plans (`linear`). `from_rows`: over MAX_ROWS by default (training's teacher-forced reads); 2 where the layers read
+    oneDNN's pack (`onednn`; `auto`: where the model is fp32 on a CPU that runs the packs), or keep F.linear
+    (`linear`). `from_rows`: over MAX_ROWS by default (training's teacher-forced reads); 2 where the layers read
     prompts alone (a compiled step's prefill: 8-64 tokens took 13-27% less than on nn.Linear, `eval.bench prefill`).
     `device`: where the model will run, if not where its weights are now (a trainer moves it to its accelerator).
     The pack is a second copy of every weight: `auto` keeps F.linear where it would not fit in PACK_MEMORY_SHARE of
@@ -61,13 +52,9 @@ def use_read_kernel(
     if not fits:
         raise ValueError(
             f"read_kernel=onednn lays out a second copy of every weight, which would take more than "
-            f"{few_row_linear.PACK_MEMORY_SHARE:.0%} of this machine's memory: use read_kernel=linear (or auto, which then keeps it)"
+            f"{PACK_MEMORY_SHARE:.0%} of this machine's memory: use read_kernel=linear (or auto, which then keeps it)"
         )
-    use_few_row_linears(model, plans="cached", row_invariant=False)  # products under `from_rows` rows keep their plans
-    for module in model.modules():
-        if isinstance(module, FewRowLinear):
-            module.prefill = ONEDNN
-            if module.plan and from_rows <= len(module.plan):
-                module.plan = (*module.plan[: from_rows - 1], *(ONEDNN,) * (len(module.plan) - from_rows + 1))
-    sync_packs(model)
+    # fewer rows keep the fp32 kernel where the layers already ran it (a decoding target), else F.linear
+    fp32_kernel = any(getattr(m, "fp32_kernel", False) for m in model.modules())
+    use_few_row_linears(model, fp32_kernel=fp32_kernel, many_from=from_rows)
     return True
