@@ -69,7 +69,7 @@ def where_time_goes(prepared, nodes: list[int], repeats: int) -> list[dict]:
 def run(
     *,
     target: str = DEFAULT_TARGET,
-    profile: Annotated[str | None, "a machine profile from the tree search: its kernels, its compile choice"] = None,
+    profile: Annotated[str | None, "a machine profile from the tree search: its cost model, its compile choice"] = None,
     nodes: Annotated[tuple[int, ...], f"node counts, 1..{MAX_NODES}"] = (1, 2, 3, 6, 13, 21),
     repeats: int = 10,
     threads: int | None = None,
@@ -85,8 +85,6 @@ def run(
     model = MedusaLikeModel.from_pretrained(
         target, drafter="lookup", dtype=dtype, compile=compile or (None if profile else False), profile=profile
     )
-    if not (profile or compile):  # the eager step's few-row kernels are a cost model's choice; the compiled its own
-        model.forward.measure_cost_model()
     rows = where_time_goes(model.forward, sizes, repeats)
     cells = [
         [str(r["nodes"]), *(f"{r[k]:.1f}" for k in ("wall_ms", "products", "attention", "compiled", "rest", "total"))]

@@ -6,7 +6,7 @@
     print(model.tokenizer.decode(out.new_tokens), out.stats.tau)
     outs = model.generate([ids, other_ids], max_new_tokens=128)     # a batch: one output per prompt, each its own
 
-How the target computes on this machine (its compiled step, its kernels, the cost model that sizes a lookup or
+How the target computes on this machine (its compiled step, its layers, the cost model that sizes a lookup or
 combined drafter's trees) is `model.forward`'s (`forward.PreparedTarget`), set by `compile=` and a machine profile
 (`profile=`, the tree search's `profile.json`); a tree argument only says which tree to draft.
 
@@ -66,13 +66,14 @@ class MedusaLikeModel:
         True or "auto"; None: as `profile` says, else False) runs a compiled step where this platform supports one,
         and the drafter's own step (an EAGLE-3 level, Medusa heads) compiled beside it (minutes of compiling on first
         use, logged, then loaded from disk by later processes; eager otherwise, with a log line saying why);
-        `tuned_layers` (None: where measured faster) computes an eager step's few rows by this CPU's fastest kernels.
+        `tuned_layers` (None: where this CPU has a kernel for the dtype, forward/cpu/few_row_linear.py) computes an eager
+        step's linear layers on this project's CPU kernels.
         That changes the model you pass: its `nn.Linear` layers, and the drafter's, are replaced in place by layers
         that share their parameters (same state dict, no copy) and differ from `nn.Linear` only in rounding; the log
         says so. Pass False to keep them.
 
         `profile`: a machine profile (`forward.profile`, the tree search's `profile.json`, or its path: read once)
-        measured here for this target: its kernels are set and a lookup or combined drafter sizes its trees by its
+        measured here for this target: its compile choice is taken and a lookup or combined drafter sizes its trees by its
         cost model; one measured for other weights, dtype, device, machine or step is refused with the differences
         named (`forward.ProfileMismatchError`). Without one, such a drafter measures a quick cost model on first use
         (logged, cached).

@@ -1,5 +1,5 @@
 """Honest figures from the evaluation: every output compared with transformers' greedy as it ships as well as with
-greedy on the same layers; every method run on the kernels the tree file chose; and a method of this project that
+greedy on the same layers; every method run on the same layers and cost model; and a method of this project that
 differs from either, whichever method it is, failing `python -m eval.evaluate`.
 
 A lossy method is made the way a bug would make one, by a small wrapper script around the real entry point: the real

@@ -1,6 +1,7 @@
 """Export a trained drafter: `medusa-export drafter.path=<dir or .ckpt> format=<format> out=<dir>`.
 
-Medusa heads export as native, medusa, vllm or tgi; the EAGLE-3 drafter as native or eagle3 (vLLM and SGLang). The
+Medusa heads export as native, medusa, vllm or tgi; the EAGLE-3 drafter as native, eagle3 (vLLM), eagle3_sglang or
+gguf (llama.cpp); the block drafter as native or dflash (vLLM and SGLang). The
 drafter is loaded strictly and checked against the target of the `model` group (hidden size, vocabulary and, where
 recorded, the architecture fingerprint); the target also supplies the lm_head that the Medusa and vLLM layouts store
 for shared-projection heads. `export(cfg)` is importable; `main` is the Hydra app behind `medusa-export` and

@@ -14,7 +14,7 @@ drafter's own trees are timed too, alone (`tree_search.dynamic` for EAGLE-3, `tr
 and the fastest is saved as a tree file of its own (`tree_search.learned_out`), the tree the evaluation's
 learned-alone method decodes with (`learned_tree=`). transformers' prompt lookup is timed at each
 `tree_search.prompt_lookup` value, for the evaluation's baseline. The fastest tree is saved as a tree JSON that
-`tree=` accepts (`tree_search.out`); what depends on the machine (the compile choice, the cost model and its kernels,
+`tree=` accepts (`tree_search.out`); what depends on the machine (the compile choice, the cost model,
 the fastest prompt lookup) as the machine profile that `target.profile=` and `profile=` take
 (`tree_search.profile_out`). `tree_search(cfg)` is importable; `main` is the Hydra app behind `medusa-tree-search`
 and `python -m eval.tree_search`.

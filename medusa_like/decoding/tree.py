@@ -273,7 +273,7 @@ class TokenTree:
 
 @dataclass(frozen=True)
 class BudgetedTreeSpec:
-    """One tree from several sources (`drafters/merge.py`): a learned drafter's tree (`learned`, static or dynamic;
+    """One tree from several sources (`drafters/merged_tree.py`): a learned drafter's tree (`learned`, static or dynamic;
     None for lookup alone) and lookup continuations up to `lookup_depth` deep, merged by prefix; of all their nodes the
     best by estimated chance of acceptance are verified, at most `num_nodes` (the step's own budget is picked by a
     cost model, and may be smaller)."""

@@ -258,8 +258,8 @@ def make_runners(model, tree, prompt_lookup_num_tokens: int, names=None, learned
     evaluated `tree` (and `learned_tree`, the resolved tree the learned drafter alone decodes with,
     `learned_alone_tree`; None: `tree`'s learned part). The reference, stock greedy (where it differs from the
     reference's layers), the baselines and the speculative method always run. The target is settled first
-    (`PreparedTarget.settle`: a combined or lookup drafter gets this machine's cost model, whose kernels the layers
-    then run), so that every method, transformers' included, runs the same kernels."""
+    (`PreparedTarget.settle`: a combined or lookup drafter gets this machine's cost model), so that no method measures
+    one of its own while others are timed."""
     model.forward.settle(model.drafter)
     eos = model.eos_token_ids()
     pad = model.tokenizer.pad_token_id

@@ -173,7 +173,7 @@ def search_files(cfg: DictConfig) -> dict[str, Path]:
 def run_search(cfg: DictConfig, model, files: dict[str, Path]) -> dict:
     """Search with `cfg.tree_search` and write each finding to a file of its own (`files`: `search_files`): the chosen
     tree with what was measured about it; this machine's profile of the target (the compile choice, the cost model
-    that sizes a budgeted tree or picked the target's few-row kernels, the fastest `prompt_lookup_num_tokens`), which
+    that sizes a budgeted tree, the fastest `prompt_lookup_num_tokens`), which
     the model runs as from then on; for a combined drafter with `tree_search.learned_alone`, the learned drafter's own
     tree when it decodes alone. Returns what was measured, the trees as JSON and the files' paths."""
     prompts = calibration_prompts(cfg, model)

@@ -4,7 +4,7 @@ of tree nodes, into a `CostModel` (`cost_model.py`: the data, its checks and its
     cost = measure_cost_model(prepared)             # forwards over 1..32 nodes after a 128-token context
     cost = quick_cost_model(prepared)               # a first estimate: a few sizes, few rounds
 
-`prepared` is a `PreparedTarget` (`prepared.py`): its step is what is timed, its layers what the kernels are set on.
+`prepared` is a `PreparedTarget` (`prepared.py`): its step is what is timed, on its layers as they run.
 
 A shared CPU's speed drifts over seconds, longer than one size takes to time, so the sizes are timed in interleaved
 rounds (a slow spell lands on every size alike) and the per-size medians are fitted by a non-decreasing curve, so that

@@ -299,7 +299,7 @@ def prepare_target(
     target, backend: str = "auto", tuned_layers: bool | None = None, compile: bool | str = False
 ) -> PreparedTarget:
     """`target` prepared for this machine (see the module docstring): the same object for the same target, whose
-    compiled step, once made, is kept; `tuned_layers` (None: where measured faster) applies when it is first
+    compiled step, once made, is kept; `tuned_layers` (None: where this CPU has a kernel for its dtype) applies when it is first
     prepared. A model you pass is changed in place where its layers are swapped: the log says so."""
     prepared = _PREPARED.get(target)
     if prepared is None:

@@ -16,7 +16,7 @@ A profile holds what depends on the machine and not on the tree:
     measured                  what else the search measured, for people (its timings, the target's name)
 
 Reading one changes nothing: `PreparedTarget.use_profile` puts it to use, refused for another setup with every
-difference named (`ProfileMismatchError`), its cost model's kernels set. A tree file holds the tree alone
+difference named (`ProfileMismatchError`), its cost model made active. A tree file holds the tree alone
 (`decoding/tree_files.py`).
 """
 
@@ -51,7 +51,7 @@ class ProfileMismatchError(ProfileError):
 class MachineProfile:
     compile: bool | str  # the compile choice it was measured under (`COMPILE_CHOICES`)
     identity: dict  # {IDENTITY field: value} of the setup it holds for
-    cost_model: CostModel | None = None  # this machine's cost model of that step, its kernels in it
+    cost_model: CostModel | None = None  # this machine's cost model of that step, its layers' record in it
     prompt_lookup_num_tokens: int | None = None  # transformers' fastest prompt lookup here
     measured: dict = field(default_factory=dict)  # what else was measured, for people
     path: str | None = None  # the file it was read from (None: made in this process)

@@ -47,7 +47,7 @@ def unavailable() -> str | None:
     """None where the kernel runs (loaded once per process), else why not: this CPU has no AVX2, the kernel could
     not be built, or it is not built yet. The eager fp32 step is row-invariant with it and the attention kernel, and
     it is the Python API's default, so a process does not wait for their first builds (seconds each): it starts them
-    in the background, keeps the row kernels and SDPA, and a later process loads both. A failed build is logged once
+    in the background, keeps nn.Linear and SDPA, and a later process loads both. A failed build is logged once
     per process, with what the step runs instead: a tree row may then round apart from its one-node step."""
     if (why := cpu_unsupported()) is not None:
         log.info("%s: %s", why, FALLBACK)

@@ -25,9 +25,9 @@ It is built on first use with torch's C++ extension builder (a few seconds), int
 the compiler flags, torch's version and the machine; a later process loads the built library. Where it cannot be
 built (no compiler, no ninja), `unavailable()` says why and the step attends by SDPA, as before.
 
-The eager step of a bf16 target attends through it too (`rows_attention`, the attention backend `rows`:
-`decoding/attention.py`'s contract), for the same reason: with SDPA (and oneDNN's bf16 products, which the few-row
-layers no longer run there) tree methods left bf16 greedy decoding on 17 of 24 MT-Bench prompts (docs/decoding.md).
+The eager step of a bf16 target, and of an fp32 one on the fp32 kernel, attends through it too (`rows_attention`, the
+attention backend `rows`: `decoding/attention.py`'s contract), for the same reason: with SDPA a tree row can round
+apart from its one-node step and flip a near-tie (`tests/test_tree_attention.py` shows one on fp32 SDPA).
 """
 
 import functools
