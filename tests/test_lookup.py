@@ -1,13 +1,14 @@
 """Lookup drafting and the combined tree: the n-gram index, the output store, merging, scoring, the cost-aware
 budget, the cost model's files, and losslessness of every source alone and combined on every family and backend."""
 
+import dataclasses
 import itertools
 import json
 
 import pytest
 import torch
 
-from medusa_like.decoding.cost_model import CostModel, non_decreasing_fit
+from medusa_like.decoding.cost_model import BatchShare, CostModel, non_decreasing_fit
 from medusa_like.decoding.tree import BudgetedTreeSpec, DynamicTreeSpec, TokenTree
 from medusa_like.decoding.tree_files import spec_from_json
 from medusa_like.drafters.base import DrafterMismatchError
@@ -272,6 +273,32 @@ def test_the_learned_drafter_is_skipped_only_where_lookup_was_as_sure_when_steps
     learned_bit = 1 << ran.source_names.index("learned")
     assert state.learned_ms is not None
     assert len(paths_of(ran)) == 2 and all(bits & learned_bit for bits in ran.sources.tolist()[1:])
+
+
+def test_the_learned_drafter_is_not_run_where_no_node_could_pay_for_its_place_in_a_batch():
+    """In a batch whose forward a row's first extra node widens (`BatchShare`), priced where verifying twice the rows
+    costs twice the time, not even a node sure to be accepted raises the batch's tokens per ms: the learned drafter is
+    not run (nothing of it is measured). Alone, or where the wider forward costs little, it runs."""
+    target = tiny_target("llama")
+    nodes = (1, 2, 4, 8, 16, 32, 64)
+    flat = flat_cost(target)
+    steep = CostModel(  # ms linear in rows: a wider forward costs in proportion
+        list(nodes), [10.0 * n for n in nodes], flat.target_fingerprint, flat.dtype, flat.device, flat.machine, "eager"
+    )
+    spec = BudgetedTreeSpec(DynamicTreeSpec(1, 2, 2), num_nodes=4, lookup_depth=4)
+    runs = {}
+    for name, cost, shared in [
+        ("steep batch", steep, BatchShare(rows=7, widest=1, tokens=7.0)),
+        ("alone", steep, None),
+        ("flat batch", flat, BatchShare(rows=7, widest=1, tokens=7.0)),
+    ]:
+        state = SessionState(cost)
+        proposer = MergedTreeProposer(target, EAGLE3.fresh(target), [ScriptedSource("context", [])], state)
+        width = len(proposer.feature_layers) * target.config.hidden_size
+        proposer.begin(torch.tensor([1, 2, 3]), torch.zeros(3, width), torch.tensor(4), capacity=64)
+        proposer.propose(dataclasses.replace(spec, shared=shared))
+        runs[name] = proposer.timed[1]
+    assert runs == {"steep batch": False, "alone": True, "flat batch": True}
 
 
 def test_the_learned_drafters_gate_measures_each_side_end_to_end_and_probes_the_slower_one():

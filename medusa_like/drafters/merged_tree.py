@@ -124,7 +124,12 @@ class MergedTreeProposer:
         self._calibrate(candidates)
         lookup_ms = 1000 * (time.perf_counter() - start)
         certainty = lookup_certainty(path_scores(candidates))
-        ran_learned = self.learned is not None and spec.learned is not None and self._learned_pays(certainty)
+        ran_learned = (
+            self.learned is not None
+            and spec.learned is not None
+            and self._a_node_can_pay(spec, lookup_ms)
+            and self._learned_pays(certainty)
+        )
         if ran_learned:
             start = time.perf_counter()
             tree = self.learned.propose(spec.learned)
@@ -181,6 +186,15 @@ class MergedTreeProposer:
             paths.append(path)
             probability = math.exp(min(logp[i] - logp[parents[i]], 0.0))
             self._add(candidates, path, bit, learned_key(probability, len(path)), probability)
+
+    def _a_node_can_pay(self, spec: TreeSpec, lookup_ms: float) -> bool:
+        """Whether one node sure to be accepted would raise the step's expected tokens per ms, its drafting included:
+        where it would not, no draft of the learned drafter can, and it is not run. Alone a node adds a row to a few;
+        in a batch (`spec.shared`) a row's first extra node widens every row's tree, which at 8 rows and more on a
+        CPU rarely pays (docs/results.md, "Batched decoding")."""
+        draft_ms = lookup_ms + (self.state.learned_ms or 0.0)
+        count, _ = best_rate({(0,): 1.0}, self.cost, draft_ms, spec.num_nodes, spec.shared)
+        return count > 0
 
     def _learned_pays(self, certainty: int) -> bool:
         """Run the learned drafter where steps that ran it, when lookup was as sure of its best guess, gave more
