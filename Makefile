@@ -46,7 +46,7 @@ SEARCH_block := 'tree_search.dynamic=[[3,1,3],[5,1,5],[7,1,7],[3,2,6],[5,2,10],[
 # train the drafter (DRAFTER) on ShareGPT conversations read by the target (resumable data build), then search the
 # combined tree (the drafter + lookup, one cost-aware tree: tree.json), the drafter's own tree alone (its dynamic trees
 # up to 9 nodes, larger ones are slower on a CPU: learned_tree.json) and this machine's profile of the target (its cost
-# model and kernels, the compile choice, transformers' fastest prompt lookup: profile.json) on validation prompts, and
+# model, the compile choice, transformers' fastest prompt lookup: profile.json) on validation prompts, and
 # evaluate on other validation prompts (never trained on), handed all three: the drafter alone, lookup alone and
 # combined,
 # against greedy on the same forward (compiled where this machine compiles it: forward/compiled.py), transformers'

@@ -197,20 +197,7 @@ def weights_fingerprint(model: torch.nn.Module) -> str:
     same bytes hashes the files (SHA-256, in parallel: a fraction of loading them), not the tensors, nor copies them
     off a GPU. The files' names, sizes and times are no key: a file rewritten with other weights of the same size and
     time (`cp -p`, `rsync -a`, a restore from a backup) has other content, so another key."""
-    stamp = _stamp(model)
-    memo = _FINGERPRINTS.get(model)
-    if memo is not None and memo[0] == stamp:
-        return memo[1]
-    key = _content_key(model, stamp)
-    path = user_cache_dir() / "fingerprints.json"
-    fingerprint = _read_fingerprints(path).get(key) if key else None
-    if fingerprint is None:
-        fingerprint = _hash_tensors(model)
-        if key:
-            with exclusive_lock(path.with_name(path.name + ".lock"), waiting="another process writes fingerprints"):
-                write_json(path, {**_read_fingerprints(path), key: fingerprint})
-    _FINGERPRINTS[model] = (stamp, fingerprint)
-    return fingerprint
+    return _cached_hash(model, _FINGERPRINTS, as_bf16=False)
 
 
 def weights_identity(model: torch.nn.Module) -> str:
@@ -219,21 +206,28 @@ def weights_identity(model: torch.nn.Module) -> str:
     for: training often reads the target in bf16 and evaluation in fp32, the same weights, which `weights_fingerprint`
     (whose dtype is part of what was computed) tells apart. Weights that differ only below bf16's precision share
     it. Cached like the fingerprint: per model object, and on disk by the weight files' content."""
+    return _cached_hash(model, _IDENTITIES, as_bf16=True)
+
+
+def _cached_hash(model: torch.nn.Module, memo: weakref.WeakKeyDictionary, as_bf16: bool) -> str:
+    """`_hash_tensors(model, as_bf16)`, kept in `memo` per model object and in `fingerprints.json` by the weight
+    files' content (`_content_key`; the bf16 identity's key leaves the dtype out: any dtype of the bytes shares it)."""
     stamp = _stamp(model)
-    memo = _IDENTITIES.get(model)
-    if memo is not None and memo[0] == stamp:
-        return memo[1]
-    content = _content_key(model, stamp)
-    key = None if content is None else json.dumps(["identity", json.loads(content)[2]])
+    found = memo.get(model)
+    if found is not None and found[0] == stamp:
+        return found[1]
+    key = _content_key(model, stamp)
+    if key is not None and as_bf16:
+        key = json.dumps(["identity", json.loads(key)[2]])
     path = user_cache_dir() / "fingerprints.json"
-    identity = _read_fingerprints(path).get(key) if key else None
-    if identity is None:
-        identity = _hash_tensors(model, as_bf16=True)
+    digest = _read_fingerprints(path).get(key) if key else None
+    if digest is None:
+        digest = _hash_tensors(model, as_bf16=as_bf16)
         if key:
             with exclusive_lock(path.with_name(path.name + ".lock"), waiting="another process writes fingerprints"):
-                write_json(path, {**_read_fingerprints(path), key: identity})
-    _IDENTITIES[model] = (stamp, identity)
-    return identity
+                write_json(path, {**_read_fingerprints(path), key: digest})
+    memo[model] = (stamp, digest)
+    return digest
 
 
 def _named_tensors(model: torch.nn.Module):

@@ -89,11 +89,7 @@ class TreeKVCache(Cache):
 
     def check_room(self, new_tokens: int) -> None:
         """Refuse, before anything is written, a forward of `new_tokens` that would not fit."""
-        if self.length + new_tokens > self.capacity:
-            raise CacheOverflowError(
-                f"KV cache too small: {self.length} tokens committed + {new_tokens} new > capacity {self.capacity}; "
-                "raise max_cache_len (or shorten the prompt / max_new_tokens)"
-            )
+        check_room(self.length, new_tokens, self.capacity)
 
     def commit(self, slots: torch.Tensor) -> None:
         for layer in self.layers:
@@ -129,6 +125,15 @@ def commit_slots(lengths: list[int], nodes: list[torch.Tensor], device) -> tuple
     offsets = torch.arange(kept.shape[1], device=device).expand_as(kept)  # [B, A]
     base = torch.tensor(lengths, device=device)[:, None]  # [B, 1]
     return base + torch.where(kept >= 0, kept, offsets), base + offsets
+
+
+def check_room(length: int, new_tokens: int, capacity: int) -> None:
+    """Refuse a forward of `new_tokens` after `length` committed tokens that would overflow a cache of `capacity`."""
+    if length + new_tokens > capacity:
+        raise CacheOverflowError(
+            f"KV cache too small: {length} tokens committed + {new_tokens} new > capacity {capacity}; "
+            "raise max_cache_len (or shorten the prompt / max_new_tokens)"
+        )
 
 
 def check_rows_room(lengths: list[int], new_tokens: int, capacity: int) -> None:

@@ -11,7 +11,7 @@
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-from medusa_like.decoding.kv_cache import CacheOverflowError, check_rows_room, commit_slots
+from medusa_like.decoding.kv_cache import check_room, check_rows_room, commit_slots
 
 MIN_ROWS = 2  # a dimension of 1 is specialised by the compiler: single nodes are padded to two rows
 # the batch sizes a batched step is compiled for (one graph each, on first use); a batch between two runs in the next
@@ -82,11 +82,7 @@ class StaticTreeCache:
         self.length = 0
 
     def check_room(self, new_tokens: int) -> None:
-        if self.length + new_tokens > self.capacity:
-            raise CacheOverflowError(
-                f"KV cache too small: {self.length} tokens committed + {new_tokens} new > capacity {self.capacity}; "
-                "raise max_cache_len (or shorten the prompt / max_new_tokens)"
-            )
+        check_room(self.length, new_tokens, self.capacity)
 
     def commit(self, slots: torch.Tensor) -> None:
         """Keep the entries at `slots` (absolute, ascending, >= length) as the next committed tokens."""
