@@ -287,6 +287,32 @@ def test_native_and_dflash_exports_read_back_exactly(tmp_path, family):
     assert all(torch.equal(t, back.state_dict()[n]) for n, t in drafter.state_dict().items())
 
 
+def test_a_learned_mask_embedding_ships_where_vllm_reads_it_and_reads_back_from_there(tmp_path):
+    """vLLM reads a DFlash drafter's own mask embedding from `mask_embedding.pt` only (a `mask_embedding` tensor in the
+    weights file it drops, and drafts from the mask token's embedding instead): the export writes it there, for the
+    mask token its config names, and a directory with the embedding there alone reads back the same drafter."""
+    from safetensors.torch import load_file, save_file
+
+    target = tiny_target("llama")
+    drafter = random_block(target)
+    out = export_drafter(drafter, tmp_path / "dflash", "dflash", target, "tiny")
+    config = json.loads((out / "config.json").read_text())
+    shipped = torch.load(out / "mask_embedding.pt", weights_only=True)
+    assert shipped["mask_token_id"] == config["dflash_config"]["mask_token_id"]
+    assert torch.equal(shipped["embedding"], drafter.mask_embedding.detach())
+    assert not (export_drafter(drafter, tmp_path / "native", "native", target, "tiny") / "mask_embedding.pt").exists()
+    del config["medusa_like"]
+    (out / "config.json").write_text(json.dumps(config))
+    tensors = load_file(out / "model.safetensors")
+    del tensors["mask_embedding"]
+    save_file(tensors, out / "model.safetensors")
+    back = load_drafter(out, target)
+    assert back.config.mask_token_id is None and torch.equal(back.mask_embedding, drafter.mask_embedding)
+    torch.save({**shipped, "mask_token_id": shipped["mask_token_id"] - 1}, out / "mask_embedding.pt")
+    with pytest.raises(FormatError, match="mask token"):
+        load_drafter(out, target)
+
+
 def test_a_reference_dflash_drafter_without_its_own_head_reads_with_the_targets(tmp_path):
     """The reference drafters share the target's head and fill the block with a mask token's embedding: read
     without lm_head.weight, mask_embedding or d2t, with the target's rows as the head and the token's embedding."""

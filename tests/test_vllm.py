@@ -1,5 +1,6 @@
-"""vLLM serves our EAGLE-3 and Medusa exports: a tiny target and a drafter trained here, exported with `format=eagle3`
-(or Medusa heads with `format=vllm`), loaded and run by vLLM's CPU build in its own environment (`make vllm-install`).
+"""vLLM serves our EAGLE-3, Medusa and block (DFlash) exports: a tiny target and a drafter trained here, exported with
+`format=eagle3` (Medusa heads with `format=vllm`, a block drafter with `format=dflash`), loaded and run by vLLM's CPU
+build in its own environment (`make vllm-install`).
 Greedy with the drafter equals vLLM's greedy without it (and transformers' greedy), some drafts are accepted, and a
 drafter exported for another target is refused before vLLM sees it. The vLLM tests skip, with the reason, where vLLM is not installed; the refusal runs everywhere."""
 
@@ -12,7 +13,6 @@ from medusa_like.data import generation, storage
 from medusa_like.decoding.generate import speculative_generate
 from medusa_like.decoding.tree_files import resolve_tree
 from medusa_like.drafters.base import DrafterMismatchError
-from medusa_like.drafters.eagle3_proposer import Eagle3Proposer
 from medusa_like.drafters.medusa import HeadsConfig, MedusaHeads
 from medusa_like.drafters.vocab import DraftVocab
 from medusa_like.engines.vllm.driver import VllmEngine, check_export, eagle3, ngram, unavailable_reason
@@ -20,6 +20,7 @@ from medusa_like.formats import export_drafter
 from medusa_like.formats.common import FormatError
 from medusa_like.formats.eagle3 import write_eagle3
 from medusa_like.tiny import tiny_chat_target, tiny_model
+from medusa_like.training.block_module import BlockModule
 from medusa_like.training.eagle3_module import Eagle3Module
 from medusa_like.training.medusa_module import MedusaHeadsModule
 
@@ -87,7 +88,7 @@ def framework_chain_counts(target, drafter, prompts, depth: int) -> tuple[int, l
     chain = resolve_tree([[0] * (i + 1) for i in range(depth)], None)
     accepted, last = [], []
     for prompt in prompts:
-        out = speculative_generate(target, Eagle3Proposer(drafter, target), prompt, chain, NEW_TOKENS)
+        out = speculative_generate(target, drafter.proposer(target), prompt, chain, NEW_TOKENS)
         accepted += out.stats.accepted_draft
         last.append(out.stats.accepted_draft[-1])
     per_position = [sum(n > i for n in accepted) for i in range(depth)]
@@ -154,6 +155,45 @@ def test_vllm_serves_our_medusa_export_with_plain_decodings_tokens_and_accepts_i
     assert [o["token_ids"] for o in spec.outputs] == plain_tokens
     assert plain_tokens == transformers_greedy(target_dir, prompts)
     assert spec.spec["drafts"] > 0 and spec.spec["accepted"] > 0, spec.spec
+
+
+def trained_block_drafter(target, steps: int = 80):
+    """A block drafter (blocks of 4: the root and three drafted positions) trained for `steps` AdamW steps on the
+    target's greedy continuations of random prompts."""
+    torch.manual_seed(0)
+    module = BlockModule(
+        target, DraftVocab.full(VOCAB), "tiny_llama", optimizer=lambda p: torch.optim.AdamW(p, lr=1e-2), block_size=4,
+        anchors=8,
+    )  # fmt: skip
+    fit(module, target, steps)
+    return module.drafter.eval()
+
+
+@pytest.mark.slow
+@needs_vllm
+def test_vllm_serves_our_dflash_export_with_plain_decodings_tokens_and_accepts_its_drafts(served, tmp_path):
+    """A block drafter exported in the layout vLLM loads for DFlash drafters (`format=dflash`), drafting its block's
+    three positions in vLLM: its plain decoding's tokens, which are transformers' greedy, and drafts accepted."""
+    target, _, target_dir, _ = served
+    drafter = trained_block_drafter(target)
+    export = export_drafter(drafter, tmp_path / "dflash", "dflash", target, "tiny_llama")
+    prompts = random_prompts(8, seed=123, min_len=4, max_len=12)
+    ids = [p[0].tolist() for p in prompts]
+    with VllmEngine(target_dir, tokenizer=False) as engine:
+        plain = engine.generate(ids, NEW_TOKENS, ignore_eos=True)
+    dflash = {"method": "dflash", "model": str(export), "num_speculative_tokens": 3}
+    with VllmEngine(target_dir, speculative=dflash, tokenizer=False) as engine:
+        spec = engine.generate(ids, NEW_TOKENS, ignore_eos=True)
+    plain_tokens = [o["token_ids"] for o in plain.outputs]
+    assert [o["token_ids"] for o in spec.outputs] == plain_tokens
+    assert plain_tokens == transformers_greedy(target_dir, prompts)
+    assert spec.spec["drafts"] > 0 and spec.spec["accepted"] > 0, spec.spec
+    # vLLM drafts what this framework drafts from the same block: its chain of 3 accepted position for position as
+    # ours (the bounds of the EAGLE-3 test above: vLLM may skip each prompt's last draft step)
+    steps, accepted, last = framework_chain_counts(target, drafter, prompts, 3)
+    drafts, theirs = spec.spec["drafts"], spec.spec["accepted_per_pos"]
+    assert steps - len(prompts) <= drafts <= steps, (drafts, steps)
+    assert all(a - n <= t <= a for t, a, n in zip(theirs, accepted, last, strict=True)), (theirs, accepted, last)
 
 
 @pytest.mark.slow

@@ -9,6 +9,10 @@ Tensors (h: the drafter's width, h_t: the target's, n: feature layers, N: draft 
     mask_embedding [h]     the learned mask embedding (a target without a mask token), else absent
     d2t [N] int64          target id = i + d2t[i], where the draft vocabulary is not the target's whole
 
+With a learned mask embedding, format="dflash" also writes it as `mask_embedding.pt` ({"mask_token_id", "embedding"}):
+vLLM reads the embedding from that file only, and drops a `mask_embedding` tensor of the weights file (then its
+drafts fill the block with `mask_token_id`'s own embedding and are rarely accepted, lossless but slow).
+
 `config.json` is a Qwen3 config of the drafter's layers (`architectures: ["DFlashDraftModel"]`) with `dflash_config`:
 `target_layer_ids` (layer outputs: each feature layer's `hidden_states` index minus one), `block_size`,
 `mask_token_id` (with a learned mask embedding, a token id the mask positions are filled with, whose embedding the
@@ -41,6 +45,7 @@ from medusa_like.targets import target_fingerprint, weights_identity
 
 FORMATS = ("native", "dflash")
 WEIGHTS = "model.safetensors"
+MASK_EMBEDDING = "mask_embedding.pt"  # where vLLM reads a DFlash drafter's own mask embedding
 ARCHITECTURE = "DFlashDraftModel"
 _LAYER_FIELDS = (
     "hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim", "rms_norm_eps",
@@ -132,6 +137,9 @@ def write_block(
         WEIGHTS: lambda path: save_file(tensors, str(path), metadata={"format": "pt"}),
         "config.json": lambda path: path.write_text(json.dumps(config, indent=2) + "\n"),
     }
+    if fmt == "dflash" and "mask_embedding" in tensors:
+        mask = {"mask_token_id": config["dflash_config"]["mask_token_id"], "embedding": tensors["mask_embedding"]}
+        files[MASK_EMBEDDING] = lambda path: torch.save(mask, path)
     return write_export(out_dir, files, {"drafter": BLOCK.name, "format": fmt}, overwrite)
 
 
@@ -141,6 +149,8 @@ def read_block(directory: str | Path, target) -> tuple[BlockDrafter, dict]:
     config = read_config(directory)
     file = directory / WEIGHTS
     tensors = read_safetensors(file)
+    if "mask_embedding" not in tensors and (directory / MASK_EMBEDDING).is_file():
+        tensors["mask_embedding"] = _mask_embedding_file(directory / MASK_EMBEDDING, config)
     ours = config.get("medusa_like") or {}
     if ours.get("config"):
         try:
@@ -172,6 +182,25 @@ def read_block(directory: str | Path, target) -> tuple[BlockDrafter, dict]:
     _load(drafter, tensors, file)
     meta = {"format": "native" if ours else "dflash", "target": ours.get("target")}
     return drafter.eval(), meta
+
+
+def _mask_embedding_file(path: Path, config: dict) -> torch.Tensor:
+    """The mask embedding [h] of a DFlash directory's `mask_embedding.pt` (a tensor, or {"mask_token_id",
+    "embedding"} for the config's mask token)."""
+    try:
+        state = torch.load(path, weights_only=True)
+    except Exception as err:  # torch raises several types for a truncated or foreign file
+        raise FormatError(f"{path} is not a mask embedding torch can read: {err}") from err
+    if isinstance(state, dict):
+        expected = (config.get("dflash_config") or {}).get("mask_token_id")
+        if state.get("mask_token_id", expected) != expected:
+            raise FormatError(
+                f"{path} is the embedding of mask token {state.get('mask_token_id')}, the config's is {expected}"
+            )
+        state = state.get("embedding")
+    if not isinstance(state, torch.Tensor):
+        raise FormatError(f"{path} holds no mask embedding tensor")
+    return state.reshape(-1)
 
 
 def _config_from_engine(config: dict, tensors: dict, target, directory: Path) -> BlockConfig:
