@@ -2,8 +2,9 @@
 alone. Greedy rows equal transformers' own greedy on an untouched copy, and seeded sampled rows equal the prompt's own
 seeded batch-1 run, on every family and attention backend, with ragged prompts read in several prefill chunks and
 rows that stop early (EOS, a stop string, max_new_tokens) while the others go on; speculative batches equal greedy for
-every drafter kind and tree kind; every node of every row sees exactly its own path; the budget of a row that sizes
-its tree by a cost model counts the batch's nodes; the compiled step's buckets give each row its tokens; a batch that
+every drafter kind and tree kind; every node of every row sees exactly its own path, whether the forward pads the
+rows' trees or packs their real nodes; the budget of a row that sizes its tree by a cost model counts the batch's
+nodes, as the step computes them; the compiled step's buckets give each row its tokens; a batch that
 does not fit is refused before any work."""
 
 from functools import cache
@@ -110,14 +111,18 @@ def test_batched_speculative_decoding_equals_greedy_for_every_drafter_kind(kind,
     assert sum(sum(out.stats.accepted_draft) for out in outs) > 0, "only the all-rejected path was tested"
 
 
+@pytest.mark.parametrize("packed", [False, True], ids=["padded", "packed"])
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_every_node_of_every_row_sees_exactly_its_path(family, backend):
+def test_every_node_of_every_row_sees_exactly_its_path(family, backend, packed):
     """Three rows of other committed lengths (one longer than the window), each its own tree (a chain, a branching
-    tree, the root alone: padded), verified in one forward, then the accepted paths committed at each row's offset and
+    tree, the root alone), verified in one forward, then the accepted paths committed at each row's offset and
     a second step verified: every node's logits are those of its prompt, its row's committed path and its own path
-    through an untouched copy of the target."""
+    through an untouched copy of the target. Padded, the forward computes 3 x 6 nodes; packed (told each row's node
+    count), the 11 real ones alone."""
     target, untouched = tiny_target(family), untouched_target(family)
     step = EagerStep(target, backend)
+    computed = []
+    target.get_input_embeddings().register_forward_hook(lambda _, args, out: computed.append(args[0].shape))
     g = torch.Generator().manual_seed(7)
     prompts = [torch.randint(0, VOCAB, (n,), generator=g) for n in (14, 9, 3)]  # longest first: the cache's order
     trees = [[-1, 0, 1, 2], [-1, 0, 0, 1, 3, 2], [-1]]
@@ -132,7 +137,10 @@ def test_every_node_of_every_row_sees_exactly_its_path(family, backend):
             drafts = [
                 DraftTree.from_parents(torch.randint(0, VOCAB, (len(p),), generator=g), torch.tensor(p)) for p in trees
             ]
-            logits, _ = step.forward_batch(*tree_inputs(cache.lengths, drafts), cache)  # [3, T, V]
+            nodes = [d.num_nodes for d in drafts] if packed else None
+            computed.clear()
+            logits, _ = step.forward_batch(*tree_inputs(cache.lengths, drafts), cache, nodes=nodes)  # [3, T, V]
+            assert computed == [torch.Size([1, 11]) if packed else torch.Size([3, 6])]
             for row, draft in enumerate(drafts):
                 for node in range(draft.num_nodes):
                     path = draft.tokens[draft.attention_mask[node]].tolist()  # root to node
@@ -148,13 +156,19 @@ def test_a_rows_budget_counts_the_batchs_nodes():
     """Where a node costs 0.1 ms over 10, a row alone keeps all 12 candidates; in a batch of 8 whose other rows verify
     one node each, its nodes widen the whole batch's forward (8 rows each), so it keeps fewer. Where a node costs 1 ms,
     a row alone drops its least likely candidate; beside a row 13 nodes wide, nodes up to that width cost nothing
-    more, so it keeps them all."""
+    more, so it keeps them all. On a step that packs, a node costs one node of the batch's forward."""
     target = tiny_target("llama")
     scores = {(i,): 0.9**i for i in range(1, 13)}  # 12 candidates, each likelier than the next
     cheap, dear = flat_cost(target, per_node_ms=0.1), flat_cost(target, per_node_ms=1.0)
     narrow_batch, wide_batch = BatchShare(rows=7, widest=1, tokens=7.0), BatchShare(rows=7, widest=13, tokens=7.0)
     assert 0 < best_rate(scores, cheap, 0.0, shared=narrow_batch)[0] < best_rate(scores, cheap, 0.0)[0] == 12
     assert best_rate(scores, dear, 0.0)[0] == 11 < best_rate(scores, dear, 0.0, shared=wide_batch)[0] == 12
+    # a step that packs computes the real nodes alone: a row's node costs one node of the batch's forward, so where
+    # a node is cheap the row keeps all its candidates, as alone; where it is dear, each must pay at the batch's
+    # rate (8 rows' tokens per ms), higher than the row's alone
+    packed = BatchShare(rows=7, widest=1, tokens=7.0, nodes=7, packed=True)
+    assert best_rate(scores, cheap, 0.0, shared=packed)[0] == 12
+    assert 0 < best_rate(scores, dear, 0.0, shared=packed)[0] < 11
 
 
 def test_each_finished_row_is_remembered_once():

@@ -10,7 +10,9 @@ layers (Mistral, Qwen2, Gemma) pass `sliding_window`, and the window is applied 
 A batch (`batch.py`) passes instead the whole visibility, a [B, 1, T, S] boolean mask over the S live keys
 (`batch_inputs.py`): each row's committed slots, then its nodes in the slots after them, where the rows' committed
 lengths differ. Its last dimension is the keys' count, which tells it from a tree mask (the two agree where S = T).
-The positions the window needs follow from it (`mask_positions`).
+The positions the window needs follow from it (`mask_positions`). A packed batch forward (`packed_rows`) computes
+only the rows' real nodes, [1, N] of them side by side: a backend is handed their queries back in their rows,
+[B, H, T, D], and its output is packed again, so the backends see one contract.
 
 Backends:
     eager  dense float math, returns the log-sum-exp too; the reference for the others
@@ -24,6 +26,7 @@ A backend that needs a machine's own kernel is added by the room that owns the k
 `rows` backend of `medusa_like.forward`, a row-invariant attention for bf16 CPU targets); this module never names one.
 """
 
+import contextvars
 import importlib.util
 from contextlib import contextmanager
 
@@ -300,13 +303,45 @@ def _flash_row(query, key, value, block, scaling, sliding_window, softcap):
 
 
 _FUNCTIONS = {}
+# a packed batch forward's nodes (`packed_rows`): each packed node's row [N] and its column in that row [N], the rows'
+# widest tree T; None: the queries are [B, H, T, D] as the backends take them
+_PACKED: contextvars.ContextVar = contextvars.ContextVar("medusa_like_packed", default=None)
 
 
 def register_backend(name: str, function) -> None:
     """Make `function` (transformers' attention-function signature, this module's mask contract) the backend `name`,
     for `pick_backend`, `tree_attention` and `EagerStep`."""
     _FUNCTIONS[name] = function
-    AttentionInterface.register(f"medusa_like_{name}", function)
+    AttentionInterface.register(f"medusa_like_{name}", _unpacking(function))
+
+
+def _unpacking(function):
+    """`function`, also for a packed forward's queries [1, H, N, D]: placed in their rows and columns [B, H, T, D]
+    (padding queries zero: they see only their own slot, and their outputs are dropped), attended by `function`
+    over the rows' keys [B, H_kv, S, D] and mask [B, 1, T, S], packed again -> [1, N, H, D]."""
+
+    def attend(module, query, key, value, attention_mask, *args, **kwargs):
+        packed = _PACKED.get()
+        if packed is None:
+            return function(module, query, key, value, attention_mask, *args, **kwargs)
+        rows, columns, width = packed
+        placed = query.new_zeros(key.shape[0], query.shape[1], width, query.shape[3])  # [B, H, T, D]
+        placed[rows, :, columns] = query[0].transpose(0, 1)  # [N, H, D] at (row, column)
+        out, weights = function(module, placed, key, value, attention_mask, *args, **kwargs)  # [B, T, H, D]
+        return out[rows, columns][None], weights  # [1, N, H, D]
+
+    return attend
+
+
+@contextmanager
+def packed_rows(rows: torch.Tensor, columns: torch.Tensor, width: int):
+    """For the block, the target's forward is a packed batch: its N new tokens are node `columns[n]` of row
+    `rows[n]`, trees of up to `width` nodes (`kv_cache.BatchTreeKVCache.pack` writes their entries)."""
+    token = _PACKED.set((rows, columns, width))
+    try:
+        yield
+    finally:
+        _PACKED.reset(token)
 
 
 for _name, _fn in {"eager": eager_tree_attention, "sdpa": sdpa_tree_attention, "flash": flash_tree_attention}.items():

@@ -11,6 +11,7 @@ Then one step:
     verify      one target forward over every row's nodes, padded to the widest row (`batch_inputs.py`):
                 per-row positions, a [B, 1, T, S] mask: a row sees its committed prefix and its own
                 tree's ancestors, nothing of another row; padding nodes see only themselves  -> logits [B, T, V]
+                (a step that packs computes the real nodes alone: `step.TargetStep.packs`)
     accept      each row its own path (`generate.accept_greedy`), its tokens picked by its own noise
     commit      each row's accepted nodes' KV to its own committed slots (one gather and scatter per layer)
     finish      a row that stopped (EOS, a stop string, max_new_tokens) leaves the batch: its cache row is
@@ -24,7 +25,8 @@ attention are row-invariant (the compiled CPU step; the eager one on the `rows` 
 its row count), a row's decode steps get exactly its batch-1 bits.
 
 Rows that size their trees by a cost model (lookup, combined) are told what the other rows verify in the same forward
-(`tree.in_batch`, `cost_model.BatchShare`): the other rows' widest tree and expected tokens, from their last step.
+(`tree.in_batch`, `cost_model.BatchShare`): the other rows' widest tree, their nodes and their expected tokens, from
+their last step, and whether the step packs the rows' nodes or pads them to the widest.
 """
 
 import time
@@ -97,11 +99,12 @@ def decode_batch(
             if live:
                 cache.keep(kept)
             continue
-        drafts = propose(proposers, rows, live, tree, widths, gains)
+        drafts = propose(proposers, rows, live, tree, widths, gains, step.packs)
         step_start = time.perf_counter()
         ids, positions, mask = tree_inputs(cache.lengths, drafts)  # [B, T], [B, T], [B, 1, T, S]
         cache.check_room(ids.shape[1])
-        logits, features = step.forward_batch(ids, positions, mask, cache, layers)  # [B, T, V], [B, T, F]
+        nodes = [draft.num_nodes for draft in drafts]
+        logits, features = step.forward_batch(ids, positions, mask, cache, layers, nodes=nodes)  # [B, T, V], [B, T, F]
         accepted = []
         for i, (b, draft) in enumerate(zip(live, drafts, strict=True)):
             predictions = rows[b].pick(logits[i, : draft.num_nodes], draft.depth, draft.max_depth)  # [n_b]
@@ -118,16 +121,19 @@ def decode_batch(
     return [row.output() for row in rows]
 
 
-def propose(proposers: list, rows: list[Row], live: list[int], tree, widths: list[int], gains: list[float]) -> list:
+def propose(
+    proposers: list, rows: list[Row], live: list[int], tree, widths: list[int], gains: list[float], packed: bool
+) -> list:
     """Each live row's tree from its own proposer, a budgeted one told what the other rows verify beside it (their
-    widest tree and their tokens, as of their last step)."""
+    widest tree, their nodes and their tokens, as of their last step; `packed`: whether the step computes their
+    nodes alone or pads them to the widest)."""
     drafts: list[DraftTree] = []
-    total = sum(gains[b] for b in live)
+    total, nodes = sum(gains[b] for b in live), sum(widths[b] for b in live)
     ranked = sorted(live, key=lambda b: -widths[b])[:2]  # the widest rows: the widest among the others of any row
     for b in live:
         start = time.perf_counter()
         widest = next((widths[o] for o in ranked if o != b), 1)
-        share = BatchShare(len(live) - 1, widest, total - gains[b])
+        share = BatchShare(len(live) - 1, widest, total - gains[b], nodes - widths[b], packed)
         drafts.append(proposers[b].propose(in_batch(tree, share)))
         rows[b].stats.draft_seconds += time.perf_counter() - start
     return drafts

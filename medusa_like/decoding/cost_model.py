@@ -132,21 +132,26 @@ class CostModel:
 @dataclass(frozen=True)
 class BatchShare:
     """What the other rows of a batch put into the same verification forward, for a row that sizes its tree by a cost
-    model (`drafters/budget.py`): `rows` other rows, the widest of their trees (`widest` nodes, root included) and the
-    tokens they are expected to commit (`tokens`, the bonus included).
+    model (`drafters/budget.py`): `rows` other rows, the widest of their trees (`widest` nodes, root included), all
+    their nodes (`nodes`), and the tokens they are expected to commit (`tokens`, the bonus included).
 
-    A cost model measures a forward over n nodes of one row. A batch's forward computes every row padded to its widest
-    row (`decoding/batch_inputs.py`), so its products run over rows x widest nodes, and it is priced as a one-row
-    forward over that many: a row's extra node costs nothing while it stays within the widest tree, and the batch's
-    whole step when it widens it. The step's tokens are the whole batch's, so a row's tree is chosen for the batch's
-    tokens per ms, not its own."""
+    A cost model measures a forward over n nodes of one row, and a batch's forward is priced as a one-row forward
+    over the nodes it computes. A step that packs (`step.TargetStep.packs`: the eager one) computes the rows' real
+    nodes alone, so a row's extra node costs one more node of the batch's forward. A step that pads every row to the
+    widest (the compiled one) computes rows x widest nodes: a row's extra node costs nothing while it stays within the
+    widest tree, and the batch's whole step when it widens it. The step's tokens are the whole batch's, so a row's tree
+    is chosen for the batch's tokens per ms, not its own."""
 
     rows: int
     widest: int
     tokens: float
+    nodes: int = 0  # the other rows' nodes, roots included (0: `rows` roots)
+    packed: bool = False
 
     def verify(self, cost: CostModel, num_nodes: int) -> float:
         """Milliseconds of the batch's forward when this row verifies `num_nodes` nodes."""
+        if self.packed:
+            return cost.verify(max(self.nodes, self.rows) + num_nodes)
         return cost.verify((self.rows + 1) * max(self.widest, num_nodes))
 
 

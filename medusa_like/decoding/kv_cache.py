@@ -11,6 +11,8 @@ a forward's entries written at each row's own offset, each row's accepted nodes 
 scatter per layer for the whole batch (`commit_slots`), and finished rows dropped (`keep`).
 """
 
+from contextlib import contextmanager
+
 import torch
 from torch.nn.utils.rnn import pad_sequence
 from transformers.cache_utils import Cache, CacheLayerMixin
@@ -171,6 +173,11 @@ class BatchCacheLayer(CacheLayerMixin):
         keys/values [R, H_kv, S, D], S = the longest row's committed entries + T."""
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
+        if self.owner.packed is not None:  # a packed forward's N nodes [1, H_kv, N, D], each at its (row, slot)
+            index, slots, rows, live = self.owner.packed  # [N], [N], R, S
+            self.keys[index, :, slots] = key_states[0].transpose(0, 1)  # [N, H_kv, D]
+            self.values[index, :, slots] = value_states[0].transpose(0, 1)
+            return self.keys[:rows, :, :live], self.values[:rows, :, :live]
         rows, new = key_states.shape[0], key_states.shape[2]
         slots, live = self.owner.slots(rows, new, key_states.device)  # [R, T], S
         index = torch.arange(rows, device=slots.device)[:, None]  # [R, 1]
@@ -215,6 +222,7 @@ class BatchTreeKVCache(Cache):
         self.rows, self.capacity = rows, capacity
         self.lengths = [0] * rows  # committed tokens per row
         self._slots: dict = {}  # (rows, new tokens) -> (write slots [R, T], live length): until the next commit
+        self.packed = None  # during a packed forward (`pack`): its nodes' rows and slots [N], its rows R, its S
 
     @classmethod
     def for_model(cls, model, rows: int, capacity: int) -> "BatchTreeKVCache":
@@ -227,6 +235,19 @@ class BatchTreeKVCache(Cache):
             lengths = torch.tensor(self.lengths[:rows], device=device)
             self._slots[key] = write_slots(lengths, new_tokens), max(self.lengths[:rows]) + new_tokens
         return self._slots[key]
+
+    @contextmanager
+    def pack(self, rows: torch.Tensor, columns: torch.Tensor, width: int):
+        """For the block, a forward's new entries are packed [1, H_kv, N, D]: entry n is node `columns[n]` of row
+        `rows[n]`, written where that node sits in a padded forward of `width` nodes a row (slot lengths[row] +
+        column), so `commit` keeps what it keeps after either."""
+        lengths = torch.tensor(self.lengths, device=rows.device)
+        count = int(rows.max()) + 1
+        self.packed = rows, lengths[rows] + columns, count, max(self.lengths[:count]) + width
+        try:
+            yield
+        finally:
+            self.packed = None
 
     def check_room(self, new_tokens: int, rows: int | None = None) -> None:
         """Refuse, before anything is written, a forward of `new_tokens` per row that would not fit every row."""

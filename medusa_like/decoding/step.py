@@ -17,7 +17,11 @@ A batch of rows (`batch.py`) goes through the same step, its own cache and one f
     cache.commit(nodes)                             # each row's accepted nodes
 
 `input_ids`, `position_ids` [B, T] cover the cache's first B rows; `mask` [B, 1, T, S] is the whole visibility over
-the live slots (`batch_inputs.py`); `last` [B] (a prefill chunk) asks for the logits of one node per row only.
+the live slots (`batch_inputs.py`); `last` [B] (a prefill chunk) asks for the logits of one node per row only;
+`nodes` (a tree step) says how many of each row's T nodes are real, the rest padding. A step that `packs` computes
+only the real ones: the eager step runs its forward over the N real nodes side by side, [1, N], and only attention
+places them back in their rows (`attention.packed_rows`), so a step's products cost N rows, not B x T, and a row's
+extra node costs one row of the forward rather than one for every row of the batch (`cost_model.BatchShare`).
 
 `EagerStep` is the reference: what the loop runs unless the caller hands it another step. Where a target runs faster
 on this machine (CPU kernels, a compiled step) is `medusa_like.forward`'s business: it builds its own steps behind
@@ -29,7 +33,7 @@ from transformers import PreTrainedModel
 
 from medusa_like.targets import cache_keyword, output_logits
 
-from .attention import tree_attention
+from .attention import packed_rows, tree_attention
 from .kv_cache import BatchTreeKVCache, TreeKVCache
 
 
@@ -37,6 +41,7 @@ class TargetStep:
     """What the loop needs of a target's forward. Subclasses keep the contract of `EagerStep`."""
 
     target: PreTrainedModel
+    packs = False  # whether `forward_batch` computes only the real nodes of a padded tree step (`nodes`)
 
     def new_cache(self, capacity: int):
         """A KV cache for one sequence (`kv_cache.TreeKVCache`'s interface) with room for `capacity` tokens."""
@@ -52,10 +57,11 @@ class TargetStep:
         """A KV cache for `rows` sequences (`kv_cache.BatchTreeKVCache`'s interface), `capacity` tokens each."""
         raise NotImplementedError
 
-    def forward_batch(self, input_ids, position_ids, mask, cache, feature_layers=None, last=None):
+    def forward_batch(self, input_ids, position_ids, mask, cache, feature_layers=None, last=None, nodes=None):
         """New tokens [B, T] of the cache's first B rows through the target, each row's KV written after its own
-        committed entries, under `mask` [B, 1, T, S]. Returns (logits [B, T, V], or [B, V] at the nodes `last` [B];
-        drafter features [B, T, F], as `forward`'s)."""
+        committed entries, under `mask` [B, 1, T, S]; `nodes` [B] (a list of ints, or None: all T), each row's real
+        nodes, its first nodes[b]. Returns (logits [B, T, V], or [B, V] at the nodes `last` [B]; drafter features
+        [B, T, F], as `forward`'s): what a padding node gets is unspecified."""
         raise NotImplementedError
 
     def describe(self) -> str:
@@ -66,6 +72,8 @@ class TargetStep:
 class EagerStep(TargetStep):
     """The target's own forward, called eagerly with a `TreeKVCache` and a tree mask, its attention through
     `backend` (`attention.py`: eager, sdpa or flash)."""
+
+    packs = True
 
     def __init__(self, target: PreTrainedModel, backend: str = "sdpa"):
         self.target, self.backend = target, backend
@@ -81,11 +89,28 @@ class EagerStep(TargetStep):
         hidden, features = hidden[0], features[0]  # [T, H], [T, F]
         return output_logits(self.target, hidden[-1:] if last else hidden), features  # [T or 1, V], [T, F]
 
-    def forward_batch(self, input_ids, position_ids, mask, cache, feature_layers=None, last=None):
+    def forward_batch(self, input_ids, position_ids, mask, cache, feature_layers=None, last=None, nodes=None):
+        rows, width = input_ids.shape
+        if nodes is not None and last is None and min(nodes) < width:
+            return self._packed(input_ids, position_ids, mask, cache, feature_layers, nodes)
         hidden, features = self._run(input_ids, position_ids, mask, cache, feature_layers)  # [B, T, H], [B, T, F]
         if last is not None:
             hidden = hidden[torch.arange(hidden.shape[0], device=hidden.device), last]  # [B, H]
         return output_logits(self.target, hidden), features  # [B, T or -, V], [B, T, F]
+
+    def _packed(self, input_ids, position_ids, mask, cache, feature_layers, nodes):
+        """`forward_batch` over the real nodes alone, packed [1, N], their logits and features placed back in their
+        rows [B, T, ...] (a padding node's left unset)."""
+        rows, width = input_ids.shape
+        counts = torch.tensor(nodes, device=input_ids.device)  # [B]
+        real = torch.arange(width, device=input_ids.device)[None] < counts[:, None]  # [B, T]
+        row, column = real.nonzero(as_tuple=True)  # [N] each: row by row, in node order
+        with packed_rows(row, column, width), cache.pack(row, column, width):
+            hidden, features = self._run(input_ids[real][None], position_ids[real][None], mask, cache, feature_layers)
+        logits = output_logits(self.target, hidden[0])  # [N, V]
+        placed = logits.new_empty(rows, width, logits.shape[-1]), features.new_empty(rows, width, features.shape[-1])
+        placed[0][row, column], placed[1][row, column] = logits, features[0]
+        return placed  # [B, T, V], [B, T, F]
 
     def _run(self, input_ids, position_ids, mask, cache, feature_layers):
         """The target's public forward -> (the last hidden state [B, T, H], the features [B, T, F])."""

@@ -189,9 +189,10 @@ class MergedTreeProposer:
 
     def _a_node_can_pay(self, spec: TreeSpec, lookup_ms: float) -> bool:
         """Whether, in a batch (`spec.shared`), one node sure to be accepted would raise the batch's expected tokens
-        per ms, its drafting included: where it would not, no draft of the learned drafter can, and it is not run. A
-        row's first extra node widens every row's tree, which at 8 rows and more on a CPU rarely pays (docs/results.md,
-        "Batched decoding"); alone, a sure node always pays, and nothing is asked."""
+        per ms, its drafting included: where it would not, no draft of the learned drafter can, and it is not run. On
+        a step that pads the rows' trees, a row's first extra node widens every row's tree, which at 8 rows and more on
+        a CPU rarely pays (docs/results.md, "Batched decoding"); alone, a sure node always pays, and nothing is
+        asked."""
         draft_ms = lookup_ms + (self.state.learned_ms or 0.0)
         count, _ = best_rate({(0,): 1.0}, self.cost, draft_ms, spec.num_nodes, spec.shared)
         return count > 0
