@@ -3,6 +3,7 @@ row checked equal to its prompt's batch-1 greedy output.
 
     python -m eval.bench batch                                                 # greedy and lookup, B = 1 .. 64
     python -m eval.bench batch --batch-sizes 1,8,32 --max-new-tokens 64 --compile true
+    python -m eval.bench batch --batch-sizes 1,8 --compile false --pack false    # trees padded to the widest row
     python -m eval.bench batch --drafter runs/make_run/train/drafter --methods greedy,lookup,combined \\
         --profile runs/make_run/profile.json --out bench_batch.json
 
@@ -101,6 +102,7 @@ def run(
     profile: Annotated[Path | None, "this machine's profile of the target (the tree search's profile.json)"] = None,
     tree: Annotated[str, "the tree lookup and combined decode with (a preset or a tree file)"] = "dynamic",
     backend: str = "auto",
+    pack: Annotated[Literal["true", "false"], "the eager step packs the rows' nodes (false: pads them)"] = "true",
     threads: int | None = None,
     out: str = "bench_batch.json",
 ) -> Report:
@@ -113,6 +115,7 @@ def run(
     threads = use_threads(threads)
     switch = {"auto": "auto", "true": True, "false": False}[compile]
     lookup = MedusaLikeModel.from_pretrained(target, drafter="lookup", backend=backend, compile=switch, profile=profile)
+    lookup.forward.eager.packs = pack == "true"  # the padded forward, as before packing, for comparison
     models = {"greedy": (lookup, "none")}
     if "lookup" in methods:
         models["lookup"] = (lookup, tree)
@@ -133,6 +136,7 @@ def run(
         "target": target,
         "drafter": drafter,
         "step": lookup.forward.describe(),
+        "packed": pack == "true",
         "threads": threads,
         "max_new_tokens": max_new_tokens,
         "rounds": rounds,

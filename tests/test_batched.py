@@ -18,6 +18,8 @@ from medusa_like.decoding.cost_model import BatchShare
 from medusa_like.decoding.draft_tree import DraftTree
 from medusa_like.decoding.kv_cache import CacheOverflowError
 from medusa_like.decoding.step import EagerStep
+from medusa_like.decoding.tree import budgeted, in_batch
+from medusa_like.decoding.tree_files import resolve_tree
 from medusa_like.drafters.budget import best_rate
 from medusa_like.drafters.lookup import LookupDrafter
 from medusa_like.drafters.protocol import sized_by_cost_model
@@ -169,6 +171,23 @@ def test_a_rows_budget_counts_the_batchs_nodes():
     packed = BatchShare(rows=7, widest=1, tokens=7.0, nodes=7, packed=True)
     assert best_rate(scores, cheap, 0.0, shared=packed)[0] == 12
     assert 0 < best_rate(scores, dear, 0.0, shared=packed)[0] < 11
+
+
+def test_a_rows_learned_drafter_runs_in_a_batch_only_where_its_time_pays():
+    """In a batch of 8 on a packed step (verifying a node costs 0.2 ms over 10), a combined row runs its learned
+    drafter where that drafter's time would be paid back by one sure node at the batch's rate: a drafter of 0.5 ms
+    is run, one of 5 ms (half a step, while every row waits) is not, though a sure node alone would raise the
+    batch's tokens."""
+    target = tiny_target("llama")
+    drafter = fresh_drafter("combined", target)
+    proposer = drafter.proposer(target)
+    proposer.cost = flat_cost(target, per_node_ms=0.2)
+    spec = in_batch(budgeted(resolve_tree("dynamic")), BatchShare(rows=7, widest=1, tokens=7.0, nodes=7, packed=True))
+    proposer.state.learned_ms = 0.5
+    assert proposer._a_node_can_pay(spec, lookup_ms=0.1)
+    proposer.state.learned_ms = 5.0
+    assert not proposer._a_node_can_pay(spec, lookup_ms=0.1)
+    assert best_rate({(0,): 1.0}, proposer.cost, 0.1, shared=spec.shared)[0] == 1
 
 
 def test_each_finished_row_is_remembered_once():

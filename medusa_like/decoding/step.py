@@ -91,7 +91,7 @@ class EagerStep(TargetStep):
 
     def forward_batch(self, input_ids, position_ids, mask, cache, feature_layers=None, last=None, nodes=None):
         rows, width = input_ids.shape
-        if nodes is not None and last is None and min(nodes) < width:
+        if self.packs and nodes is not None and last is None and min(nodes) < width:
             return self._packed(input_ids, position_ids, mask, cache, feature_layers, nodes)
         hidden, features = self._run(input_ids, position_ids, mask, cache, feature_layers)  # [B, T, H], [B, T, F]
         if last is not None:

@@ -188,14 +188,15 @@ class MergedTreeProposer:
             self._add(candidates, path, bit, learned_key(probability, len(path)), probability)
 
     def _a_node_can_pay(self, spec: TreeSpec, lookup_ms: float) -> bool:
-        """Whether, in a batch (`spec.shared`), one node sure to be accepted would raise the batch's expected tokens
-        per ms, its drafting included: where it would not, no draft of the learned drafter can, and it is not run. On
-        a step that pads the rows' trees, a row's first extra node widens every row's tree, which at 8 rows and more on
-        a CPU rarely pays (docs/results.md, "Batched decoding"); alone, a sure node always pays, and nothing is
-        asked."""
-        draft_ms = lookup_ms + (self.state.learned_ms or 0.0)
-        count, _ = best_rate({(0,): 1.0}, self.cost, draft_ms, spec.num_nodes, spec.shared)
-        return count > 0
+        """Whether, in a batch (`spec.shared`), running the learned drafter for one node sure to be accepted would
+        raise the batch's expected tokens per ms over not running it: the drafter's time counts on its side only, the
+        batch's forward priced as the step computes it. Where it would not, no draft of the learned drafter can, and
+        it is not run: at 8 rows and more on a CPU the batch's rate is high, and a row's drafting stalls every row
+        (docs/results.md, "Batched decoding"). Alone, a sure node always pays, and nothing is asked."""
+        learned_ms = self.state.learned_ms or 0.0
+        _, without = best_rate({}, self.cost, lookup_ms, spec.num_nodes, spec.shared)
+        _, with_it = best_rate({(0,): 1.0}, self.cost, lookup_ms + learned_ms, spec.num_nodes, spec.shared)
+        return with_it > without
 
     def _learned_pays(self, certainty: int) -> bool:
         """Run the learned drafter where steps that ran it, when lookup was as sure of its best guess, gave more
