@@ -237,12 +237,11 @@ class BatchTreeKVCache(Cache):
         return self._slots[key]
 
     @contextmanager
-    def pack(self, rows: torch.Tensor, columns: torch.Tensor, width: int):
-        """For the block, a forward's new entries are packed [1, H_kv, N, D]: entry n is node `columns[n]` of row
-        `rows[n]`, written where that node sits in a padded forward of `width` nodes a row (slot lengths[row] +
-        column), so `commit` keeps what it keeps after either."""
-        lengths = torch.tensor(self.lengths, device=rows.device)
-        count = int(rows.max()) + 1
+    def pack(self, rows: torch.Tensor, columns: torch.Tensor, width: int, count: int):
+        """For the block, a forward over the first `count` rows has its new entries packed [1, H_kv, N, D]: entry n
+        is node `columns[n]` of row `rows[n]`, written where that node sits in a padded forward of `width` nodes a
+        row (slot lengths[row] + column), so `commit` keeps what it keeps after either."""
+        lengths = torch.tensor(self.lengths[:count], device=rows.device)
         self.packed = rows, lengths[rows] + columns, count, max(self.lengths[:count]) + width
         try:
             yield

@@ -90,8 +90,7 @@ class EagerStep(TargetStep):
         return output_logits(self.target, hidden[-1:] if last else hidden), features  # [T or 1, V], [T, F]
 
     def forward_batch(self, input_ids, position_ids, mask, cache, feature_layers=None, last=None, nodes=None):
-        rows, width = input_ids.shape
-        if self.packs and nodes is not None and last is None and min(nodes) < width:
+        if self.packs and nodes is not None and last is None and min(nodes) < input_ids.shape[1]:
             return self._packed(input_ids, position_ids, mask, cache, feature_layers, nodes)
         hidden, features = self._run(input_ids, position_ids, mask, cache, feature_layers)  # [B, T, H], [B, T, F]
         if last is not None:
@@ -105,12 +104,13 @@ class EagerStep(TargetStep):
         counts = torch.tensor(nodes, device=input_ids.device)  # [B]
         real = torch.arange(width, device=input_ids.device)[None] < counts[:, None]  # [B, T]
         row, column = real.nonzero(as_tuple=True)  # [N] each: row by row, in node order
-        with packed_rows(row, column, width), cache.pack(row, column, width):
+        with packed_rows(row, column, width), cache.pack(row, column, width, rows):
             hidden, features = self._run(input_ids[real][None], position_ids[real][None], mask, cache, feature_layers)
         logits = output_logits(self.target, hidden[0])  # [N, V]
-        placed = logits.new_empty(rows, width, logits.shape[-1]), features.new_empty(rows, width, features.shape[-1])
-        placed[0][row, column], placed[1][row, column] = logits, features[0]
-        return placed  # [B, T, V], [B, T, F]
+        row_logits = logits.new_empty(rows, width, logits.shape[-1])  # [B, T, V]
+        row_features = features.new_empty(rows, width, features.shape[-1])  # [B, T, F]
+        row_logits[row, column], row_features[row, column] = logits, features[0]
+        return row_logits, row_features
 
     def _run(self, input_ids, position_ids, mask, cache, feature_layers):
         """The target's public forward -> (the last hidden state [B, T, H], the features [B, T, F])."""
