@@ -186,15 +186,12 @@ class CompiledStep(TargetStep):
         cache.write(new)
         return logits[0, :real], _features(hidden, states, layers)[0, :real]
 
-    def forward_batch(
-        self, input_ids, position_ids, mask, cache: StaticBatchCache, feature_layers=None, last=None, nodes=None
-    ):
-        """`TargetStep.forward_batch`: a step of R rows runs the graph of its bucket (`bucket`: B >= R rows, padding
-        rows after the real ones, each padding node seeing only its own slot), one node per row by a graph of one
-        node per row, trees by one of T nodes; a prefill chunk, a larger forward, or a batch beyond the largest
-        bucket runs the same function eagerly. Each row attends by the row-invariant kernel over its own slots, so a
-        row's step computes the bits of its batch-1 step (`forward`) where the products are row-invariant. Every row's
-        T nodes are computed (`nodes` is not used: the graphs are compiled for rows of one width, `packs` False)."""
+    def forward_batch(self, input_ids, position_ids, mask, cache, feature_layers=None, last=None, nodes=None):
+        """`TargetStep.forward_batch` over a `StaticBatchCache`: R rows run the graph of their bucket (`bucket`: B >= R
+        rows, padding rows after the real ones, each padding node seeing only its own slot), of one node a row or of T
+        (padding nodes computed too: `nodes` unused); a prefill chunk, a larger forward or a batch past the largest
+        bucket runs eagerly. Each row attends by the row-invariant kernel over its own slots, so a row's step computes
+        the bits of its batch-1 step (`forward`) where the products are row-invariant."""
         rows, real = input_ids.shape
         cache.check_room(real, rows)
         layers = None if feature_layers is None else tuple(feature_layers)
