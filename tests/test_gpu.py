@@ -1,10 +1,13 @@
-"""The CUDA paths: decoding with both drafters on the GPU (fp32 and bf16 targets, static and dynamic trees) and a bf16
-training run of each drafter. Skipped without CUDA (CI never has a GPU).
+"""The CUDA paths: decoding with every drafter kind on the GPU (fp32 and bf16 targets, static and dynamic trees),
+on the eager step and on the compiled one (Inductor with CUDA graphs), and a bf16 training run of each trainable
+drafter. Skipped without CUDA (CI never has a GPU); the decoding tests' bodies take the device as an argument, and
+tests/test_compiled.py runs the same checks on the CPU's compiled step.
 
-What is asserted is what holds: in fp32 the output equals the target's greedy output token for token; in bf16 it
-equals it, or differs first where the target's own logits put the two tokens within a few bf16 steps of each other
-(a near-tie: the tree's forward over several nodes and greedy's over one round differently, so it can flip; a bug
-would give a wide margin)."""
+What is asserted is what holds: in fp32 the output equals transformers' greedy output on an untouched copy of the
+target, token for token; in bf16 it equals it, or differs first where the untouched target's own logits put the two
+tokens within a few bf16 steps of each other (a near-tie: the tree's forward over several nodes and greedy's over one
+round differently, so it can flip; a bug gives a wide margin). Every drafter's drafts must be accepted somewhere, so
+that the accepting paths, not only the all-rejected one, are what is compared."""
 
 import json
 import math
@@ -13,19 +16,26 @@ import pytest
 import torch
 
 from medusa_like.decoding.tree import DynamicTreeSpec
-from medusa_like.drafters.eagle3 import Eagle3Config, Eagle3Drafter
+from medusa_like.drafters.combined import CombinedDrafter
+from medusa_like.drafters.eagle3 import EAGLE3
+from medusa_like.drafters.lookup import LookupDrafter
+from medusa_like.forward import prepare_target
+from medusa_like.forward.compiled import CompiledStep
 from medusa_like.model import MedusaLikeModel
 
-from .conftest import assert_greedy_or_near_tie, random_heads, random_prompts, tiny_target, untouched_target
+from .conftest import (
+    assert_greedy_or_near_tie,
+    greedy_reference,
+    random_heads,
+    random_prompts,
+    tiny_target,
+    untouched_target,
+)
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
 
-def cuda_greedy(target, prompt, n: int) -> list[int]:
-    out = target.generate(
-        prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=n, min_new_tokens=n, do_sample=False
-    )
-    return out[0, prompt.shape[1] :].tolist()
+NEW_TOKENS = 20
 
 
 @pytest.fixture
@@ -35,28 +45,60 @@ def true_fp32(monkeypatch):
     monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", False)
 
 
-def eagle3_drafter(target, seed: int = 0) -> Eagle3Drafter:
-    torch.manual_seed(seed)
-    drafter = Eagle3Drafter(Eagle3Config.for_target(target.config, target.config.vocab_size))
-    for p in drafter.parameters():
-        torch.nn.init.normal_(p, std=0.3)
-    return drafter
+def drafters_on(target) -> list:
+    """(drafter, tree) runs whose drafts a tiny target accepts: random Medusa heads, an EAGLE-3 drafter started from
+    the target's last layer and head (often right: accepted paths of several nodes), lookup, and the combined tree."""
+    eagle3 = EAGLE3.fresh(target)
+    eagle3.init_layer_from_target(target, target.config.num_hidden_layers - 1)
+    eagle3.init_from_target(target)
+    heads = random_heads()
+    return [
+        (heads, "small"),
+        (heads, "chain"),
+        (eagle3, DynamicTreeSpec(4, 3, 10)),
+        (LookupDrafter(), "dynamic"),
+        (CombinedDrafter(eagle3, LookupDrafter()), "dynamic"),
+    ]
+
+
+def assert_lossless_and_accepted(prepared, family: str, dtype: torch.dtype, device: str) -> None:
+    """Every run of `drafters_on` decodes 6 random prompts to transformers' greedy tokens of an untouched copy (up to
+    near-ties in bf16), on `prepared`'s step, each drafter with drafts accepted."""
+    untouched = untouched_target(family, dtype=dtype).to(device)
+    prompts = [p.to(device) for p in random_prompts(6, seed=3)]
+    references = [greedy_reference(untouched, p, NEW_TOKENS).tolist() for p in prompts]
+    runs = drafters_on(prepared.target)
+    accepted = {drafter.kind: 0 for drafter, _ in runs}
+    for drafter, tree in runs:
+        model = MedusaLikeModel(prepared, None, drafter)
+        for prompt, reference in zip(prompts, references, strict=True):
+            out = model.generate(prompt, max_new_tokens=NEW_TOKENS, tree=tree, eos_token_id=[], remember=False)
+            assert_greedy_or_near_tie(untouched, prompt, out.new_tokens.tolist(), reference)
+            accepted[drafter.kind] += sum(out.stats.accepted_draft)
+    assert all(accepted.values()), f"drafts accepted per drafter: {accepted} (0: only the all-rejected path tested)"
+
+
+def eager_lossless(family: str, dtype: torch.dtype, device: str) -> None:
+    target = tiny_target(family).to(device, dtype)
+    assert_lossless_and_accepted(prepare_target(target, backend="sdpa"), family, dtype, device)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("family", ["llama", "qwen2", "gemma3"])
-@pytest.mark.parametrize("kind", ["medusa", "eagle3"])
-def test_lossless_on_cuda(family, kind, dtype, true_fp32):
-    target = tiny_target(family).to("cuda", dtype)
-    drafter = random_heads() if kind == "medusa" else eagle3_drafter(target)
-    model = MedusaLikeModel(target, None, drafter, backend="sdpa")
-    untouched = untouched_target(family, dtype=dtype).to("cuda")
-    for prompt in random_prompts(6, seed=3):
-        prompt = prompt.cuda()
-        expected = cuda_greedy(untouched, prompt, 20)
-        for tree in ("small", DynamicTreeSpec(4, 3, 10)):
-            out = model.generate(prompt, max_new_tokens=20, tree=tree, eos_token_id=[])
-            assert_greedy_or_near_tie(untouched, prompt, out.new_tokens.tolist(), expected)
+def test_every_drafter_is_lossless_on_cuda_with_drafts_accepted(family, dtype, true_fp32):
+    eager_lossless(family, dtype, "cuda")
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma3"])
+def test_the_compiled_cuda_step_with_cuda_graphs_is_lossless_with_drafts_accepted(family, true_fp32):
+    """The compiled step on CUDA (Inductor, CUDA graphs: `forward/platform.py`) compiles, replays its graphs with
+    every tree width the drafters ask for, and stays lossless; a failed compile would fall back to eager for good
+    (equal tokens, nothing tested), so the step must still be the compiled one at the end."""
+    target = tiny_target(family).to("cuda")
+    prepared = prepare_target(target, tuned_layers=False, compile=True)
+    assert isinstance(prepared.step, CompiledStep) and "CUDA graphs" in prepared.step.label
+    assert_lossless_and_accepted(prepared, family, torch.float32, "cuda")
+    assert prepared.step.failed is None and prepared.step is prepared.compiled
 
 
 @pytest.mark.parametrize("drafter", ["medusa", "eagle3"])
