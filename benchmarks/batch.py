@@ -4,13 +4,16 @@ row checked equal to its prompt's batch-1 greedy output.
     python -m eval.bench batch                                                 # greedy and lookup, B = 1 .. 64
     python -m eval.bench batch --batch-sizes 1,8,32 --max-new-tokens 64 --compile true
     python -m eval.bench batch --batch-sizes 1,8 --compile false --pack false    # trees padded to the widest row
+    python -m eval.bench batch --batch-sizes 1,8 --prompts 32                    # 32 prompts, 8 rows at a time
     python -m eval.bench batch --drafter runs/make_run/train/drafter --methods greedy,lookup,combined \\
         --profile runs/make_run/profile.json --out bench_batch.json
 
 Methods, all on one prepared target (the same step, kernels and compiled code): `greedy` (this project's loop, no
 drafter: `tree="none"`), `lookup` (lookup alone, its budgeted tree priced by the batch's nodes) and `combined` (the
 learned drafter at `--drafter` and lookup in one tree). For each batch size B, every method decodes the first B
-prompts (`prompts`: chat prompts on distinct topics) as one batch, timed by the evaluation's harness
+prompts (`prompts`: chat prompts on distinct topics) as one batch, or with `--prompts` N > B the first N prompts, B
+rows at a time, each finished row's place taken by the next prompt (continuous batching), timed by the evaluation's
+harness
 (`evaluation.timing.run_batch_interleaved`: methods in rotated order per round, after a warm-up at B and each smaller
 power of two, the sizes a batch passes through as its rows finish, so that a compiled step's buckets are compiled
 before timing). Tokens/s in total: every row's new tokens over the batch's wall seconds (median over rounds); per
@@ -48,25 +51,29 @@ def prompts(model: MedusaLikeModel, count: int) -> list[torch.Tensor]:
     """`count` distinct chat prompts (topics x ways of asking, in that order) as token ids [1, T]."""
     texts = [ask.format(topic) for ask in ASKS for topic in TOPICS]
     if count > len(texts):
-        raise ValueError(f"batch size {count}: this benchmark has {len(texts)} distinct prompts")
+        raise ValueError(f"{count} prompts asked for: this benchmark has {len(texts)} distinct prompts")
     return [model.chat_ids([{"role": "user", "content": text}]) for text in texts[:count]]
 
 
-def batch_speed(models: dict, batch_sizes: list[int], max_new_tokens: int, rounds: int = 1) -> tuple[list, list]:
+def batch_speed(
+    models: dict, batch_sizes: list[int], max_new_tokens: int, rounds: int = 1, count: int | None = None
+) -> tuple[list, list]:
     """`models`: {method: (MedusaLikeModel, tree)}, "greedy" among them -> (one row per method and batch size:
-    tokens/s in total and per row, tau, rows equal to batch-1 greedy; notes naming each row that was not)."""
+    tokens/s in total and per row, tau, rows equal to batch-1 greedy; notes naming each row that was not). Each batch
+    size B decodes max(B, `count`) prompts, B rows at a time."""
     greedy, _ = models["greedy"]
     eos = greedy.eos_token_ids()
-    ids = prompts(greedy, max(batch_sizes))
+    ids = prompts(greedy, max(max(batch_sizes), count or 0))
     reference = [
         greedy.generate(p, max_new_tokens, tree="none", eos_token_id=eos, remember=False).new_tokens.tolist()
         for p in ids
     ]
-    runners = {name: loop_runner(model, tree, eos) for name, (model, tree) in models.items()}
     rows, notes = [], []
     for size in batch_sizes:
+        runners = {name: loop_runner(model, tree, eos, size) for name, (model, tree) in models.items()}
+        asked = ids[: max(size, count or 0)]
         warm_up(runners, ids[0], max_new_tokens, size)
-        timed = [run_batch_interleaved(runners, ids[:size], max_new_tokens, rotation) for rotation in range(rounds)]
+        timed = [run_batch_interleaved(runners, asked, max_new_tokens, rotation) for rotation in range(rounds)]
         for name in runners:
             last = [prompt[name] for prompt in timed[-1]]
             differing = [i for i, result in enumerate(last) if result["tokens"] != reference[i]]
@@ -77,10 +84,11 @@ def batch_speed(models: dict, batch_sizes: list[int], max_new_tokens: int, round
                 {
                     "method": name,
                     "batch_size": size,
+                    "prompts": len(asked),
                     "tokens_per_second": statistics.median(rnd[0][name]["batch"]["tps"] for rnd in timed),
                     "tokens_per_second_per_row": statistics.median(r["tps"] for r in last),
                     "tau": tokens / max(forwards, 1),
-                    "equal_rows": size - len(differing),
+                    "equal_rows": len(asked) - len(differing),
                 }
             )
     base = {r["batch_size"]: r["tokens_per_second"] for r in rows if r["method"] == "greedy"}
@@ -103,6 +111,7 @@ def run(
     tree: Annotated[str, "the tree lookup and combined decode with (a preset or a tree file)"] = "dynamic",
     backend: str = "auto",
     pack: Annotated[Literal["true", "false"], "the eager step packs the rows' nodes (false: pads them)"] = "true",
+    prompts: Annotated[int | None, "prompts each batch size B decodes, B rows at a time (None: B, one batch)"] = None,
     threads: int | None = None,
     out: str = "bench_batch.json",
 ) -> Report:
@@ -122,11 +131,11 @@ def run(
     if "combined" in methods:
         learned = resolve_drafter("combined", lookup.target, learned=drafter)
         models["combined"] = (MedusaLikeModel(lookup.forward, lookup.tokenizer, learned), tree)
-    rows, notes = batch_speed(models, sorted(set(batch_sizes)), max_new_tokens, rounds)
+    rows, notes = batch_speed(models, sorted(set(batch_sizes)), max_new_tokens, rounds, prompts)
     cells = [
         [r["method"], str(r["batch_size"]), f"{r['tokens_per_second']:.1f}", f"{r['tokens_per_second_per_row']:.1f}",
          f"{r['vs_greedy_batch_1']:.2f}x", f"{r['vs_greedy_same_batch']:.2f}x", f"{r['tau']:.2f}",
-         f"{r['equal_rows']}/{r['batch_size']}"]
+         f"{r['equal_rows']}/{r['prompts']}"]
         for r in rows
     ]  # fmt: skip
     columns = ["method", "batch", "tokens/s total", "tokens/s per row", "vs greedy B=1", "vs greedy same B", "tau"]
@@ -140,6 +149,7 @@ def run(
         "threads": threads,
         "max_new_tokens": max_new_tokens,
         "rounds": rounds,
+        "prompts": prompts,
         "rows": rows,
         "not_equal": notes,
     }

@@ -44,15 +44,9 @@ def first_turn_prompts(tokenizer, count: int, gen: generation.GenerationConfig) 
 
 
 def generate_all(generator, prompts, gen, eos, batch_size: int, seed: int = 0) -> tuple[list[list[int]], float]:
-    """Every prompt's answer by `generator`, `batch_size` prompts a call; (answers, wall seconds)."""
-
-    def every_batch() -> list[list[int]]:
-        outputs = []
-        for start in range(0, len(prompts), batch_size):
-            outputs += generator(prompts[start : start + batch_size], gen, eos, seed + start)
-        return outputs
-
-    ms, outputs = timed(every_batch)
+    """Every prompt's answer by `generator`, in one call, at most `batch_size` prompts decoding at once; (answers,
+    wall seconds)."""
+    ms, outputs = timed(lambda: generator(prompts, gen, eos, seed, batch_size))
     return outputs, ms / 1000
 
 
@@ -80,7 +74,7 @@ def run(
     *,
     prompts: int = 64,
     max_new_tokens: int = 128,
-    batch_size: Annotated[int, "transformers' and our loop's prompts per call"] = 32,
+    batch_size: Annotated[int, "transformers' prompts a batch, our loop's rows at once"] = 32,
     temperature: float = 0.3,
     engines: tuple[str, ...] = ("transformers", "medusa_like"),
     dtype: Literal["float32", "bfloat16"] = "float32",

@@ -204,6 +204,7 @@ class MedusaLikeModel:
         max_cache_len: int | None = None,
         remember: bool = True,
         prefill_chunk_size: int = PREFILL_CHUNK_SIZE,
+        batch_size: int | None = None,
     ) -> GenerateOutput | list[GenerateOutput]:
         """Speculative decoding, lossless: at temperature 0 the output equals the target's own greedy decoding token
         for token; above it, tokens are drawn from exactly the target's (temperature, top_k, top_p) distribution.
@@ -211,6 +212,8 @@ class MedusaLikeModel:
         `input_ids`: the prompt, [1, T] or [T], a tensor or a list of ints; or a batch, a list of prompts (each a
         tensor [T] or [1, T] or a list of ints, of any lengths), decoded at once: one `GenerateOutput` per prompt, in
         order, each with its own stats and finish reason, each the one that prompt gets alone (decoding/batch.py).
+        `batch_size`: at most this many of a batch's prompts decode at once (None: all); the others wait, in order,
+        and take the place of a row that finished (continuous batching: a KV cache of `batch_size` rows).
         `tree`: a preset ('dynamic' for EAGLE-2's dynamic tree, 'chain', 'small', 'medusa', 'none' for plain
         decoding), a `DynamicTreeSpec` or a dict of its fields, a list of rank paths, a tree file (JSON from the tree
         search) or a spec. `eos_token_id`: an id or a list of ids (None: the target's). `stop_strings`: a string or a
@@ -246,6 +249,7 @@ class MedusaLikeModel:
         if batch and streamer is not None:
             raise ValueError("a streamer follows one sequence: decode a batch without one (or its prompts one by one)")
         check_integer("prefill_chunk_size", prefill_chunk_size, 1)
+        check_integer("batch_size", batch_size, 1, optional=True)
         vocab = self.target.config.get_text_config().vocab_size
         eos = self.eos_token_ids() if eos_token_id is None else token_ids("eos_token_id", eos_token_id, vocab)
         stop = StopChecker(eos, () if stop_strings is None else stop_strings, self.tokenizer)
@@ -273,6 +277,7 @@ class MedusaLikeModel:
                     [stop] * len(prompts),
                     generators=generators,
                     prefill_chunk_size=prefill_chunk_size,
+                    batch_size=batch_size,
                     **sampling,
                 )
             else:

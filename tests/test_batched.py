@@ -4,8 +4,9 @@ seeded batch-1 run, on every family and attention backend, with ragged prompts r
 rows that stop early (EOS, a stop string, max_new_tokens) while the others go on; speculative batches equal greedy for
 every drafter kind and tree kind; every node of every row sees exactly its own path, whether the forward pads the
 rows' trees or packs their real nodes; the budget of a row that sizes its tree by a cost model counts the batch's
-nodes, as the step computes them; the compiled step's buckets give each row its tokens; a batch that
-does not fit is refused before any work."""
+nodes, as the step computes them; at most `batch_size` rows decode at once, waiting prompts taking finished rows'
+places with the same tokens; the compiled step's buckets give each row its tokens; a batch that does not fit is
+refused before any work."""
 
 from functools import cache
 
@@ -96,21 +97,78 @@ def test_rows_stop_on_their_own_and_the_others_go_on(family, tree):
     assert outs[1].finish_reason == "stop_string"
 
 
+def rows_per_forward(model) -> list[int]:
+    """The rows of every batched target forward `model` runs from now on (its step's `forward_batch`, observed)."""
+    step, seen = model.forward.step, []
+    run = step.forward_batch
+
+    def counted(input_ids, *args, **kwargs):
+        seen.append(input_ids.shape[0])
+        return run(input_ids, *args, **kwargs)
+
+    step.forward_batch = counted
+    return seen
+
+
+@pytest.mark.parametrize("tree", ["none", "small"])
+def test_a_finished_rows_place_goes_to_the_next_waiting_prompt(family, tree):
+    """batch_size=2 over five prompts: never more than two rows in a forward; as rows stop (an EOS some rows' outputs
+    hold) the waiting prompts join in order, and every row, joined late or not, is transformers' greedy of its prompt
+    cut at its EOS; seeded sampled rows are their prompts' batch-1 draws."""
+    prompts, expected = references(family)
+    model = MedusaLikeModel(tiny_target(family), None, random_heads(), backend="sdpa")
+    eos = next(t for t in expected[0][3:] if any(t not in row for row in expected[1:]))
+    seen = rows_per_forward(model)
+    outs = model.generate(prompts, NEW_TOKENS, tree=tree, eos_token_id=eos, prefill_chunk_size=CHUNK, batch_size=2)
+    assert new_tokens(outs) == [r[: r.index(eos) + 1] if eos in r else r for r in expected]
+    assert max(seen) == 2 and seen.count(2) > len(seen) // 2  # the batch stayed full while prompts waited
+    seeds = [11, 12, 13, 14, 15]
+    alone = [
+        model.generate(p, NEW_TOKENS, tree=tree, eos_token_id=[], seed=seed, **WARP).new_tokens.tolist()
+        for p, seed in zip(prompts, seeds, strict=True)
+    ]
+    sampled = model.generate(prompts, NEW_TOKENS, tree=tree, eos_token_id=[], seed=seeds, batch_size=3, **WARP)
+    assert new_tokens(sampled) == alone
+
+
+def test_a_joining_rows_cache_is_appended_with_its_own_lengths():
+    """`extend` puts the joining cache's rows after the batch's, each with its entries and committed length, and
+    refuses a cache of another capacity."""
+    from medusa_like.decoding.kv_cache import BatchTreeKVCache
+
+    target = tiny_target("llama")
+    step, prompts = EagerStep(target, "sdpa"), random_prompts(3, seed=2, min_len=3, max_len=9)
+    caches = [step.new_batch_cache(1, 32) for _ in prompts]
+    for part, prompt in zip(caches, prompts, strict=True):
+        prefill(step, part, [prompt[0]], None, CHUNK)
+    joined = caches[0].extend(caches[1]).extend(caches[2])
+    assert joined.rows == 3 and joined.lengths == [p.shape[1] for p in prompts]
+    for row, (part, prompt) in enumerate(zip(caches[1:], prompts[1:], strict=True), start=1):
+        length = prompt.shape[1]
+        assert torch.equal(joined.layers[0].keys[row, :, :length], part.layers[0].keys[0, :, :length])
+    with pytest.raises(ValueError, match="capacity 16 to one of 32"):
+        joined.extend(BatchTreeKVCache.for_model(target, 1, 16))
+
+
 @pytest.mark.parametrize("tree", ["small", "dynamic"])  # static rank paths, EAGLE-2's dynamic; budgeted for lookup
 @pytest.mark.parametrize("kind", sorted(all_kinds()))
 def test_batched_speculative_decoding_equals_greedy_for_every_drafter_kind(kind, tree):
     """Every registered kind's new drafter, each row proposing its own tree through its own proposer and one forward
     verifying them all: each row is transformers' greedy; drafts were accepted (lookup and combined adapt the tree to
-    a budgeted one, priced by the batch's nodes)."""
+    a budgeted one, priced by the batch's nodes). So it is with two rows at a time, the others joining as rows end."""
     prompts, expected = references("llama")
     target = tiny_target("llama")
     torch.manual_seed(0)  # a new drafter's random weights: the same whatever ran before
     model = MedusaLikeModel(target, None, fresh_drafter(kind, target))
     if sized_by_cost_model(model.drafter):
         model.drafter.use_cost_model(flat_cost(model.target, per_node_ms=0.2))
-    outs = model.generate(prompts, NEW_TOKENS, tree=tree, eos_token_id=[], remember=False, prefill_chunk_size=CHUNK)
-    assert new_tokens(outs) == expected
-    assert sum(sum(out.stats.accepted_draft) for out in outs) > 0, "only the all-rejected path was tested"
+    for batch_size in (None, 2):
+        outs = model.generate(
+            prompts, NEW_TOKENS, tree=tree, eos_token_id=[], remember=False, prefill_chunk_size=CHUNK,
+            batch_size=batch_size,
+        )  # fmt: skip
+        assert new_tokens(outs) == expected, batch_size
+        assert sum(sum(out.stats.accepted_draft) for out in outs) > 0, "only the all-rejected path was tested"
 
 
 @pytest.mark.parametrize("packed", [False, True], ids=["padded", "packed"])
@@ -223,6 +281,8 @@ def test_a_batch_that_does_not_fit_is_refused_before_any_work():
         model.generate(prompts, 4, tree="none", streamer=lambda tokens: None)
     with pytest.raises(ValueError, match="a list of 2 seeds for a batch of 5 prompts"):
         model.generate(prompts, 4, tree="none", seed=[1, 2], temperature=1.0)
+    with pytest.raises(ValueError, match="batch_size must be >= 1"):
+        model.generate(prompts, 4, tree="none", batch_size=0)
     with pytest.raises(TypeError, match="prompt 1 of the batch"):
         model.generate([prompts[0], "not ids"], 4, tree="none")
     assert forwards == []
@@ -253,6 +313,10 @@ def test_the_compiled_batched_step_gives_each_row_its_tokens():
     assert new_tokens(outs) == [expected[0][: expected[0].index(eos) + 1], *expected[1:]]
     outs = model.generate(rows, NEW_TOKENS, tree="small", eos_token_id=[])
     assert new_tokens(outs) == expected and sum(sum(out.stats.accepted_draft) for out in outs) > 0
+    # two rows at a time: the first row's EOS frees its place (bucket 2 -> 1), the next prompt joins (1 -> 2)
+    outs = model.generate(prompts, NEW_TOKENS, tree="none", eos_token_id=eos, batch_size=2)
+    cut = references("llama")[1]
+    assert new_tokens(outs) == [r[: r.index(eos) + 1] if eos in r else r for r in cut]
     assert prepared.step.failed is None and {(4, True), (2, True), (4, False)} <= set(prepared.step.graphs)
 
 
@@ -286,7 +350,8 @@ def test_an_evaluation_at_batch_size_two_decodes_each_turn_as_one_batch(tmp_path
 
 def test_the_batch_benchmark_times_each_method_at_each_size_and_checks_every_row():
     """benchmarks/batch.py on a tiny chat target: greedy and lookup at batch 1 and 3, every row equal to its batch-1
-    greedy output, speeds relative to greedy at the same size and at batch 1."""
+    greedy output, speeds relative to greedy at the same size and at batch 1; five prompts at each size, as many rows
+    at a time as the size, every row checked too."""
     from benchmarks import batch
     from medusa_like.tiny import tiny_chat_target
 
@@ -299,3 +364,5 @@ def test_the_batch_benchmark_times_each_method_at_each_size_and_checks_every_row
     assert all(r["tokens_per_second"] > 0 and r["tokens_per_second_per_row"] > 0 for r in rows)
     assert [r["vs_greedy_same_batch"] for r in rows if r["method"] == "greedy"] == [1.0, 1.0]
     assert rows[0]["vs_greedy_batch_1"] == 1.0
+    rows, notes = batch.batch_speed({"greedy": (model, "none"), "lookup": (model, "dynamic")}, [1, 3], 6, count=5)
+    assert notes == [] and [(r["prompts"], r["equal_rows"]) for r in rows] == [(5, 5)] * 4  # 3 rows at a time

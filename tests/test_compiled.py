@@ -310,6 +310,8 @@ def test_a_profile_measured_on_the_compiled_step_compiles_the_target_and_the_dra
     `compile` left to the profile, runs the compiled step, and its combined drafter drafts through the EAGLE-3 level
     compiled beside it; the output is greedy's. The tree argument only names the tree."""
     prepared, _ = compiled(compiled_targets, "llama")
+    prompt = random_prompts(1, seed=12, min_len=9, max_len=9)[0]
+    expected = greedy(prepared, prompt)  # runs the shared step, whatever ran before: its package is on disk
     # the fixture's options (no autotuning): the step's package on disk is loaded, not compiled again
     monkeypatch.setitem(forward_platform.CPU_OPTIONS, "max_autotune", False)
     target = tiny_target("llama")  # the compiled one's weights (a target is prepared once: another object)
@@ -324,11 +326,10 @@ def test_a_profile_measured_on_the_compiled_step_compiles_the_target_and_the_dra
     assert eager.compiled is None
     model = MedusaLikeModel(eager, None, CombinedDrafter(learned, LookupDrafter()), profile=path)
     assert eager.compiled is not None and eager.profile.path == str(path)
-    prompt = random_prompts(1, seed=12, min_len=9, max_len=9)[0]
     tree = BudgetedTreeSpec(DynamicTreeSpec(depth=2, top_k=2, num_nodes=3), num_nodes=6, lookup_depth=4)
     with caplog.at_level(logging.INFO):
         out = model.generate(prompt, max_new_tokens=NEW_TOKENS, tree=tree, eos_token_id=[], remember=False)
-    assert out.new_tokens.tolist() == greedy(prepared, prompt)
+    assert out.new_tokens.tolist() == expected
     assert eager.step is eager.compiled and eager.compiled.failed is None
     assert model.drafter.cost_model.verify_ms == pytest.approx(cost.verify_ms, abs=1e-3)  # the profile's
     assert isinstance(learned.level(), CompiledLevel) and learned.level().failed is None

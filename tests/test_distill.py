@@ -303,14 +303,15 @@ def loop_engine(model, tokenizer):
 
 
 def test_the_loops_greedy_answers_are_transformers_greedy_of_each_prompt_alone():
-    """Greedy answers from the batched loop, ragged prompts in one batch, rows stopping at EOS at different steps:
-    each equals transformers' `generate` on that prompt alone, on the same target built again (untouched)."""
+    """Greedy answers from the batched loop, ragged prompts two rows at a time (the next prompt taking a finished
+    row's place), rows stopping at EOS at different steps: each equals transformers' `generate` on that prompt alone,
+    on the same target built again (untouched)."""
     model, tokenizer = chatty_target(eos_logit=0.5)  # greedy then stops after 5, 9, 10 tokens or at the length
     texts = [f"Question {i}: {'name a colour, ' * i}please." for i in range(5)]
     prompts = [tokenizer(masks.render(tokenizer, [{"role": "user", "content": t}], True))["input_ids"] for t in texts]
     greedy = generation.GenerationConfig(**{**GEN.__dict__, "temperature": 0.0, "max_new_tokens": 12})
     eos = [tokenizer.eos_token_id]
-    ours = loop_engine(model, tokenizer)(prompts, greedy, eos, seed=0)
+    ours = loop_engine(model, tokenizer)(prompts, greedy, eos, seed=0, batch_size=2)
     untouched, _ = chatty_target(eos_logit=0.5)
     for prompt, row in zip(prompts, ours, strict=True):
         with torch.no_grad():
@@ -323,32 +324,34 @@ def test_the_loops_greedy_answers_are_transformers_greedy_of_each_prompt_alone()
 
 @pytest.mark.slow
 def test_the_loops_answers_resume_after_a_kill_and_do_not_depend_on_the_batch_size(tmp_path, target):
-    """Sampled answers from the batched loop: a build killed inside chunk 1 and resumed holds exactly the rows of an
-    uninterrupted one (none lost, none twice), and so does a build at another batch size (each prompt samples from
-    its own seed); a directory built by transformers' engine is refused for this one."""
+    """Sampled answers from the batched loop, every turn of two-turn conversations: a build killed inside chunk 1
+    (its first turn answered) and resumed holds exactly the rows of an uninterrupted one (none lost, none twice), and
+    so does a build at another batch size (each prompt samples from its own seed); a directory built by transformers'
+    engine is refused for this one."""
     model, tokenizer = target
-    convs = conversations(12)
+    convs = conversations(12, turns=2)
+    gen = generation.GenerationConfig(**{**GEN.__dict__, "turns": "all"})
     engine = loop_engine(model, tokenizer)
     kwargs = dict(chunk_size=4, progress=False, engine="medusa_like")
-    generation.run(model, tokenizer, convs, tmp_path / "whole", GEN, batch_size=2, generator=engine, **kwargs)
+    generation.run(model, tokenizer, convs, tmp_path / "whole", gen, batch_size=2, generator=engine, **kwargs)
 
     calls = {"n": 0}
 
-    def killed_at_the_third_call(*args):
+    def killed_at_the_fourth_call(*args):
         calls["n"] += 1
-        if calls["n"] == 3:  # the first batch of chunk 1
+        if calls["n"] == 4:  # chunk 1's second turn: a call a turn
             raise KeyboardInterrupt
         return engine(*args)
 
     with pytest.raises(KeyboardInterrupt):
-        run_args = (model, tokenizer, convs, tmp_path / "resumed", GEN)
-        generation.run(*run_args, batch_size=2, generator=killed_at_the_third_call, **kwargs)
+        run_args = (model, tokenizer, convs, tmp_path / "resumed", gen)
+        generation.run(*run_args, batch_size=2, generator=killed_at_the_fourth_call, **kwargs)
     assert sorted(p.name for p in (tmp_path / "resumed" / "chunks").iterdir()) == ["chunk-00000"]
-    generation.run(*run_args, batch_size=2, generator=killed_at_the_third_call, **kwargs)
-    assert calls["n"] == 7  # chunks 1 and 2 only, two batches each
+    generation.run(*run_args, batch_size=2, generator=killed_at_the_fourth_call, **kwargs)
+    assert calls["n"] == 8  # chunks 1 and 2 only, two turns each
     whole = storage.load_distilled(tmp_path / "whole").to_list()
     assert storage.load_distilled(tmp_path / "resumed").to_list() == whole
-    generation.run(model, tokenizer, convs, tmp_path / "wider", GEN, batch_size=4, generator=engine, **kwargs)
+    generation.run(model, tokenizer, convs, tmp_path / "wider", gen, batch_size=4, generator=engine, **kwargs)
     assert storage.load_distilled(tmp_path / "wider").to_list() == whole
 
     generation.run(model, tokenizer, convs[:4], tmp_path / "hf", GEN, chunk_size=4, progress=False)

@@ -65,8 +65,9 @@ def select_conversations(source: str, num_conversations: int | None, tokenizer, 
     return selected
 
 
-# An engine: (prompt ids, sampling settings, EOS ids, seed) -> the new token ids of each prompt
-Generator = Callable[[list[list[int]], GenerationConfig, list[int], int], list[list[int]]]
+# An engine: (prompt ids, sampling settings, EOS ids, seed, batch size) -> the new token ids of each prompt; prompt i
+# samples from seed + i where the engine seeds per prompt, and at most `batch size` prompts decode at once
+Generator = Callable[[list[list[int]], GenerationConfig, list[int], int, int], list[list[int]]]
 ENGINES = ("transformers", "medusa_like", "vllm")
 
 
@@ -133,20 +134,18 @@ def distil_chunk(
             else:
                 prompts.append((len(ids), text, s))
         prompts.sort(key=lambda p: p[0])  # similar lengths per batch: less padding
-        for b in range(0, len(prompts), batch_size):
-            batch = prompts[b : b + batch_size]
-            ids = [tokenizer(text, add_special_tokens=False)["input_ids"] for _, text, _ in batch]
-            seed = chunk_seed + turn * _TURN_SEEDS + b  # per batch, so a resumed chunk samples what it did
-            answers = _answers(generator(ids, gen, eos_ids, seed), tokenizer, eos_ids)
-            for (_, _, s), (text, finished, n_tokens) in zip(batch, answers, strict=True):
-                s["messages"] += [{"role": "user", "content": s["users"][turn]}, {"role": "assistant", "content": text}]
-                s["finished"].append(finished)
-                generated += n_tokens
-                if not finished:  # a cut-off answer is no history to continue from
-                    _stop(s, turn + 1, gen, bar)
-            if bar is not None:
-                bar.update(len(batch))
-                bar.set_postfix(tok_s=f"{generated / (time.perf_counter() - started):.0f}", chunk=chunk_index)
+        ids = [tokenizer(text, add_special_tokens=False)["input_ids"] for _, text, _ in prompts]
+        seed = chunk_seed + turn * _TURN_SEEDS  # per turn, so a resumed chunk samples what it did
+        answers = _answers(generator(ids, gen, eos_ids, seed, batch_size), tokenizer, eos_ids)
+        for (_, _, s), (text, finished, n_tokens) in zip(prompts, answers, strict=True):
+            s["messages"] += [{"role": "user", "content": s["users"][turn]}, {"role": "assistant", "content": text}]
+            s["finished"].append(finished)
+            generated += n_tokens
+            if not finished:  # a cut-off answer is no history to continue from
+                _stop(s, turn + 1, gen, bar)
+        if bar is not None:
+            bar.update(len(prompts))
+            bar.set_postfix(tok_s=f"{generated / (time.perf_counter() - started):.0f}", chunk=chunk_index)
     rows = []
     for s in states:
         if s["finished"]:
@@ -158,9 +157,17 @@ def distil_chunk(
 
 
 def transformers_generator(model, tokenizer) -> Generator:
-    """transformers' `generate` on `model`, a batch of left-padded prompts at a time (its RNG seeded per chunk)."""
+    """transformers' `generate` on `model`, `batch_size` left-padded prompts at a time, each batch until its longest
+    answer ends (its RNG seeded per chunk)."""
 
-    def generate(prompt_ids: list[list[int]], gen: GenerationConfig, eos_ids: list[int], seed: int) -> list[list[int]]:
+    def generate(prompt_ids: list[list[int]], gen: GenerationConfig, eos_ids: list[int], seed: int, batch_size: int):
+        return [
+            row
+            for b in range(0, len(prompt_ids), batch_size)
+            for row in batch(prompt_ids[b : b + batch_size], gen, eos_ids)
+        ]
+
+    def batch(prompt_ids: list[list[int]], gen: GenerationConfig, eos_ids: list[int]) -> list[list[int]]:
         pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos_ids[0]
         enc = tokenizer.pad({"input_ids": prompt_ids}, padding=True, padding_side="left", return_tensors="pt")
         sampling = {"do_sample": False}
@@ -181,16 +188,16 @@ def transformers_generator(model, tokenizer) -> Generator:
 
 
 def loop_generator(model) -> Generator:
-    """This project's batched loop (`model`: a `MedusaLikeModel` on the target) answering a batch at once, plain
-    decoding (`tree="none"`); prompt i of a call samples from seed + i, as under vLLM. A row's tokens are the ones its
-    prompt gets decoded alone with that seed (docs/decoding.md, "Batched decoding"), so a chunk's answers do not
-    depend on the batch size."""
+    """This project's batched loop (`model`: a `MedusaLikeModel` on the target), plain decoding (`tree="none"`),
+    `batch_size` rows at a time, a finished row's place taken by the next prompt (continuous batching); prompt i of a
+    call samples from seed + i, as under vLLM. A row's tokens are the ones its prompt gets decoded alone with that
+    seed (docs/decoding.md, "Batched decoding"), so a chunk's answers do not depend on the batch size."""
 
-    def generate(prompt_ids: list[list[int]], gen: GenerationConfig, eos_ids: list[int], seed: int) -> list[list[int]]:
+    def generate(prompt_ids: list[list[int]], gen: GenerationConfig, eos_ids: list[int], seed: int, batch_size: int):
         outs = model.generate(
             [torch.tensor(ids) for ids in prompt_ids], gen.max_new_tokens, tree="none", temperature=gen.temperature,
             top_k=gen.top_k, top_p=gen.top_p, seed=[seed + i for i in range(len(prompt_ids))], eos_token_id=eos_ids,
-            remember=False,
+            remember=False, batch_size=batch_size,
         )  # fmt: skip
         return [out.new_tokens.tolist() for out in outs]
 
@@ -198,10 +205,10 @@ def loop_generator(model) -> Generator:
 
 
 def vllm_generator(engine) -> Generator:
-    """vLLM (an `engines.vllm.driver.VllmEngine` on the same target) answering a batch at once; prompt i of a call
-    samples from seed + i."""
+    """vLLM (an `engines.vllm.driver.VllmEngine` on the same target) given every prompt of a call at once, batched by
+    its own scheduler (`batch_size` unused); prompt i of a call samples from seed + i."""
 
-    def generate(prompt_ids: list[list[int]], gen: GenerationConfig, eos_ids: list[int], seed: int) -> list[list[int]]:
+    def generate(prompt_ids: list[list[int]], gen: GenerationConfig, eos_ids: list[int], seed: int, batch_size: int):
         out = engine.generate(
             prompt_ids, gen.max_new_tokens, temperature=gen.temperature, top_p=gen.top_p, top_k=gen.top_k,
             stop_token_ids=eos_ids, seed=seed,
@@ -243,7 +250,7 @@ def _num_turns(conv: dict, gen: GenerationConfig) -> int:
     return len(user_turns(conv)[1]) if gen.turns == "all" else 1
 
 
-_TURN_SEEDS = 1 << 20  # seeds per turn of a chunk: batch offsets stay below it
+_TURN_SEEDS = 1 << 20  # seeds per turn of a chunk: prompt offsets stay below it
 
 
 def _chunk_seed(seed: int, chunk_index: int) -> int:

@@ -1,7 +1,12 @@
 """Batched decoding: B prompts at once, one target forward per step for all of them, each row decoded exactly as it
 would be alone (`generate.decode`).
 
-    outputs = decode_batch(step, proposers, prompts, tree, max_new_tokens, capacity, stops, sampling, generators)
+    outputs = decode_batch(step, proposers, prompts, tree, max_new_tokens, capacity, stops, sampling, generators,
+                           batch_size=8)
+
+At most `batch_size` rows decode at once (continuous batching): the other prompts wait, in order, and a finished row's
+place goes to the next of them, read in a prefill of its own and appended to the batch's cache (`cache.extend`), so
+the batch stays full while prompts wait instead of lasting as long as its slowest row.
 
 Prefill reads the prompts in chunks of at most `prefill_chunk_size` tokens per forward, right-padded and masked; the
 cache's rows are ordered by prompt length, longest first, so a chunk covers only the rows still reading their prompt.
@@ -15,7 +20,7 @@ Then one step:
     accept      each row its own path (`generate.accept_greedy`), its tokens picked by its own noise
     commit      each row's accepted nodes' KV to its own committed slots (one gather and scatter per layer)
     finish      a row that stopped (EOS, a stop string, max_new_tokens) leaves the batch: its cache row is
-                dropped, the other rows go on as before
+                dropped, the other rows go on as before, and waiting prompts join (`admit`)
 
 A row's tokens equal its batch-1 tokens because nothing of another row reaches it: its attention sees its own slots
 only, its positions are its own, its acceptance and sampling noise (`Row`, a generator per row) are its own. What can
@@ -58,47 +63,43 @@ def decode_batch(
     top_p: float = 1.0,
     generators: list[torch.Generator | None] | None = None,
     prefill_chunk_size: int = PREFILL_CHUNK_SIZE,
+    batch_size: int | None = None,
 ) -> list[GenerateOutput]:
-    """Decode `prompts` ([1, T_b] each) at once, row b with `proposers[b]`, `stops[b]` and `generators[b]`, on
-    arguments `checks.check_batch` accepted (`capacity`: its answer); one `GenerateOutput` per prompt, in order."""
+    """Decode `prompts` ([1, T_b] each), row b with `proposers[b]`, `stops[b]` and `generators[b]`, on arguments
+    `checks.check_batch` accepted (`capacity`: its answer); one `GenerateOutput` per prompt, in order. At most
+    `batch_size` rows (None: every prompt) decode at once; the other prompts wait, in order, and are read into the
+    batch as rows finish (`admit`)."""
     count, device = len(prompts), prompts[0].device
     stops, generators = stops or [None] * count, generators or [None] * count
-    tree, layers, vocab = tree.to(device), proposers[0].feature_layers, vocab_size(step)
+    tree, layers = tree.to(device), proposers[0].feature_layers
+    noise = [None if temperature == 0 else PositionNoise(vocab_size(step), device, g) for g in generators]
     rows = [
-        Row(
-            prompt[0],
-            max_new_tokens,
-            stop,
-            (temperature, top_k, top_p),
-            None if temperature == 0 else PositionNoise(vocab, device, generator),
-        )
-        for prompt, stop, generator in zip(prompts, stops, generators, strict=True)
+        Row(prompt[0], max_new_tokens, stop, (temperature, top_k, top_p), row_noise)
+        for prompt, stop, row_noise in zip(prompts, stops, noise, strict=True)
     ]
-    order = sorted(range(count), key=lambda b: -prompts[b].shape[1])  # the cache's rows: longest prompt first
-    cache = step.new_batch_cache(count, capacity)
-
-    start = time.perf_counter()
-    logits, features = prefill(step, cache, [prompts[b][0] for b in order], layers, prefill_chunk_size)
-    zero = torch.zeros(1, dtype=torch.long, device=device)
-    for i, b in enumerate(order):
-        root = rows[b].pick(logits[i : i + 1], zero, 0)[0]
-        proposers[b].begin(prompts[b][0], features[i], root, capacity)
-        rows[b].start(root)
-    prefill_seconds = time.perf_counter() - start
-    for row in rows:
-        row.stats.prefill_seconds = prefill_seconds
-
-    start, live = time.perf_counter(), order  # live[i]: the row in the cache's row i
+    waiting, batch_size = list(range(count)), batch_size or count
+    cache, live = None, []  # live[i]: the row in the cache's row i
+    started = [0.0] * count  # when each row's decoding began (after its prefill)
     widths, gains = [1] * count, [1.0] * count  # each row's last tree (nodes) and tokens, for budgeted trees
-    while live:
+    while live or waiting:
         kept = [i for i, b in enumerate(live) if not rows[b].done]
         for b in set(live) - {live[i] for i in kept}:  # finished: the row leaves the batch
-            rows[b].stats.decode_seconds = time.perf_counter() - start
+            rows[b].stats.decode_seconds = time.perf_counter() - started[b]
         if len(kept) < len(live):
             live = [live[i] for i in kept]
             if live:
                 cache.keep(kept)
+            else:  # every row done: the next prompts start a cache of their own
+                cache = None
             continue
+        if waiting and len(live) < batch_size:  # free rows: the next prompts join the batch
+            joining, waiting = waiting[: batch_size - len(live)], waiting[batch_size - len(live) :]
+            joined, read = admit(step, proposers, rows, prompts, joining, capacity, layers, prefill_chunk_size)
+            cache = read if cache is None else cache.extend(read)
+            live += joined
+            for b in joined:
+                started[b] = time.perf_counter()
+            continue  # a row whose first token ends it leaves at once
         drafts = propose(proposers, rows, live, tree, widths, gains, step.packs)
         step_start = time.perf_counter()
         ids, positions, mask = tree_inputs(cache.lengths, drafts)  # [B, T], [B, T], [B, 1, T, S]
@@ -119,6 +120,33 @@ def decode_batch(
         for b in live:
             rows[b].stats.verify_seconds += verified
     return [row.output() for row in rows]
+
+
+def admit(
+    step: TargetStep,
+    proposers: list,
+    rows: list[Row],
+    prompts: list,
+    joining: list[int],
+    capacity: int,
+    layers,
+    chunk_size: int,
+) -> tuple[list[int], object]:
+    """Read the prompts of rows `joining` into a cache of their own (its rows ordered longest prompt first), pick
+    each row's first token and begin its proposer -> (the rows in that cache's order, the cache: the batch's cache
+    `extend`s by it)."""
+    order = sorted(joining, key=lambda b: -prompts[b].shape[1])
+    cache = step.new_batch_cache(len(order), capacity)
+    start = time.perf_counter()
+    logits, features = prefill(step, cache, [prompts[b][0] for b in order], layers, chunk_size)
+    zero = torch.zeros(1, dtype=torch.long, device=logits.device)
+    for i, b in enumerate(order):
+        root = rows[b].pick(logits[i : i + 1], zero, 0)[0]
+        proposers[b].begin(prompts[b][0], features[i], root, capacity)
+        rows[b].start(root)
+    for b in order:
+        rows[b].stats.prefill_seconds = time.perf_counter() - start
+    return order, cache
 
 
 def propose(

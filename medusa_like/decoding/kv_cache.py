@@ -196,6 +196,14 @@ class BatchCacheLayer(CacheLayerMixin):
         if self.is_initialized:
             self.keys, self.values = self.keys[rows], self.values[rows]
 
+    def extend(self, other: "BatchCacheLayer") -> None:
+        """Append `other`'s rows (a layer of the same capacity) after this layer's."""
+        if not self.is_initialized:
+            self.keys, self.values, self.dtype, self.device = other.keys, other.values, other.dtype, other.device
+            self.is_initialized = other.is_initialized
+        elif other.is_initialized:
+            self.keys, self.values = torch.cat([self.keys, other.keys]), torch.cat([self.values, other.values])
+
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         return max(self.owner.lengths) + query_length, 0
 
@@ -212,7 +220,7 @@ class BatchCacheLayer(CacheLayerMixin):
 class BatchTreeKVCache(Cache):
     """`TreeKVCache`'s contract for B sequences at once: per-row committed lengths, a forward's entries written at
     each row's own offset, per-row commits of the accepted nodes (one gather and one scatter per layer for the whole
-    batch), and `keep` to drop finished rows. A forward over R rows covers the cache's first R rows (a chunked
+    batch), `keep` to drop finished rows and `extend` to append joining ones. A forward over R rows covers the cache's first R rows (a chunked
     prefill orders rows by prompt length, longest first, so the rows still reading their prompt are a prefix)."""
 
     def __init__(self, num_layers: int, rows: int, capacity: int):
@@ -273,6 +281,17 @@ class BatchTreeKVCache(Cache):
             layer.keep(index)
         self.rows, self.lengths = len(rows), [self.lengths[r] for r in rows]
         self._slots.clear()
+
+    def extend(self, other: "BatchTreeKVCache") -> "BatchTreeKVCache":
+        """Append `other`'s rows (a cache of the same layers and capacity, its prompts read) after this cache's rows:
+        prompts that join a running batch. Returns this cache."""
+        if other.capacity != self.capacity or len(other.layers) != len(self.layers):
+            raise ValueError(f"cannot join a cache of capacity {other.capacity} to one of {self.capacity}")
+        for mine, theirs in zip(self.layers, other.layers, strict=True):
+            mine.extend(theirs)
+        self.rows, self.lengths = self.rows + other.rows, self.lengths + other.lengths
+        self._slots.clear()
+        return self
 
     def _device(self):
         return self.layers[0].device if self.layers[0].is_initialized else None

@@ -122,9 +122,10 @@ def hf_compiled_runner(target, eos: list[int], pad: int | None, bucket: int = 25
     return run
 
 
-def loop_runner(model, tree, eos: list[int]) -> Runner:
+def loop_runner(model, tree, eos: list[int], batch_size: int | None = None) -> Runner:
     """This project's decoding loop with `tree` (any spec `model.generate` takes; "none": no drafter); its `batch`
-    form decodes a batch of prompts at once (`timing.BatchRunner`: each row's seconds its own, prefill included)."""
+    form decodes a batch of prompts at once, at most `batch_size` rows at a time (None: all; `generate`'s), each
+    row's seconds its own, prefill included (`timing.BatchRunner`)."""
 
     def run(ids: torch.Tensor, max_new_tokens: int):
         # remember=False: the prompt loop hands each prompt's answer to the output store after every method ran it
@@ -132,7 +133,9 @@ def loop_runner(model, tree, eos: list[int]) -> Runner:
         return out.new_tokens.tolist(), out.stats.as_dict()
 
     def batch(prompts: list[torch.Tensor], max_new_tokens: int):
-        outs = model.generate(prompts, max_new_tokens=max_new_tokens, tree=tree, eos_token_id=eos, remember=False)
+        outs = model.generate(
+            prompts, max_new_tokens=max_new_tokens, tree=tree, eos_token_id=eos, remember=False, batch_size=batch_size
+        )
         return [
             (o.new_tokens.tolist(), o.stats.as_dict(), o.stats.prefill_seconds + o.stats.decode_seconds) for o in outs
         ]

@@ -114,7 +114,8 @@ def bucket(rows: int) -> int:
 class StaticBatchCache:
     """The batched loop's cache (`kv_cache.BatchTreeKVCache`'s interface) over one buffer [L, 2, B, H_kv, capacity,
     D] for a bucket of B rows (`bucket`): the batch's `rows` rows first, each with its own committed length, padding
-    rows after them. `keep` moves the kept rows to the front, into a smaller bucket's buffer where they fit one."""
+    rows after them. `keep` moves the kept rows to the front, into a smaller bucket's buffer where they fit one;
+    `extend` appends joining rows, into a larger bucket's where they need one."""
 
     def __init__(self, num_layers: int, heads: int, head_dim: int, rows: int, capacity: int, dtype, device):
         if capacity < 1 or rows < 1:
@@ -155,3 +156,17 @@ class StaticBatchCache:
             self.buffer = self._buffer(size)
         self.buffer[:, :, : len(rows)] = kept
         self.rows, self.lengths = len(rows), [self.lengths[r] for r in rows]
+
+    def extend(self, other: "StaticBatchCache") -> "StaticBatchCache":
+        """Append `other`'s rows (a cache of the same layout and capacity) after this cache's, in the bucket that
+        holds them all (`kv_cache.BatchTreeKVCache.extend`'s contract). Returns this cache."""
+        if other.capacity != self.capacity or other.layout != self.layout:
+            raise ValueError(f"cannot join a cache of capacity {other.capacity} to one of {self.capacity}")
+        rows = self.rows + other.rows
+        if bucket(rows) != self.buffer.shape[2]:
+            grown = self._buffer(bucket(rows))
+            grown[:, :, : self.rows] = self.buffer[:, :, : self.rows]
+            self.buffer = grown
+        self.buffer[:, :, self.rows : rows] = other.buffer[:, :, : other.rows]
+        self.rows, self.lengths = rows, self.lengths + other.lengths
+        return self
