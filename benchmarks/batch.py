@@ -5,6 +5,7 @@ row checked equal to its prompt's batch-1 greedy output.
     python -m eval.bench batch --batch-sizes 1,8,32 --max-new-tokens 64 --compile true
     python -m eval.bench batch --batch-sizes 1,8 --compile false --pack false    # trees padded to the widest row
     python -m eval.bench batch --batch-sizes 1,8 --prompts 32                    # 32 prompts, 8 rows at a time
+    python -m eval.bench batch --batch-sizes 1,8 --dtype bfloat16                # a bf16 target
     python -m eval.bench batch --drafter runs/make_run/train/drafter --methods greedy,lookup,combined \\
         --profile runs/make_run/profile.json --out bench_batch.json
 
@@ -110,6 +111,7 @@ def run(
     profile: Annotated[Path | None, "this machine's profile of the target (the tree search's profile.json)"] = None,
     tree: Annotated[str, "the tree lookup and combined decode with (a preset or a tree file)"] = "dynamic",
     backend: str = "auto",
+    dtype: Literal["float32", "bfloat16"] = "float32",
     pack: Annotated[Literal["true", "false"], "the eager step packs the rows' nodes (false: pads them)"] = "true",
     prompts: Annotated[int | None, "prompts each batch size B decodes, B rows at a time (None: B, one batch)"] = None,
     threads: int | None = None,
@@ -123,7 +125,9 @@ def run(
         raise ValueError("the combined method needs a learned drafter: --drafter runs/.../drafter")
     threads = use_threads(threads)
     switch = {"auto": "auto", "true": True, "false": False}[compile]
-    lookup = MedusaLikeModel.from_pretrained(target, drafter="lookup", backend=backend, compile=switch, profile=profile)
+    lookup = MedusaLikeModel.from_pretrained(
+        target, drafter="lookup", backend=backend, compile=switch, profile=profile, dtype=dtype
+    )
     lookup.forward.eager.packs = pack == "true"  # the padded forward, as before packing, for comparison
     models = {"greedy": (lookup, "none")}
     if "lookup" in methods:
@@ -140,11 +144,12 @@ def run(
     ]  # fmt: skip
     columns = ["method", "batch", "tokens/s total", "tokens/s per row", "vs greedy B=1", "vs greedy same B", "tau"]
     columns.append("rows equal to B=1 greedy")
-    title = f"batched decoding, {max_new_tokens} new tokens, {lookup.forward.describe()}, {threads} threads"
+    title = f"batched decoding, {max_new_tokens} new tokens, {dtype}, {lookup.forward.describe()}, {threads} threads"
     result = {
         "target": target,
         "drafter": drafter,
         "step": lookup.forward.describe(),
+        "dtype": dtype,
         "packed": pack == "true",
         "threads": threads,
         "max_new_tokens": max_new_tokens,
