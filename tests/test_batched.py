@@ -324,7 +324,7 @@ def test_the_compiled_batched_step_gives_each_row_its_tokens():
 def test_an_evaluation_at_batch_size_two_decodes_each_turn_as_one_batch(tmp_path, eval_cfg):
     """eval.batch_size=2: the two questions' first turns are one batch, the second question's second turn a batch of
     one; the run stays lossless, each prompt's record carries its batch, and the report gives tokens/s per prompt and
-    in total."""
+    in total, the latter against our loop's batched greedy decoding (c)."""
     from eval.evaluate import evaluate
     from medusa_like.evaluation.prompt_loop import load_records
 
@@ -345,7 +345,9 @@ def test_an_evaluation_at_batch_size_two_decodes_each_turn_as_one_batch(tmp_path
     assert sizes == {(1, 1): 2, (2, 1): 2, (1, 2): 1}
     in_total = report["speed"]["in_total"]
     assert in_total["batch_size"] == 2 and all(tps > 0 for tps in in_total["tokens_per_second"].values())
-    assert "Speed at batch size 2" in (run / "report.md").read_text()
+    text = (run / "report.md").read_text()
+    assert "Speed at batch size 2" in text and "in total vs (c)" in text  # against greedy batched as ours are
+    assert "| (c) our loop, no drafter |" in text and "| 1.00x |" in text
 
 
 def test_the_batch_benchmark_times_each_method_at_each_size_and_checks_every_row():

@@ -258,12 +258,18 @@ def batch_markdown(speed: dict) -> list[str]:
     batch = speed.get("in_total")
     if batch is None:
         return []
-    median = speed["median_tokens_per_second"]
-    rows = [[label(m), f"{median[m]:.2f}", f"{tps:.2f}"] for m, tps in batch["tokens_per_second"].items()]
+    median, in_total = speed["median_tokens_per_second"], batch["tokens_per_second"]
+    rows = [[label(m), f"{median[m]:.2f}", f"{tps:.2f}"] for m, tps in in_total.items()]
+    columns = ["method", "tokens/s per prompt (median)", "tokens/s in total"]
+    plain = in_total.get("plain_loop")  # (c): greedy batched as our methods are, the fair baseline at a batch
+    if plain:
+        columns.append("in total vs (c)")
+        for row, tps in zip(rows, in_total.values(), strict=True):
+            row.append(f"{tps / plain:.2f}x")
     return [
         f"## Speed at batch size {batch['batch_size']} (this project's loop decodes a batch at once; the others one "
         "prompt after another)",
-        markdown_table(["method", "tokens/s per prompt (median)", "tokens/s in total"], rows),
+        markdown_table(columns, rows),
     ]
 
 
