@@ -20,7 +20,7 @@ import torch
 from transformers import LogitsProcessorList, TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
 from medusa_like.decoding import generate
-from medusa_like.decoding.sampling import race, warp_logits
+from medusa_like.decoding.sampling import NUCLEUS_CANDIDATES, race, warp_logits
 from medusa_like.drafters.protocol import sized_by_cost_model
 from medusa_like.drafters.registry import all_kinds, kind_named
 from medusa_like.model import MedusaLikeModel
@@ -42,14 +42,19 @@ PROMPT = torch.tensor([[3, 1, 2, 3, 1, 2, 5, 3, 1, 2]])  # repeats (lookup draft
 
 
 @pytest.mark.parametrize(
-    ("temperature", "top_k", "top_p"),
-    [(0.7, 0, 1.0), (1.3, 5, 1.0), (1.0, 0, 0.8), (0.5, 10, 0.9), (1.0, 1, 1.0), (2.0, 40, 0.3), (0.9, 3, 0.95)],
-)
-def test_warp_logits_equals_transformers_logits_processors(temperature, top_k, top_p):
+    ("temperature", "top_k", "top_p", "vocab"),
+    [
+        (0.7, 0, 1.0, 50), (1.3, 5, 1.0, 50), (1.0, 0, 0.8, 50), (0.5, 10, 0.9, 50), (1.0, 1, 1.0, 50),
+        (2.0, 40, 0.3, 50), (0.9, 3, 0.95, 50),
+        (0.3, 0, 0.9, 1000),  # peaked: the nucleus among the likeliest NUCLEUS_CANDIDATES
+        (3.0, 0, 0.9, 1000),  # flat: a nucleus wider than them, found by the full sort
+    ],
+)  # fmt: skip
+def test_warp_logits_equals_transformers_logits_processors(temperature, top_k, top_p, vocab):
     """On random logits, the probabilities `warp_logits` gives equal the softmax of what transformers' own warpers
     leave, applied in the order its `generate` applies them (temperature, top-k, top-p): the same tokens kept, the
-    same probabilities."""
-    logits = torch.randn(64, 50, generator=torch.Generator().manual_seed(top_k)) * 3  # [B, V]
+    same probabilities; a nucleus within the likeliest candidates and one wider than them alike."""
+    logits = torch.randn(64, vocab, generator=torch.Generator().manual_seed(top_k)) * 3  # [B, V]
     warpers = [TemperatureLogitsWarper(temperature)]
     warpers += [TopKLogitsWarper(top_k)] if top_k else []
     warpers += [TopPLogitsWarper(top_p)] if top_p < 1 else []
@@ -58,7 +63,9 @@ def test_warp_logits_equals_transformers_logits_processors(temperature, top_k, t
     assert torch.equal(ours > 0, theirs > 0)
     torch.testing.assert_close(ours, theirs)
     kept = (ours > 0).sum(-1)
-    assert (kept <= (top_k or 50)).all() and (kept < 50).any() == (top_k > 0 or top_p < 1)  # the filters cut
+    assert (kept <= (top_k or vocab)).all() and (kept < vocab).any() == (top_k > 0 or top_p < 1)  # the filters cut
+    if vocab > NUCLEUS_CANDIDATES:  # each of the nucleus's two searches ran
+        assert (kept > NUCLEUS_CANDIDATES).any() == (temperature > 1)
 
 
 def test_the_race_draws_each_token_with_its_probability_and_the_statistic_catches_a_biased_one():

@@ -32,12 +32,24 @@ def warp_logits(logits: torch.Tensor, temperature: float, top_k: int = 0, top_p:
         kth = logits.topk(top_k, dim=-1).values[..., -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))
     if top_p < 1.0:
-        sorted_logits, order = logits.sort(dim=-1, descending=True)
-        cumulative = sorted_logits.softmax(-1).cumsum(-1)
-        drop = cumulative - sorted_logits.softmax(-1) >= top_p  # keep the smallest prefix reaching top_p
-        drop_by_token = torch.zeros_like(drop).scatter(-1, order, drop)  # back from sorted order to token order
-        logits = logits.masked_fill(drop_by_token, float("-inf"))
+        logits = logits.masked_fill(~nucleus(logits.softmax(-1), top_p), float("-inf"))
     return logits.softmax(-1)
+
+
+NUCLEUS_CANDIDATES = 64  # the likeliest tokens searched first for the nucleus; a full sort only where they fall short
+
+
+def nucleus(probs: torch.Tensor, top_p: float) -> torch.Tensor:
+    """probs [..., V] -> the nucleus [..., V] (bool): each row's smallest prefix of tokens, likeliest first, whose
+    probability reaches `top_p`. Found among the row's likeliest `NUCLEUS_CANDIDATES` where they reach it (a sampled
+    row at a low temperature: a sort of the whole vocabulary was most of a batched sampling step), else by a full sort:
+    the same set either way."""
+    count = min(NUCLEUS_CANDIDATES, probs.shape[-1])
+    top, order = probs.topk(count, dim=-1)  # [..., C], descending
+    if bool((top.sum(-1) < top_p).any()):
+        top, order = probs.sort(dim=-1, descending=True)  # [..., V]
+    kept = top.cumsum(-1) - top < top_p  # a token is kept while the likelier ones have not reached top_p
+    return torch.zeros(probs.shape, dtype=torch.bool, device=probs.device).scatter(-1, order, kept)
 
 
 class PositionNoise:
