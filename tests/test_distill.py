@@ -323,11 +323,11 @@ def test_the_loops_greedy_answers_are_transformers_greedy_of_each_prompt_alone()
 
 
 @pytest.mark.slow
-def test_the_loops_answers_resume_after_a_kill_and_do_not_depend_on_the_batch_size(tmp_path, target):
+def test_the_loops_answers_resume_after_a_kill_and_do_not_depend_on_the_batch_size(tmp_path, target, monkeypatch):
     """Sampled answers from the batched loop, every turn of two-turn conversations: a build killed inside chunk 1
     (its first turn answered) and resumed holds exactly the rows of an uninterrupted one (none lost, none twice), and
-    so does a build at another batch size (each prompt samples from its own seed); a directory built by transformers'
-    engine is refused for this one."""
+    so do builds at other batch sizes and a turn's prompts split over several calls (each prompt samples from its own
+    seed); a directory built by transformers' engine is refused for this one."""
     model, tokenizer = target
     convs = conversations(12, turns=2)
     gen = generation.GenerationConfig(**{**GEN.__dict__, "turns": "all"})
@@ -353,6 +353,9 @@ def test_the_loops_answers_resume_after_a_kill_and_do_not_depend_on_the_batch_si
     assert storage.load_distilled(tmp_path / "resumed").to_list() == whole
     generation.run(model, tokenizer, convs, tmp_path / "wider", gen, batch_size=4, generator=engine, **kwargs)
     assert storage.load_distilled(tmp_path / "wider").to_list() == whole
+    monkeypatch.setattr(generation, "BATCHES_PER_CALL", 1)  # one prompt a call: four calls a turn of a chunk
+    generation.run(model, tokenizer, convs, tmp_path / "narrow", gen, batch_size=1, generator=engine, **kwargs)
+    assert storage.load_distilled(tmp_path / "narrow").to_list() == whole
 
     generation.run(model, tokenizer, convs[:4], tmp_path / "hf", GEN, chunk_size=4, progress=False)
     with pytest.raises(ValueError, match="another recipe.*generation"):

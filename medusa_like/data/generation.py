@@ -134,18 +134,21 @@ def distil_chunk(
             else:
                 prompts.append((len(ids), text, s))
         prompts.sort(key=lambda p: p[0])  # similar lengths per batch: less padding
-        ids = [tokenizer(text, add_special_tokens=False)["input_ids"] for _, text, _ in prompts]
-        seed = chunk_seed + turn * _TURN_SEEDS  # per turn, so a resumed chunk samples what it did
-        answers = _answers(generator(ids, gen, eos_ids, seed, batch_size), tokenizer, eos_ids)
-        for (_, _, s), (text, finished, n_tokens) in zip(prompts, answers, strict=True):
-            s["messages"] += [{"role": "user", "content": s["users"][turn]}, {"role": "assistant", "content": text}]
-            s["finished"].append(finished)
-            generated += n_tokens
-            if not finished:  # a cut-off answer is no history to continue from
-                _stop(s, turn + 1, gen, bar)
-        if bar is not None:
-            bar.update(len(prompts))
-            bar.set_postfix(tok_s=f"{generated / (time.perf_counter() - started):.0f}", chunk=chunk_index)
+        per_call = batch_size * BATCHES_PER_CALL
+        for b in range(0, len(prompts), per_call):
+            called = prompts[b : b + per_call]
+            ids = [tokenizer(text, add_special_tokens=False)["input_ids"] for _, text, _ in called]
+            seed = chunk_seed + turn * _TURN_SEEDS + b  # prompt b + i of a turn: seed + i, whatever the grouping
+            answers = _answers(generator(ids, gen, eos_ids, seed, batch_size), tokenizer, eos_ids)
+            for (_, _, s), (text, finished, n_tokens) in zip(called, answers, strict=True):
+                s["messages"] += [{"role": "user", "content": s["users"][turn]}, {"role": "assistant", "content": text}]
+                s["finished"].append(finished)
+                generated += n_tokens
+                if not finished:  # a cut-off answer is no history to continue from
+                    _stop(s, turn + 1, gen, bar)
+            if bar is not None:
+                bar.update(len(called))
+                bar.set_postfix(tok_s=f"{generated / (time.perf_counter() - started):.0f}", chunk=chunk_index)
     rows = []
     for s in states:
         if s["finished"]:
@@ -251,6 +254,9 @@ def _num_turns(conv: dict, gen: GenerationConfig) -> int:
 
 
 _TURN_SEEDS = 1 << 20  # seeds per turn of a chunk: prompt offsets stay below it
+# prompts an engine call answers: a continuous batch stays full until its last batch's worth drains, and the progress
+# bar moves once a call
+BATCHES_PER_CALL = 4
 
 
 def _chunk_seed(seed: int, chunk_index: int) -> int:

@@ -197,12 +197,13 @@ class BatchCacheLayer(CacheLayerMixin):
             self.keys, self.values = self.keys[rows], self.values[rows]
 
     def extend(self, other: "BatchCacheLayer") -> None:
-        """Append `other`'s rows (a layer of the same capacity) after this layer's."""
-        if not self.is_initialized:
-            self.keys, self.values, self.dtype, self.device = other.keys, other.values, other.dtype, other.device
-            self.is_initialized = other.is_initialized
-        elif other.is_initialized:
-            self.keys, self.values = torch.cat([self.keys, other.keys]), torch.cat([self.values, other.values])
+        """Append `other`'s rows (a layer of the same capacity) after this layer's (a layer never written holds
+        nothing yet: its buffers are made at its first write, for every row)."""
+        if not (self.is_initialized and other.is_initialized):
+            if other.is_initialized or self.is_initialized:
+                raise ValueError("cannot join a batch cache layer that was written to one that was not")
+            return
+        self.keys, self.values = torch.cat([self.keys, other.keys]), torch.cat([self.values, other.values])
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         return max(self.owner.lengths) + query_length, 0
