@@ -221,8 +221,9 @@ class BatchCacheLayer(CacheLayerMixin):
 class BatchTreeKVCache(Cache):
     """`TreeKVCache`'s contract for B sequences at once: per-row committed lengths, a forward's entries written at
     each row's own offset, per-row commits of the accepted nodes (one gather and one scatter per layer for the whole
-    batch), `keep` to drop finished rows and `extend` to append joining ones. A forward over R rows covers the cache's first R rows (a chunked
-    prefill orders rows by prompt length, longest first, so the rows still reading their prompt are a prefix)."""
+    batch), `keep` to drop finished rows and `extend` to append joining ones. A forward over R rows covers the
+    cache's first R rows (a chunked prefill orders rows by prompt length, longest first, so the rows still reading
+    their prompt are a prefix)."""
 
     def __init__(self, num_layers: int, rows: int, capacity: int):
         if capacity < 1 or rows < 1:
