@@ -111,17 +111,21 @@ def rows_per_forward(model) -> list[int]:
 
 
 @pytest.mark.parametrize("tree", ["none", "small"])
-def test_a_finished_rows_place_goes_to_the_next_waiting_prompt(family, tree):
+def test_a_finished_rows_place_goes_to_the_next_waiting_prompt(family, tree, monkeypatch):
     """batch_size=2 over five prompts: never more than two rows in a forward; as rows stop (an EOS some rows' outputs
     hold) the waiting prompts join in order, and every row, joined late or not, is transformers' greedy of its prompt
     cut at its EOS; seeded sampled rows are their prompts' batch-1 draws."""
+    from medusa_like.decoding import batch as batch_loop
+
     prompts, expected = references(family)
     model = MedusaLikeModel(tiny_target(family), None, random_heads(), backend="sdpa")
     eos = next(t for t in expected[0][3:] if any(t not in row for row in expected[1:]))
-    seen = rows_per_forward(model)
+    seen, joined, admit = rows_per_forward(model), [], batch_loop.admit
+    monkeypatch.setattr(batch_loop, "admit", lambda *args: joined.append(list(args[4])) or admit(*args))
     outs = model.generate(prompts, NEW_TOKENS, tree=tree, eos_token_id=eos, prefill_chunk_size=CHUNK, batch_size=2)
     assert new_tokens(outs) == [r[: r.index(eos) + 1] if eos in r else r for r in expected]
     assert max(seen) == 2 and seen.count(2) > len(seen) // 2  # the batch stayed full while prompts waited
+    assert joined[0] == [0, 1] and sum(joined, []) == [0, 1, 2, 3, 4]  # first come, first served
     seeds = [11, 12, 13, 14, 15]
     alone = [
         model.generate(p, NEW_TOKENS, tree=tree, eos_token_id=[], seed=seed, **WARP).new_tokens.tolist()
