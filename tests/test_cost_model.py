@@ -27,7 +27,7 @@ from medusa_like.decoding.tree_files import save_tree
 from medusa_like.drafters.lookup import LookupDrafter
 from medusa_like.evaluation.report import markdown
 from medusa_like.forward import MachineProfile, ProfileMismatchError, prepare_target, read_profile, write_profile
-from medusa_like.forward.cost_cache import cache_key, cache_path
+from medusa_like.forward.cost_cache import KERNELS, cache_key, cache_path
 from medusa_like.forward.cost_measure import QUICK_SIZES, measure_cost_model
 from medusa_like.forward.cpu.few_row_linear import FewRowLinear, kernel_record
 from medusa_like.forward.cpu.machine import machine_identity
@@ -324,6 +324,20 @@ def test_a_corrupt_or_foreign_cache_file_is_refused_with_a_log_line_and_measured
         stored["key"] == cache_key(model.forward)
         and stored["cost_model"]["measured_at"] == model.drafter.cost_model.measured_at
     )
+
+
+def test_a_cached_cost_model_holds_only_for_the_same_layers_and_kernel_builds(monkeypatch):
+    """Stock and few-row layers of one target time apart on one machine, as a rebuilt kernel does: each is cached under
+    a key of its own, so neither is sized by the other's timings."""
+    target = tiny_target("llama")
+    few_row = prepare_target(target)  # this CPU's few-row layers, where it has them
+    stock = prepare_target(tiny_target("llama"), tuned_layers=False)
+    if any(isinstance(m, FewRowLinear) for m in few_row.target.modules()):
+        assert cache_key(few_row)["linears"] == "few_row" and cache_key(stock)["linears"] == "nn.Linear"
+        assert cache_path(few_row) != cache_path(stock)
+    before = cache_path(stock)
+    monkeypatch.setattr(KERNELS[-1], "build_key", lambda: "another build")
+    assert cache_path(stock) != before
 
 
 # ---------------------------------------------------------------------------------------------------------------------

@@ -1,5 +1,5 @@
-"""This machine's cost models on disk: one per target weights, dtype, device, step, threads and torch version,
-measured once and read by every later process.
+"""This machine's cost models on disk: one per target weights, dtype, device, step, linear layers, kernel builds,
+threads and torch version, measured once and read by every later process.
 
     cost = cached(prepared)        # the one cached for this prepared target here, or None
     cost = quick(prepared)         # a quick first estimate, measured now and cached
@@ -26,17 +26,24 @@ from medusa_like.decoding.cost_model import CostModel, InvalidCostModelError
 from medusa_like.io import user_cache_dir, write_json
 
 from .cost_measure import QUICK_REPEATS, QUICK_SIZES, measure_cost_model, quick_cost_model
+from .cpu import bf16_linear, fp32_linear, tree_attention
+from .cpu.few_row_linear import linear_kernel
 
 log = logging.getLogger(__name__)
 
-CACHE_VERSION = 3  # part of the key: a change of what a cached cost model means starts a new cache
+CACHE_VERSION = 4  # part of the key: a change of what a cached cost model means starts a new cache
+KERNELS = (fp32_linear.KERNEL, bf16_linear.KERNEL, tree_attention.KERNEL)  # whose builds a step's timings hold for
 
 
 def cache_key(prepared) -> dict:
-    """What a cached cost model must have been measured under to hold for `prepared` here."""
+    """What a cached cost model must have been measured under to hold for `prepared` here: its identity, the layers
+    computing its products (few-row or stock: both run on one machine), and each kernel's build (a changed kernel
+    source times otherwise)."""
     return {
         "version": CACHE_VERSION,
         **prepared.identity(),
+        "linears": linear_kernel(prepared.target),
+        "kernels": {kernel.name: kernel.build_key() for kernel in KERNELS},
         "threads": torch.get_num_threads(),
         "torch": torch.__version__,
     }

@@ -4,6 +4,7 @@ the compiled step's, and the eager few-row layers' of a bf16 model.
     reason = bf16_linear.unavailable()          # None where the kernel runs (an AVX512-BF16 CPU, the kernel built)
     traced = with_packed_linears(model)         # a copy whose bf16 linear layers run the kernel in compiled graphs
     y = torch.ops.medusa_like.bf16_linear(x, pack(weight), bias, out_features)   # x [..., K] -> [..., N], bf16
+    on_tiles(576)                               # whether a product over K = 576 runs on AMX tiles here
 
 Inductor's C++ GEMM template computes bf16 products by turning each weight it loads into fp32 and multiplying in fp32:
 at one to four rows it streams the weights near the memory's speed, but from five rows on a bf16 step costs more than
@@ -13,6 +14,10 @@ bf16, but costs half as much again at one to four rows. This kernel (`bf16_linea
 one to four nodes and a third of it at 32 (docs/cpu-kernels.md). Each output is one fp32 sum over the weight's
 k-pairs in order, whatever the row count or the thread, so a tree row gets the bits of its one-node step, as the
 attention kernel does (`tree_attention.py`): the step stays exact against greedy decoding on the same step.
+
+On a CPU with AMX the same op multiplies a weight whose K is a multiple of 32 by tiles (`tdpbf16ps`, 16 rows at a
+time over the same pack): each row's sums still depend on its own row alone, so the contract holds, and 16 to 64 rows
+cost little more than one (docs/cpu-kernels.md). Which of the two runs depends on K and the machine, not on the rows.
 
 In a compiled graph the pack is a function of a frozen weight, so the compiler folds it into a constant once; run
 eagerly (a prompt's prefill through the same copy), a `PackedLinear` computes `F.linear` instead of packing at every
@@ -68,6 +73,11 @@ def cpu_unsupported() -> str | None:
     if not getattr(torch.cpu, "_is_avx512_bf16_supported", lambda: False)():
         return "this CPU has no AVX512-BF16 dot product"
     return None
+
+
+def on_tiles(in_features: int) -> bool:
+    """Whether a product over `in_features` runs on AMX tiles here (the kernel loaded: `unavailable()` is None)."""
+    return bool(torch.ops.medusa_like.bf16_linear_on_tiles(in_features))
 
 
 def pack(weight: torch.Tensor) -> torch.Tensor:
