@@ -11,7 +11,7 @@
 // the same pack read as two 16-pair x 16-output tiles (a pack's k-pair row of 32 outputs is two tile rows of 64
 // bytes). Each output row of a tile product depends on its own row of x alone, and the k-chunks are summed in order,
 // so a row still gets the same bits at any row count; a layer's path depends on its K and the machine, never on the
-// rows. A tile step computes 16 rows for the price of about one, so 8 to 64 rows cost what 1 to 8 do.
+// rows. A tile product takes 16 rows for about the price of one: 16 to 64 rows cost little more than one does.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
@@ -33,6 +33,19 @@ namespace {
 
 constexpr int64_t kBlockN = 32;  // outputs of a packed block: two vectors of 16 fp32 sums
 constexpr int kBlockM = 8;       // rows of a register block: 16 accumulators
+
+// one row's 32 sums of a block (two vectors), plus bias (the block's 32, fp32, or null), rounded to bf16 into the
+// block's first `width` outputs of y
+inline void store_block_row(__m512 s0, __m512 s1, const float* bias, uint16_t* y, int64_t width) {
+  const __mmask16 mask0 = width >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << width) - 1);
+  const __mmask16 mask1 = width >= 32 ? 0xFFFF : width <= 16 ? 0 : static_cast<__mmask16>((1u << (width - 16)) - 1);
+  if (bias != nullptr) {
+    s0 = _mm512_add_ps(s0, _mm512_loadu_ps(bias));
+    s1 = _mm512_add_ps(s1, _mm512_loadu_ps(bias + 16));
+  }
+  _mm256_mask_storeu_epi16(y, mask0, (__m256i)_mm512_cvtneps_pbh(s0));
+  _mm256_mask_storeu_epi16(y + 16, mask1, (__m256i)_mm512_cvtneps_pbh(s1));
+}
 
 // rows [M] of x (row stride ldx) times one packed block w [K / 2, 32, 2] -> the block's `width` outputs of each row in
 // y (row stride ldy), plus bias (the block's 32, fp32, or null), rounded to bf16
@@ -62,17 +75,7 @@ void block_product(const uint16_t* x, int64_t ldx, int64_t K, const uint16_t* w,
       acc[m][1] = _mm512_dpbf16_ps(acc[m][1], b1, a);
     }
   }
-  const __mmask16 mask0 = width >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << width) - 1);
-  const __mmask16 mask1 = width >= 32 ? 0xFFFF : width <= 16 ? 0 : static_cast<__mmask16>((1u << (width - 16)) - 1);
-  for (int m = 0; m < M; ++m) {
-    __m512 s0 = acc[m][0], s1 = acc[m][1];
-    if (bias != nullptr) {
-      s0 = _mm512_add_ps(s0, _mm512_loadu_ps(bias));
-      s1 = _mm512_add_ps(s1, _mm512_loadu_ps(bias + 16));
-    }
-    _mm256_mask_storeu_epi16(y + m * ldy, mask0, (__m256i)_mm512_cvtneps_pbh(s0));
-    _mm256_mask_storeu_epi16(y + m * ldy + 16, mask1, (__m256i)_mm512_cvtneps_pbh(s1));
-  }
+  for (int m = 0; m < M; ++m) store_block_row(acc[m][0], acc[m][1], bias, y + m * ldy, width);
 }
 
 #ifdef MEDUSA_LIKE_AMX
@@ -117,17 +120,8 @@ void tile_block_product(const uint16_t* x, int64_t K, const uint16_t* w, const f
   }
   _tile_stored(0, &sums[0][0], kBlockN * 4);
   _tile_stored(1, &sums[0][16], kBlockN * 4);
-  const __mmask16 mask0 = width >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << width) - 1);
-  const __mmask16 mask1 = width >= 32 ? 0xFFFF : width <= 16 ? 0 : static_cast<__mmask16>((1u << (width - 16)) - 1);
-  for (int m = 0; m < rows; ++m) {
-    __m512 s0 = _mm512_load_ps(&sums[m][0]), s1 = _mm512_load_ps(&sums[m][16]);
-    if (bias != nullptr) {
-      s0 = _mm512_add_ps(s0, _mm512_loadu_ps(bias));
-      s1 = _mm512_add_ps(s1, _mm512_loadu_ps(bias + 16));
-    }
-    _mm256_mask_storeu_epi16(y + m * ldy, mask0, (__m256i)_mm512_cvtneps_pbh(s0));
-    _mm256_mask_storeu_epi16(y + m * ldy + 16, mask1, (__m256i)_mm512_cvtneps_pbh(s1));
-  }
+  for (int m = 0; m < rows; ++m)
+    store_block_row(_mm512_load_ps(&sums[m][0]), _mm512_load_ps(&sums[m][16]), bias, y + m * ldy, width);
 }
 #endif
 
